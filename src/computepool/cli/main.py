@@ -1,0 +1,28 @@
+"""The `cpool` command: one Typer app; each command group lives in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="ComputePool: one pool of GPUs and CPUs.")
+sim_app = typer.Typer(no_args_is_help=True, help="Replay real cluster traces through the scheduler.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print JSON figures.")
+app.add_typer(sim_app, name="sim")
+app.add_typer(bench_app, name="bench")
+
+
+def _register() -> None:
+    from computepool.cli import bench_cmd, sim_fill, sim_replay
+
+    sim_fill.register(sim_app)
+    sim_replay.register(sim_app)
+    bench_cmd.register(bench_app)
+
+
+def main() -> None:
+    _register()
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""A request for pooled capacity, validated once so every layer below can trust it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from computepool.core.errors import InvalidInput
+from computepool.core.quantities import MILLI_PER_DEVICE
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+MAX_DEVICES_PER_NODE = 64
+MAX_GANG_NODES = 4096
+
+
+class Sharing(StrEnum):
+    SHARED = "shared"
+    EXCLUSIVE = "exclusive"
+
+
+def parse_models(text: str | None, field: str = "models") -> frozenset[str] | None:
+    """`V100M16|V100M32` → {"V100M16", "V100M32"}; empty → None (any model)."""
+    if text is None:
+        return None
+    text = text.strip()
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split("|")]
+    for p in parts:
+        if not _MODEL_NAME.match(p):
+            raise InvalidInput(field, f"bad model name {p!r} in {text!r} (expected names like A|B|C)")
+    return frozenset(parts)
+
+
+@dataclass(frozen=True)
+class Request:
+    """Devices × per-device share, host CPU and memory, constraints, gang and priority.
+
+    `gpu_count` and the host quantities are per node; a gang asks for `gang_nodes` such nodes,
+    bound all-or-nothing. `gpu_memory_mib=None` means "in proportion to the compute share".
+    """
+
+    gpu_count: int = 0
+    gpu_milli: int = 0
+    gpu_memory_mib: int | None = None
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    models: frozenset[str] | None = None
+    sharing: Sharing = Sharing.SHARED
+    gang_nodes: int = 1
+    priority: int = 0
+    tenant: str = ""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for fname in ("gpu_count", "gpu_milli", "cpu_milli", "memory_mib", "gang_nodes"):
+            v = getattr(self, fname)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidInput(fname, f"must be a whole number, got {v!r}")
+            if v < 0:
+                raise InvalidInput(fname, f"must not be negative, got {v}")
+        if self.gpu_memory_mib is not None and (
+            not isinstance(self.gpu_memory_mib, int) or self.gpu_memory_mib < 0
+        ):
+            raise InvalidInput("gpu_memory_mib", f"must be a non-negative whole number of MiB, got {self.gpu_memory_mib!r}")
+        if self.gpu_count > MAX_DEVICES_PER_NODE:
+            raise InvalidInput("gpu_count", f"{self.gpu_count} devices per node is more than any node holds ({MAX_DEVICES_PER_NODE})")
+        if self.gang_nodes < 1 or self.gang_nodes > MAX_GANG_NODES:
+            raise InvalidInput("gang_nodes", f"must be between 1 and {MAX_GANG_NODES}, got {self.gang_nodes}")
+        if self.gpu_milli > MILLI_PER_DEVICE:
+            raise InvalidInput("gpu_milli", f"at most {MILLI_PER_DEVICE} per device, got {self.gpu_milli}")
+        if self.gpu_count == 0 and self.gpu_milli:
+            raise InvalidInput("gpu_milli", "given without any device (gpu_count is 0)")
+        if self.gpu_count > 0 and self.gpu_milli == 0:
+            raise InvalidInput("gpu_milli", "must be above 0 when devices are requested")
+        if self.gpu_count > 1 and self.gpu_milli < MILLI_PER_DEVICE:
+            raise InvalidInput("gpu_milli", f"a fraction of a device ({self.gpu_milli}m) is only allowed for a single device, not {self.gpu_count}")
+        if self.gang_nodes > 1 and self.gpu_milli < MILLI_PER_DEVICE:
+            raise InvalidInput("gpu_milli", "a gang over several nodes takes whole devices")
+        if self.sharing == Sharing.EXCLUSIVE:
+            if self.gpu_count == 0:
+                raise InvalidInput("sharing", "exclusive needs at least one device")
+            if self.gpu_milli != MILLI_PER_DEVICE:
+                raise InvalidInput("sharing", "exclusive takes whole devices (gpu_milli must be 1000)")
+        if self.models is not None:
+            for m in self.models:
+                if not _MODEL_NAME.match(m):
+                    raise InvalidInput("models", f"bad model name {m!r}")
+
+    @property
+    def fractional(self) -> bool:
+        return self.gpu_count == 1 and self.gpu_milli < MILLI_PER_DEVICE
+
+    @property
+    def total_gpu_milli(self) -> int:
+        return self.gpu_count * self.gpu_milli * self.gang_nodes
+
+    def kind_key(self) -> tuple:
+        """Requests with equal keys are interchangeable for placement (used for score caching)."""
+        return (
+            self.gpu_count,
+            self.gpu_milli,
+            self.gpu_memory_mib,
+            self.cpu_milli,
+            self.memory_mib,
+            self.models,
+            self.sharing,
+        )

@@ -1,0 +1,263 @@
+"""Placement: snapshot in, decision out. The one entry point the pool and the simulator share.
+
+For each request: feasibility and score per node class (cached per request kind, so identical
+nodes are evaluated once and a placement only invalidates the class of the node it changed),
+then the best-scoring schedulable node wins, lowest index on ties. A gang over several nodes
+is placed member by member and undone whole if any member does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from computepool.core.quantities import MILLI_PER_DEVICE
+from computepool.core.request import Request
+from computepool.scheduler.filters import (
+    DeviceNeed,
+    Reasons,
+    device_need,
+    explain,
+    feasible,
+    node_feasible,
+)
+from computepool.scheduler.pickers import mask_to_devices
+from computepool.scheduler.state import Change, ClusterState, View, tag_of
+
+
+class Scorer(Protocol):
+    """A node score and device choice for one request over feasible nodes (higher wins)."""
+
+    name: str
+    node_local: bool  # the score is a function of the node's state and the request alone
+    cheap: bool  # scored straight over all nodes; otherwise per node class, cached
+
+    def epoch(self) -> int:
+        """Changes whenever cached scores become stale (e.g. a learned distribution moved)."""
+        ...
+
+    def observe(self, req: Request) -> None:
+        """Called once per arriving request, before it is placed (online learning hook)."""
+        ...
+
+    def score(
+        self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Score per row of `view`, and device bitmasks or None to use `pick`.
+
+        Cheap scorers get every node and `need=None`; infeasible rows are masked afterwards.
+        """
+        ...
+
+    def pick(self, view: View, req: Request, need: DeviceNeed) -> np.ndarray:
+        """Device bitmask per row, when `score` does not choose devices itself."""
+        ...
+
+
+@dataclass
+class Placement:
+    """One node's part of a decision."""
+
+    node: int
+    node_name: str
+    devices: list[int]
+    change: Change
+    score: float
+
+
+@dataclass
+class Decision:
+    """The outcome for one request: placements (one per gang member), or why it failed."""
+
+    request: Request
+    placements: list[Placement] = field(default_factory=list)
+    reasons: Reasons | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reasons is None
+
+
+@dataclass
+class _KindCache:
+    epoch: int
+    score: np.ndarray  # per class id: score, -inf when infeasible
+    pick: np.ndarray  # per class id: device bitmask
+    stamp: np.ndarray  # per class id: stamp of the class instance scored (0: none)
+
+
+class Scheduler:
+    """Places requests with one scoring policy. Deterministic for a given snapshot and seed."""
+
+    def __init__(self, scorer: Scorer, *, cache: bool = True, max_cached_kinds: int = 4096) -> None:
+        self.scorer = scorer
+        self.use_cache = cache and scorer.node_local and not scorer.cheap
+        self.max_cached_kinds = max_cached_kinds
+        self._cache: dict[tuple, _KindCache] = {}
+        self._cache_owner: int | None = None
+
+    # --- scoring ---------------------------------------------------------------------------
+    def _best_direct(self, state: ClusterState, req: Request, excluded: list[int]) -> tuple[int, float, int]:
+        """Cheap scorers: feasibility and score straight over all nodes; devices for the winner."""
+        ok = node_feasible(state, req)
+        if excluded:
+            ok[excluded] = False
+        if not ok.any():
+            return -1, -np.inf, 0
+        view = state.node_view()
+        scores, _ = self.scorer.score(state, view, req, None)
+        scores = np.where(ok, scores, -np.inf)
+        j = self._choose(scores)
+        one = view.take(np.array([j]))
+        mask = self.scorer.pick(one, req, device_need(state, one, req))
+        return j, float(scores[j]), int(mask[0])
+
+    def _best_cached(self, state: ClusterState, req: Request, excluded: list[int]) -> tuple[int, float, int]:
+        """Costly scorers: score each node class once per request kind, cache, pick the best node."""
+        vals, picks = self._scores_for_nodes(state, req)
+        vals = np.where(state.schedulable, vals, -np.inf)
+        if excluded:
+            vals[excluded] = -np.inf
+        best = self._choose(vals)
+        return best, float(vals[best]), int(picks[best])
+
+    def _scores_for_nodes(self, state: ClusterState, req: Request) -> tuple[np.ndarray, np.ndarray]:
+        """Score and device bitmask for every node (−inf where infeasible), via the class cache."""
+        cls = state.class_of
+        if self._cache_owner != id(state):
+            self._cache.clear()
+            self._cache_owner = id(state)
+        key = req.kind_key()
+        epoch = self.scorer.epoch()
+        entry = self._cache.get(key)
+        if entry is None or entry.epoch != epoch:
+            if len(self._cache) >= self.max_cached_kinds:
+                self._cache.clear()
+            entry = _KindCache(epoch, np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
+            self._cache[key] = entry
+        n_cls = state.n_classes
+        if len(entry.score) < n_cls:
+            grow = max(n_cls, 2 * len(entry.score), 64)
+            entry.score = np.resize(entry.score, grow)
+            entry.pick = np.resize(entry.pick, grow)
+            stamp = np.zeros(grow, np.int64)
+            stamp[: len(entry.stamp)] = entry.stamp
+            entry.stamp = stamp
+        missing = entry.stamp[cls] != state.node_stamp
+        if missing.any():
+            uniq = np.unique(cls[missing])
+            s, p = self._score_classes(state, uniq, req)
+            entry.score[uniq] = s
+            entry.pick[uniq] = p
+            entry.stamp[cls[missing]] = state.node_stamp[missing]
+        return entry.score[cls], entry.pick[cls]
+
+    def _score_classes(
+        self, state: ClusterState, classes: np.ndarray, req: Request
+    ) -> tuple[np.ndarray, np.ndarray]:
+        view = state.class_view(classes)
+        ok_mask, need = feasible(state, view, req)
+        score = np.full(len(classes), -np.inf)
+        pick = np.zeros(len(classes), np.int64)
+        if ok_mask.any():
+            ok = np.flatnonzero(ok_mask)
+            sub, sub_need = view.take(ok), _take_need(need, ok)
+            s, p = self.scorer.score(state, sub, req, sub_need)
+            score[ok] = s
+            pick[ok] = self.scorer.pick(sub, req, sub_need) if p is None else p
+        return score, pick
+
+    # --- placing ---------------------------------------------------------------------------
+    def place(self, state: ClusterState, req: Request, *, observe: bool = True) -> Decision:
+        """Decide where `req` goes. The state is left as it was (use `commit` to apply)."""
+        if observe:
+            self.scorer.observe(req)
+        decision = Decision(request=req)
+        used: list[int] = []
+        for _member in range(req.gang_nodes):
+            if self.use_cache:
+                best, score, mask = self._best_cached(state, req, used)
+            else:
+                best, score, mask = self._best_direct(state, req, used)
+            if best < 0 or not np.isfinite(score):
+                for pl in reversed(decision.placements):
+                    state.undo(pl.change)
+                decision.placements = []
+                decision.reasons = self._explain(state, req, len(used))
+                return decision
+            pl = self._placement(state, req, best, mask, score)
+            decision.placements.append(pl)
+            used.append(best)
+            if req.gang_nodes > 1:
+                state.apply(pl.change)  # later members must see earlier ones
+        if req.gang_nodes > 1:
+            for pl in reversed(decision.placements):
+                state.undo(pl.change)
+        return decision
+
+    def _choose(self, vals: np.ndarray) -> int:
+        """Highest score, lowest index on ties; a random feasible node for `random`."""
+        if getattr(self.scorer, "random_node", False):
+            ok = np.flatnonzero(np.isfinite(vals))
+            if len(ok):
+                rng: np.random.Generator = self.scorer.rng  # type: ignore[attr-defined]
+                return int(ok[rng.integers(len(ok))])
+        return int(np.argmax(vals))
+
+    def _explain(self, state: ClusterState, req: Request, placed_members: int) -> Reasons:
+        reasons = explain(state, req)
+        if req.gang_nodes > 1:
+            reasons.notes.append(f"gang needs {req.gang_nodes} nodes, only {placed_members} fit")
+        return reasons
+
+    def _placement(self, state: ClusterState, req: Request, node: int, mask: int, score: float) -> Placement:
+        devices = mask_to_devices(mask)
+        gpu_milli: dict[int, int] = {}
+        gpu_mem: dict[int, int] = {}
+        for j in devices:
+            cap = int(state.gpu_cap[node, j])
+            mem_cap = int(state.gpu_mem_cap[node, j])
+            if req.gpu_milli >= MILLI_PER_DEVICE:
+                gpu_milli[j] = cap
+                gpu_mem[j] = mem_cap
+            else:
+                gpu_milli[j] = req.gpu_milli
+                gpu_mem[j] = (
+                    (mem_cap * req.gpu_milli) // MILLI_PER_DEVICE
+                    if req.gpu_memory_mib is None
+                    else req.gpu_memory_mib
+                )
+        change = Change(
+            node=node,
+            cpu_milli=req.cpu_milli,
+            memory_mib=req.memory_mib,
+            gpu_milli=gpu_milli,
+            gpu_memory_mib=gpu_mem,
+            tag=tag_of(req.gpu_count, req.fractional),
+        )
+        return Placement(node=node, node_name=state.names[node], devices=devices, change=change, score=score)
+
+    @staticmethod
+    def commit(state: ClusterState, decision: Decision) -> None:
+        for pl in decision.placements:
+            state.apply(pl.change)
+
+    @staticmethod
+    def release(state: ClusterState, decision: Decision) -> None:
+        for pl in decision.placements:
+            state.undo(pl.change)
+
+    def schedule(self, state: ClusterState, req: Request) -> Decision:
+        """Place and, when it fits, commit."""
+        d = self.place(state, req)
+        if d.ok:
+            self.commit(state, d)
+        return d
+
+
+def _take_need(need: DeviceNeed, idx: np.ndarray) -> DeviceNeed:
+    return DeviceNeed(
+        milli=need.milli[idx], memory=need.memory[idx], allowed=need.allowed[idx], usable=need.usable[idx]
+    )

@@ -1,0 +1,437 @@
+"""The scheduler's view of the pool: free capacity as numpy arrays, and node classes.
+
+A *node class* is an exact node state (free and total capacity, device models, what kinds of
+work it hosts). Nodes in the same class are interchangeable for every node-local score, so
+scores are computed once per (request kind, class) and cached: most of a large pool is in a
+handful of classes (all idle nodes of one type share one), and a placement moves one node to
+another class without touching the cache of any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from computepool.core.resources import Node
+
+# Bits of the `kinds` column: what kind of work a node already hosts (used by `clustering`).
+# Bit 0: fractional ("shared") placements; bit k (1..61): placements of k whole devices;
+# bit 62: CPU-only placements.
+TAG_SHARED = 0
+TAG_CPU_ONLY = 62
+N_TAGS = 63
+
+
+def tag_of(gpu_count: int, fractional: bool) -> int:
+    """The kind tag of a placement."""
+    if gpu_count == 0:
+        return TAG_CPU_ONLY
+    if fractional:
+        return TAG_SHARED
+    return min(gpu_count, 61)
+
+# Columns of a class row; the four per-device blocks follow, G wide each.
+CPU_FREE, MEM_FREE, CPU_CAP, MEM_CAP, KINDS = range(5)
+_FIXED = 5
+
+
+@dataclass
+class Change:
+    """What a placement took from one node (kept so it can be given back exactly)."""
+
+    node: int
+    cpu_milli: int
+    memory_mib: int
+    gpu_milli: dict[int, int]
+    gpu_memory_mib: dict[int, int]
+    tag: int
+
+
+@dataclass
+class ClusterState:
+    """Free capacity per node and per device. Devices are padded to G per node (model -1)."""
+
+    names: list[str]
+    models: list[str]
+    cpu_cap: np.ndarray
+    mem_cap: np.ndarray
+    cpu_free: np.ndarray
+    mem_free: np.ndarray
+    gpu_cap: np.ndarray  # (N, G) milli; 0 where no device
+    gpu_free: np.ndarray  # (N, G) milli
+    gpu_mem_cap: np.ndarray  # (N, G) MiB
+    gpu_mem_free: np.ndarray  # (N, G) MiB
+    gpu_model: np.ndarray  # (N, G) index into `models`, -1 where no device
+    kinds: np.ndarray  # (N,) HOSTS_* bits
+    schedulable: np.ndarray  # (N,) bool
+    hosted: np.ndarray  # (N, N_TAGS) placements per kind tag
+    idle_devices: np.ndarray = field(init=False)  # (N,) devices wholly free
+    class_of: np.ndarray = field(init=False)  # (N,) class id per node
+    node_stamp: np.ndarray = field(init=False)  # (N,) stamp of the node's class instance
+    _class_ids: dict[bytes, int] = field(init=False, default_factory=dict)
+    _class_keys: list[bytes] = field(init=False, default_factory=list)
+    _class_rows: np.ndarray = field(init=False)
+    _class_refs: list[int] = field(init=False, default_factory=list)
+    _class_stamp: list[int] = field(init=False, default_factory=list)
+    _free_ids: list[int] = field(init=False, default_factory=list)
+    _next_stamp: int = field(init=False, default=0)
+    version: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        n, g = self.gpu_free.shape
+        self.idle_devices = (
+            (self.gpu_free == self.gpu_cap) & (self.gpu_mem_free == self.gpu_mem_cap) & (self.gpu_cap > 0)
+        ).sum(axis=1)
+        self.class_of = np.zeros(n, dtype=np.int64)
+        self.node_stamp = np.zeros(n, dtype=np.int64)
+        self._class_rows = np.zeros((max(64, 2 * n), _FIXED + 5 * g), dtype=np.int64)
+        for i in range(n):
+            cid = self._class_for(self._row(i))
+            self.class_of[i] = cid
+            self.node_stamp[i] = self._class_stamp[cid]
+            self._class_refs[cid] += 1
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_nodes(cls, nodes: list[Node], max_devices: int | None = None) -> ClusterState:
+        models: list[str] = []
+        model_ix: dict[str, int] = {}
+        g = max_devices if max_devices is not None else max((n.gpu_count for n in nodes), default=0)
+        g = max(g, 1)
+        n = len(nodes)
+        gpu_cap = np.zeros((n, g), dtype=np.int64)
+        gpu_mem = np.zeros((n, g), dtype=np.int64)
+        gpu_model = np.full((n, g), -1, dtype=np.int64)
+        for i, node in enumerate(nodes):
+            for j, dev in enumerate(node.devices):
+                if dev.model not in model_ix:
+                    model_ix[dev.model] = len(models)
+                    models.append(dev.model)
+                gpu_cap[i, j] = dev.compute_milli
+                gpu_mem[i, j] = dev.memory_mib
+                gpu_model[i, j] = model_ix[dev.model]
+        cpu = np.array([nd.cpu_milli for nd in nodes], dtype=np.int64)
+        mem = np.array([nd.memory_mib for nd in nodes], dtype=np.int64)
+        return cls(
+            names=[nd.name for nd in nodes],
+            models=models,
+            cpu_cap=cpu,
+            mem_cap=mem,
+            cpu_free=cpu.copy(),
+            mem_free=mem.copy(),
+            gpu_cap=gpu_cap,
+            gpu_free=gpu_cap.copy(),
+            gpu_mem_cap=gpu_mem,
+            gpu_mem_free=gpu_mem.copy(),
+            gpu_model=gpu_model,
+            kinds=np.zeros(n, dtype=np.int64),
+            schedulable=np.array([nd.schedulable for nd in nodes], dtype=bool),
+            hosted=np.zeros((n, N_TAGS), dtype=np.int64),
+        )
+
+    def copy(self) -> ClusterState:
+        """An independent copy (the class table is rebuilt, which is cheap)."""
+        return ClusterState(
+            names=list(self.names),
+            models=list(self.models),
+            cpu_cap=self.cpu_cap.copy(),
+            mem_cap=self.mem_cap.copy(),
+            cpu_free=self.cpu_free.copy(),
+            mem_free=self.mem_free.copy(),
+            gpu_cap=self.gpu_cap.copy(),
+            gpu_free=self.gpu_free.copy(),
+            gpu_mem_cap=self.gpu_mem_cap.copy(),
+            gpu_mem_free=self.gpu_mem_free.copy(),
+            gpu_model=self.gpu_model.copy(),
+            kinds=self.kinds.copy(),
+            schedulable=self.schedulable.copy(),
+            hosted=self.hosted.copy(),
+        )
+
+    # --- sizes ----------------------------------------------------------------------------
+    @property
+    def n_nodes(self) -> int:
+        return len(self.names)
+
+    @property
+    def max_devices(self) -> int:
+        return int(self.gpu_free.shape[1])
+
+    def model_id(self, name: str) -> int:
+        try:
+            return self.models.index(name)
+        except ValueError:
+            return -2  # matches no device
+
+    # --- node classes ---------------------------------------------------------------------
+    def _row(self, i: int) -> np.ndarray:
+        return np.concatenate(
+            (
+                [self.cpu_free[i], self.mem_free[i], self.cpu_cap[i], self.mem_cap[i], self.kinds[i]],
+                self.gpu_free[i],
+                self.gpu_mem_free[i],
+                self.gpu_model[i],
+                self.gpu_cap[i],
+                self.gpu_mem_cap[i],
+            )
+        ).astype(np.int64)
+
+    def _class_for(self, row: np.ndarray) -> int:
+        """The class id of a node state, creating (or recycling) one when it is new.
+
+        Ids of classes no node holds any more are reused; each (re)use gets a fresh stamp, so a
+        cache keyed by class id can tell a recycled id from the state it cached.
+        """
+        key = row.tobytes()
+        cid = self._class_ids.get(key)
+        if cid is not None:
+            return cid
+        self._next_stamp += 1
+        if self._free_ids:
+            cid = self._free_ids.pop()
+            self._class_keys[cid] = key
+            self._class_refs[cid] = 0
+            self._class_stamp[cid] = self._next_stamp
+        else:
+            cid = len(self._class_keys)
+            if cid >= len(self._class_rows):
+                grown = np.zeros((2 * len(self._class_rows), self._class_rows.shape[1]), np.int64)
+                grown[: len(self._class_rows)] = self._class_rows
+                self._class_rows = grown
+            self._class_keys.append(key)
+            self._class_refs.append(0)
+            self._class_stamp.append(self._next_stamp)
+        self._class_rows[cid] = row
+        self._class_ids[key] = cid
+        return cid
+
+    @property
+    def n_classes(self) -> int:
+        """Upper bound of class ids in use (cache arrays are sized by it)."""
+        return len(self._class_keys)
+
+    @property
+    def live_classes(self) -> int:
+        return len(self._class_ids)
+
+    def class_view(self, class_ids: np.ndarray) -> ClassView:
+        """The states of the given classes, split into named arrays for the scorers."""
+        return ClassView(self._class_rows[class_ids], self.max_devices)
+
+    def node_view(self) -> NodeView:
+        """All nodes, read straight from the state arrays (no copy)."""
+        return NodeView(self)
+
+    def _touch(self, i: int) -> None:
+        cap = self.gpu_cap[i]
+        self.idle_devices[i] = int(
+            ((self.gpu_free[i] == cap) & (self.gpu_mem_free[i] == self.gpu_mem_cap[i]) & (cap > 0)).sum()
+        )
+        old = int(self.class_of[i])
+        cid = self._class_for(self._row(i))
+        if cid != old:
+            self._class_refs[cid] += 1
+            self._class_refs[old] -= 1
+            if self._class_refs[old] == 0:
+                del self._class_ids[self._class_keys[old]]
+                self._free_ids.append(old)
+            self.class_of[i] = cid
+            self.node_stamp[i] = self._class_stamp[cid]
+        self.version += 1
+
+    # --- changes --------------------------------------------------------------------------
+    def apply(self, change: Change) -> None:
+        i = change.node
+        self.cpu_free[i] -= change.cpu_milli
+        self.mem_free[i] -= change.memory_mib
+        for j, m in change.gpu_milli.items():
+            self.gpu_free[i, j] -= m
+        for j, m in change.gpu_memory_mib.items():
+            self.gpu_mem_free[i, j] -= m
+        self.hosted[i, change.tag] += 1
+        self._recompute_kinds(i)
+        self._touch(i)
+
+    def undo(self, change: Change) -> None:
+        i = change.node
+        self.cpu_free[i] += change.cpu_milli
+        self.mem_free[i] += change.memory_mib
+        for j, m in change.gpu_milli.items():
+            self.gpu_free[i, j] += m
+        for j, m in change.gpu_memory_mib.items():
+            self.gpu_mem_free[i, j] += m
+        self.hosted[i, change.tag] -= 1
+        self._recompute_kinds(i)
+        self._touch(i)
+
+    def _recompute_kinds(self, i: int) -> None:
+        self.kinds[i] = sum(1 << int(t) for t in np.flatnonzero(self.hosted[i]))
+
+    def set_schedulable(self, i: int, ok: bool) -> None:
+        self.schedulable[i] = ok
+        self.version += 1
+
+    # --- totals ---------------------------------------------------------------------------
+    def gpu_capacity_milli(self) -> int:
+        return int(self.gpu_cap.sum())
+
+    def gpu_allocated_milli(self) -> int:
+        return int(self.gpu_cap.sum() - self.gpu_free.sum())
+
+    def check_invariants(self) -> None:
+        """Raise if any node or device is over-committed (used by tests and debug runs)."""
+        assert (self.cpu_free >= 0).all(), "cpu over-committed"
+        assert (self.mem_free >= 0).all(), "memory over-committed"
+        assert (self.gpu_free >= 0).all(), "gpu compute over-committed"
+        assert (self.gpu_mem_free >= 0).all(), "gpu memory over-committed"
+        assert (self.gpu_free <= self.gpu_cap).all(), "gpu free above capacity"
+
+
+class View(Protocol):
+    """Node states as columns: B rows (nodes or classes), G devices each."""
+
+    g: int
+
+    def __len__(self) -> int: ...
+    def take(self, idx: np.ndarray) -> View: ...
+    @property
+    def cpu_free(self) -> np.ndarray: ...
+    @property
+    def mem_free(self) -> np.ndarray: ...
+    @property
+    def cpu_cap(self) -> np.ndarray: ...
+    @property
+    def mem_cap(self) -> np.ndarray: ...
+    @property
+    def kinds(self) -> np.ndarray: ...
+    @property
+    def gpu_free(self) -> np.ndarray: ...
+    @property
+    def gpu_mem_free(self) -> np.ndarray: ...
+    @property
+    def gpu_model(self) -> np.ndarray: ...
+    @property
+    def gpu_cap(self) -> np.ndarray: ...
+    @property
+    def gpu_mem_cap(self) -> np.ndarray: ...
+
+
+@dataclass
+class NodeView:
+    """Every node of a state, or the nodes in `idx`, as a View."""
+
+    state: ClusterState
+    idx: np.ndarray | None = None
+
+    @property
+    def g(self) -> int:
+        return self.state.max_devices
+
+    def __len__(self) -> int:
+        return self.state.n_nodes if self.idx is None else len(self.idx)
+
+    def take(self, idx: np.ndarray) -> NodeView:
+        return NodeView(self.state, idx if self.idx is None else self.idx[idx])
+
+    def _get(self, arr: np.ndarray) -> np.ndarray:
+        return arr if self.idx is None else arr[self.idx]
+
+    @property
+    def cpu_free(self) -> np.ndarray:
+        return self._get(self.state.cpu_free)
+
+    @property
+    def mem_free(self) -> np.ndarray:
+        return self._get(self.state.mem_free)
+
+    @property
+    def cpu_cap(self) -> np.ndarray:
+        return self._get(self.state.cpu_cap)
+
+    @property
+    def mem_cap(self) -> np.ndarray:
+        return self._get(self.state.mem_cap)
+
+    @property
+    def kinds(self) -> np.ndarray:
+        return self._get(self.state.kinds)
+
+    @property
+    def gpu_free(self) -> np.ndarray:
+        return self._get(self.state.gpu_free)
+
+    @property
+    def gpu_mem_free(self) -> np.ndarray:
+        return self._get(self.state.gpu_mem_free)
+
+    @property
+    def gpu_model(self) -> np.ndarray:
+        return self._get(self.state.gpu_model)
+
+    @property
+    def gpu_cap(self) -> np.ndarray:
+        return self._get(self.state.gpu_cap)
+
+    @property
+    def gpu_mem_cap(self) -> np.ndarray:
+        return self._get(self.state.gpu_mem_cap)
+
+
+@dataclass
+class ClassView:
+    """Named columns over a batch of class rows (B classes, G devices each)."""
+
+    rows: np.ndarray
+    g: int
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, idx: np.ndarray) -> ClassView:
+        return ClassView(self.rows[idx], self.g)
+
+    @property
+    def cpu_free(self) -> np.ndarray:
+        return self.rows[:, CPU_FREE]
+
+    @property
+    def mem_free(self) -> np.ndarray:
+        return self.rows[:, MEM_FREE]
+
+    @property
+    def cpu_cap(self) -> np.ndarray:
+        return self.rows[:, CPU_CAP]
+
+    @property
+    def mem_cap(self) -> np.ndarray:
+        return self.rows[:, MEM_CAP]
+
+    @property
+    def kinds(self) -> np.ndarray:
+        return self.rows[:, KINDS]
+
+    def _block(self, k: int) -> np.ndarray:
+        s = _FIXED + k * self.g
+        return self.rows[:, s : s + self.g]
+
+    @property
+    def gpu_free(self) -> np.ndarray:
+        return self._block(0)
+
+    @property
+    def gpu_mem_free(self) -> np.ndarray:
+        return self._block(1)
+
+    @property
+    def gpu_model(self) -> np.ndarray:
+        return self._block(2)
+
+    @property
+    def gpu_cap(self) -> np.ndarray:
+        return self._block(3)
+
+    @property
+    def gpu_mem_cap(self) -> np.ndarray:
+        return self._block(4)
