@@ -89,9 +89,7 @@ GOOD = "2017-10-02 00:00:00,10.0,1,10.0,a\n"
         (HEADER + GOOD + "2017-10-02 00:00:00,5.0,1\n", 3, "fields"),
     ],
 )
-def test_malformed_jobs_name_file_and_line(
-    tmp_path: Path, body: str, line: int, words: str
-) -> None:
+def test_malformed_jobs_name_file_and_line(tmp_path: Path, body: str, line: int, words: str) -> None:
     p = _write(tmp_path, body)
     with pytest.raises(InvalidInput) as e:
         load_jobs(p, VCS)
@@ -306,8 +304,7 @@ def test_replay_invariants(
     _check_invariants(t, s, sum(sizes))
     p = replay(t, "pooled", nodes=pool, record=True)
     _check_invariants(t, p, pool)
-    lost = sum(r.gpus_per_node * len(r.nodes) * (r.end - r.start)
-               for r in p.runs if r.preempted)
+    lost = sum(r.gpus_per_node * len(r.nodes) * (r.end - r.start) for r in p.runs if r.preempted)
     assert p.overall.lost_gpu_hours == pytest.approx(lost / 3600)
     assert p.overall.preemptions == sum(r.preempted for r in p.runs)
 
@@ -348,14 +345,31 @@ def _app() -> typer.Typer:
 @needs_trace
 def test_cli_json_on_real_trace() -> None:
     runner = CliRunner()
-    args = ["replay", "--jobs", str(PHILLY / "philly_jobs.csv"),
-            "--partitions", str(PHILLY / "philly_vc.csv"), "--json"]
+    args = [
+        "replay",
+        "--jobs",
+        str(PHILLY / "philly_jobs.csv"),
+        "--partitions",
+        str(PHILLY / "philly_vc.csv"),
+        "--json",
+    ]
     res = runner.invoke(_app(), [*args, "--mode", "static", "--duration-scale", "2"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    for key in ("mode", "duration_scale", "nodes", "avg_queue_s", "p50_queue_s", "p99_queue_s",
-                "avg_jct_s", "gpu_alloc_pct", "preemptions", "lost_gpu_hours", "lost_work_pct",
-                "per_partition"):
+    for key in (
+        "mode",
+        "duration_scale",
+        "nodes",
+        "avg_queue_s",
+        "p50_queue_s",
+        "p99_queue_s",
+        "avg_jct_s",
+        "gpu_alloc_pct",
+        "preemptions",
+        "lost_gpu_hours",
+        "lost_work_pct",
+        "per_partition",
+    ):
         assert key in out
     assert out["mode"] == "static" and out["duration_scale"] == 2 and out["nodes"] == 352
     assert len(out["per_partition"]) == 11
@@ -374,9 +388,7 @@ def test_cli_bad_input_exits_2(tmp_path: Path) -> None:
     res = runner.invoke(_app(), ["replay", "--jobs", str(jobs), "--partitions", str(vc)])
     assert res.exit_code == 2
     assert f"{jobs}:3" in res.output and "Traceback" not in res.output
-    res = runner.invoke(_app(), ["replay", "--jobs", str(tmp_path / "nope.csv"),
-                                 "--partitions", str(vc)])
+    res = runner.invoke(_app(), ["replay", "--jobs", str(tmp_path / "nope.csv"), "--partitions", str(vc)])
     assert res.exit_code == 2
-    res = runner.invoke(_app(), ["replay", "--jobs", str(jobs), "--partitions", str(vc),
-                                 "--mode", "fancy"])
+    res = runner.invoke(_app(), ["replay", "--jobs", str(jobs), "--partitions", str(vc), "--mode", "fancy"])
     assert res.exit_code == 2

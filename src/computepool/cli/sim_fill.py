@@ -39,9 +39,15 @@ def workload_name(path: Path) -> str:
 ClusterOpt = Annotated[
     Path | None, typer.Option("--cluster", help="Node list CSV (default: the trace's GPU nodes).")
 ]
-WorkloadOpt = Annotated[Path | None, typer.Option("--workload", help="Pod list CSV (default: openb default).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the shuffle, the inflation and the node ranks.")]
-TuneOpt = Annotated[float, typer.Option("--tune", help="Inflate arrivals to TUNE × capacity.", min=0.1, max=5.0)]
+WorkloadOpt = Annotated[
+    Path | None, typer.Option("--workload", help="Pod list CSV (default: openb default).")
+]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", help="Seed of the shuffle, the inflation and the node ranks.")
+]
+TuneOpt = Annotated[
+    float, typer.Option("--tune", help="Inflate arrivals to TUNE × capacity.", min=0.1, max=5.0)
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
@@ -55,7 +61,9 @@ def register(sim_app: typer.Typer) -> None:
         seed: SeedOpt = 42,
         tune: TuneOpt = 1.3,
         json_out: JsonOpt = False,
-        curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Include the curve in --json.")] = True,
+        curve: Annotated[
+            bool, typer.Option("--curve/--no-curve", help="Include the curve in --json.")
+        ] = True,
     ) -> None:
         """Fill the cluster with the workload's pods (no departures) and measure what is left."""
         if policy not in POLICIES:
@@ -65,7 +73,15 @@ def register(sim_app: typer.Typer) -> None:
         nodes = load_nodes(cluster)
         pods = load_pods(workload)
         with progress_bar(f"fill {workload_name(workload)} with {policy}", not json_out) as update:
-            res = run_fill(nodes, pods, policy, seed, tune=tune, workload=workload_name(workload), progress=update)
+            res = run_fill(
+                nodes,
+                pods,
+                policy,
+                seed,
+                tune=tune,
+                workload=workload_name(workload),
+                progress=update,
+            )
         out = res.summary()
         if not curve:
             out.pop("curve")

@@ -52,9 +52,13 @@ def _progress(show: bool, what: str) -> Iterator[Callable[[str], None] | None]:
         yield None
         return
     with Progress(
-        SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
-        TextColumn("{task.fields[last]}"), TimeElapsedColumn(),
-        console=Console(stderr=True), transient=True,
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
     ) as bar:
         task = bar.add_task(what, total=None, last="")
 
@@ -109,8 +113,9 @@ def _parity_report(p: Parity) -> dict[str, object]:
 
 
 def _tables(out: dict[str, object], console: Console) -> None:
-    head = Table(title=f"replay: {out['mode']}, {out['nodes']} nodes, "
-                       f"duration x{float(out['duration_scale']):.4g}")  # type: ignore[arg-type]
+    head = Table(
+        title=f"replay: {out['mode']}, {out['nodes']} nodes, duration x{float(out['duration_scale']):.4g}"
+    )  # type: ignore[arg-type]
     head.add_column("figure")
     head.add_column("value", justify="right")
     for key, label in _FIGURES:
@@ -147,8 +152,12 @@ def _tables(out: dict[str, object], console: Console) -> None:
             cmp.add_column(c, justify="right" if c not in ("VC", "") else "left")
         for c in parity["per_partition"]:
             cmp.add_row(
-                c["partition"], _fmt(c["static_avg_queue_s"]), _fmt(c["pooled_avg_queue_s"]),
-                _fmt(c["static_avg_jct_s"]), _fmt(c["pooled_avg_jct_s"]), c["verdict"],
+                c["partition"],
+                _fmt(c["static_avg_queue_s"]),
+                _fmt(c["pooled_avg_queue_s"]),
+                _fmt(c["static_avg_jct_s"]),
+                _fmt(c["pooled_avg_jct_s"]),
+                c["verdict"],
             )
         console.print(cmp)
 
@@ -162,13 +171,9 @@ def register(app: typer.Typer) -> None:
         partitions: Annotated[
             Path | None, typer.Option(help="philly_vc.csv (VC sizes in 8-GPU nodes)")
         ] = None,
-        published: Annotated[
-            Path | None, typer.Option(help="helios_static_vc_published.csv")
-        ] = None,
+        published: Annotated[Path | None, typer.Option(help="helios_static_vc_published.csv")] = None,
         mode: Annotated[str, typer.Option(help="static | pooled")] = "static",
-        nodes: Annotated[
-            int | None, typer.Option(help="pooled cluster size in 8-GPU nodes")
-        ] = None,
+        nodes: Annotated[int | None, typer.Option(help="pooled cluster size in 8-GPU nodes")] = None,
         duration_scale: Annotated[
             float | None, typer.Option(help="multiply every duration (default 1)")
         ] = None,
@@ -223,9 +228,7 @@ def register(app: typer.Typer) -> None:
         out = _report(res, pubs)
         if calibrate_:
             out["calibrated"] = True
-            out["published_avg_queue_s"] = (
-                pubs["all"].queue_avg_s if "all" in pubs else PUBLISHED_AVG_QUEUE_S
-            )
+            out["published_avg_queue_s"] = pubs["all"].queue_avg_s if "all" in pubs else PUBLISHED_AVG_QUEUE_S
         if parity:
             with _progress(not as_json, "searching parity node count") as step:
                 par = find_parity(trace, scale, static=static_res, progress=step)

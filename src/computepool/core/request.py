@@ -63,9 +63,15 @@ class Request:
         if self.gpu_memory_mib is not None and (
             not isinstance(self.gpu_memory_mib, int) or self.gpu_memory_mib < 0
         ):
-            raise InvalidInput("gpu_memory_mib", f"must be a non-negative whole number of MiB, got {self.gpu_memory_mib!r}")
+            raise InvalidInput(
+                "gpu_memory_mib",
+                f"must be a non-negative whole number of MiB, got {self.gpu_memory_mib!r}",
+            )
         if self.gpu_count > MAX_DEVICES_PER_NODE:
-            raise InvalidInput("gpu_count", f"{self.gpu_count} devices per node is more than any node holds ({MAX_DEVICES_PER_NODE})")
+            raise InvalidInput(
+                "gpu_count",
+                f"{self.gpu_count} devices per node is more than any node holds ({MAX_DEVICES_PER_NODE})",
+            )
         if self.gang_nodes < 1 or self.gang_nodes > MAX_GANG_NODES:
             raise InvalidInput("gang_nodes", f"must be between 1 and {MAX_GANG_NODES}, got {self.gang_nodes}")
         if self.gpu_milli > MILLI_PER_DEVICE:
@@ -75,7 +81,10 @@ class Request:
         if self.gpu_count > 0 and self.gpu_milli == 0:
             raise InvalidInput("gpu_milli", "must be above 0 when devices are requested")
         if self.gpu_count > 1 and self.gpu_milli < MILLI_PER_DEVICE:
-            raise InvalidInput("gpu_milli", f"a fraction of a device ({self.gpu_milli}m) is only allowed for a single device, not {self.gpu_count}")
+            raise InvalidInput(
+                "gpu_milli",
+                f"a fraction of a device ({self.gpu_milli}m) is only allowed for a single device, not {self.gpu_count}",
+            )
         if self.gang_nodes > 1 and self.gpu_milli < MILLI_PER_DEVICE:
             raise InvalidInput("gpu_milli", "a gang over several nodes takes whole devices")
         if self.sharing == Sharing.EXCLUSIVE:
@@ -97,13 +106,15 @@ class Request:
         return self.gpu_count * self.gpu_milli * self.gang_nodes
 
     def kind_key(self) -> tuple:
-        """Requests with equal keys are interchangeable for placement (used for score caching)."""
+        """Requests with equal keys score alike on every node (used for score caching).
+
+        Host memory is left out: no score depends on it, and the scheduler checks it per node.
+        """
         return (
             self.gpu_count,
             self.gpu_milli,
             self.gpu_memory_mib,
             self.cpu_milli,
-            self.memory_mib,
             self.models,
             self.sharing,
         )

@@ -13,7 +13,7 @@ import numpy as np
 
 from computepool.core.quantities import MILLI_PER_DEVICE, format_mib
 from computepool.core.request import Request, Sharing
-from computepool.scheduler.state import ClusterState, View
+from computepool.scheduler.state import ClusterState, View, any_per_row
 
 
 @dataclass
@@ -64,10 +64,14 @@ class Feasibility:
     need: DeviceNeed
 
 
-def feasible(state: ClusterState, view: View, req: Request) -> tuple[np.ndarray, DeviceNeed]:
+def feasible(
+    state: ClusterState, view: View, req: Request, *, host_memory: bool = True
+) -> tuple[np.ndarray, DeviceNeed]:
     """The hot path: which classes can hold `req` (no reasons; see `feasibility` for those)."""
     need = device_need(state, view, req)
-    ok = (view.cpu_free >= req.cpu_milli) & (view.mem_free >= req.memory_mib)
+    ok = view.cpu_free >= req.cpu_milli
+    if host_memory:
+        ok &= view.mem_free >= req.memory_mib
     if req.gpu_count > 0:
         ok &= need.usable.sum(axis=1) >= req.gpu_count
     return ok, need
@@ -86,8 +90,8 @@ def node_feasible(state: ClusterState, req: Request) -> np.ndarray:
             mem = (state.gpu_mem_cap * req.gpu_milli) // MILLI_PER_DEVICE
         else:
             mem = req.gpu_memory_mib
-        dev = (state.gpu_free >= req.gpu_milli) & (state.gpu_mem_free >= mem) & (state.gpu_cap > 0)
-        return ok & dev.any(axis=1)
+        dev = (state.gpu_free >= req.gpu_milli) & (state.gpu_mem_free >= mem)
+        return ok & any_per_row(dev)
     need = device_need(state, state.node_view(), req)
     return ok & (need.usable.sum(axis=1) >= k)
 

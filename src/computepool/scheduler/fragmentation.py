@@ -90,9 +90,7 @@ def _usable(left: np.ndarray, acc: np.ndarray, typ: TypicalPods) -> np.ndarray:
     return acc & (left[..., None] >= typ.milli)
 
 
-def frag_amount(
-    cpu_free: np.ndarray, left: np.ndarray, acc: np.ndarray, typ: TypicalPods
-) -> np.ndarray:
+def frag_amount(cpu_free: np.ndarray, left: np.ndarray, acc: np.ndarray, typ: TypicalPods) -> np.ndarray:
     """F per node state. cpu_free (…,), left (…, G), acc (…, G, T) → (…,)."""
     total = left.sum(axis=-1)
     if typ.size == 0:
@@ -130,19 +128,15 @@ def frag_after_share(
     left1 = left - milli  # (B, G): device i after the placement
     usable1 = acc & (left1[..., None] >= typ.milli)  # (B, G, T)
     cnt1 = cnt0[:, None, :] - usable0 + usable1
-    nonuse1 = (
-        nonuse0[:, None, :]
-        - left[..., None] * ~usable0
-        + left1[..., None] * ~usable1
-    )
+    nonuse1 = nonuse0[:, None, :] - left[..., None] * ~usable0 + left1[..., None] * ~usable1
     feas1 = ((cpu_free[:, None] - cpu) >= typ.cpu)[:, None, :] & (cnt1 >= typ.count) & (typ.milli > 0)
     frag1 = np.where(feas1, nonuse1, (total - milli)[:, None, None])
     return f0, frag1 @ typ.weight
 
 
-def sigmoid_score(f0: np.ndarray, f1: np.ndarray) -> np.ndarray:
-    """FGD's node score: 100·sigmoid((F0 − F1)/1000), truncated to a whole number."""
-    return np.floor((1.0 / (1.0 + np.exp(-(f0 - f1) / 1000.0))) * 100.0)
+def sigmoid_score(f0: np.ndarray, f1: np.ndarray, temperature: float = 1000.0) -> np.ndarray:
+    """FGD's node score: 100·sigmoid((F0 − F1)/temperature), truncated to a whole number."""
+    return np.floor((1.0 / (1.0 + np.exp(-(f0 - f1) / temperature))) * 100.0)
 
 
 def whole_device(milli: int) -> bool:

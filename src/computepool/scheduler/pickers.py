@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from computepool.core.request import Request
+from computepool.core.quantities import MILLI_PER_DEVICE
+from computepool.core.request import Request, Sharing
 from computepool.scheduler.filters import DeviceNeed
-from computepool.scheduler.state import View
+from computepool.scheduler.state import ClusterState, View
 
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -36,9 +37,7 @@ def first_fit(view: View, req: Request, need: DeviceNeed) -> np.ndarray:
     return _first_k_mask(key, need.usable, req.gpu_count)
 
 
-def random_fit(
-    view: View, req: Request, need: DeviceNeed, rng: np.random.Generator
-) -> np.ndarray:
+def random_fit(view: View, req: Request, need: DeviceNeed, rng: np.random.Generator) -> np.ndarray:
     """Random usable devices."""
     if req.gpu_count == 0:
         return np.zeros(len(view), dtype=np.int64)
@@ -55,3 +54,43 @@ def mask_to_devices(mask: int) -> list[int]:
         mask >>= 1
         j += 1
     return out
+
+
+def pick_on_node(
+    state: ClusterState, node: int, req: Request, how: str = "best", rng: np.random.Generator | None = None
+) -> int:
+    """Device bitmask for `req` on one node, in plain Python (a node has a handful of devices).
+
+    how: "best" (least free compute, then memory, lowest index), "first", or "random".
+    """
+    k = req.gpu_count
+    if k == 0:
+        return 0
+    free = state.gpu_free[node].tolist()
+    mem_free = state.gpu_mem_free[node].tolist()
+    cap = state.gpu_cap[node].tolist()
+    mem_cap = state.gpu_mem_cap[node].tolist()
+    model = state.gpu_model[node].tolist()
+    allowed_ids = None if req.models is None else {state.model_id(m) for m in req.models}
+    whole = req.gpu_milli >= MILLI_PER_DEVICE or req.sharing == Sharing.EXCLUSIVE
+    usable = []
+    for j in range(len(free)):
+        if cap[j] <= 0 or (allowed_ids is not None and model[j] not in allowed_ids):
+            continue
+        if whole:
+            ok = free[j] == cap[j] and mem_free[j] == mem_cap[j]
+        else:
+            mem = (mem_cap[j] * req.gpu_milli) // MILLI_PER_DEVICE if req.gpu_memory_mib is None else req.gpu_memory_mib
+            ok = free[j] >= req.gpu_milli and mem_free[j] >= mem
+        if ok:
+            usable.append(j)
+    if len(usable) < k:
+        return 0
+    if how == "best":
+        usable.sort(key=lambda j: (free[j], mem_free[j], j))
+    elif how == "random" and rng is not None:
+        usable = [usable[i] for i in rng.permutation(len(usable))]
+    mask = 0
+    for j in usable[:k]:
+        mask |= 1 << j
+    return mask

@@ -23,7 +23,7 @@ from computepool.scheduler.filters import (
     feasible,
     node_feasible,
 )
-from computepool.scheduler.pickers import mask_to_devices
+from computepool.scheduler.pickers import mask_to_devices, pick_on_node
 from computepool.scheduler.state import Change, ClusterState, View, tag_of
 
 
@@ -110,14 +110,14 @@ class Scheduler:
         scores, _ = self.scorer.score(state, view, req, None)
         scores = np.where(ok, scores, -np.inf)
         j = self._choose(scores)
-        one = view.take(np.array([j]))
-        mask = self.scorer.pick(one, req, device_need(state, one, req))
-        return j, float(scores[j]), int(mask[0])
+        how = getattr(self.scorer, "device_choice", "best")
+        mask = pick_on_node(state, j, req, how, getattr(self.scorer, "rng", None))
+        return j, float(scores[j]), mask
 
     def _best_cached(self, state: ClusterState, req: Request, excluded: list[int]) -> tuple[int, float, int]:
         """Costly scorers: score each node class once per request kind, cache, pick the best node."""
         vals, picks = self._scores_for_nodes(state, req)
-        vals = np.where(state.schedulable, vals, -np.inf)
+        vals = np.where(state.schedulable & (state.mem_free >= req.memory_mib), vals, -np.inf)
         if excluded:
             vals[excluded] = -np.inf
         best = self._choose(vals)
@@ -158,7 +158,7 @@ class Scheduler:
         self, state: ClusterState, classes: np.ndarray, req: Request
     ) -> tuple[np.ndarray, np.ndarray]:
         view = state.class_view(classes)
-        ok_mask, need = feasible(state, view, req)
+        ok_mask, need = feasible(state, view, req, host_memory=False)  # checked per node
         score = np.full(len(classes), -np.inf)
         pick = np.zeros(len(classes), np.int64)
         if ok_mask.any():
@@ -259,5 +259,8 @@ class Scheduler:
 
 def _take_need(need: DeviceNeed, idx: np.ndarray) -> DeviceNeed:
     return DeviceNeed(
-        milli=need.milli[idx], memory=need.memory[idx], allowed=need.allowed[idx], usable=need.usable[idx]
+        milli=need.milli[idx],
+        memory=need.memory[idx],
+        allowed=need.allowed[idx],
+        usable=need.usable[idx],
     )

@@ -57,6 +57,7 @@ class RandomScorer:
     node_local = False
     cheap = True
     random_node = True
+    device_choice = "random"
 
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
@@ -89,10 +90,10 @@ class DotProdScorer(_Static):
     name = "dotprod"
 
     def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
-        gpu_left = view.gpu_free.sum(axis=1)
-        dot = (view.cpu_free / MAX_SPEC_CPU) * (req.cpu_milli / MAX_SPEC_CPU) + (
-            gpu_left / MAX_SPEC_GPU
-        ) * (_gpu_request(req) / MAX_SPEC_GPU)
+        gpu_left = view.gpu_left
+        dot = (view.cpu_free / MAX_SPEC_CPU) * (req.cpu_milli / MAX_SPEC_CPU) + (gpu_left / MAX_SPEC_GPU) * (
+            _gpu_request(req) / MAX_SPEC_GPU
+        )
         s = np.floor(100.0 * (1.0 - dot / 2.0))
         return s, None
 
@@ -106,7 +107,7 @@ class ClusteringScorer(_Static):
         b = len(view)
         if req.gpu_count == 0:
             return np.zeros(b), None
-        gpu_left = view.gpu_free.sum(axis=1)
+        gpu_left = view.gpu_left
         base = (25 * (8000 - gpu_left)) // 8000
         bit = np.int64(1) << np.int64(tag_of(req.gpu_count, req.fractional))
         gpu_tags = view.kinds & ~(np.int64(1) << np.int64(TAG_CPU_ONLY))
@@ -150,10 +151,11 @@ class BestFitScorer(_Static):
     name = "bestfit"
 
     def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
-        gpu_left = view.gpu_free.sum(axis=1)
-        s = 0.5 * (view.cpu_free - req.cpu_milli) / MAX_SPEC_CPU + 0.5 * (
-            gpu_left - _gpu_request(req)
-        ) / MAX_SPEC_GPU
+        gpu_left = view.gpu_left
+        s = (
+            0.5 * (view.cpu_free - req.cpu_milli) / MAX_SPEC_CPU
+            + 0.5 * (gpu_left - _gpu_request(req)) / MAX_SPEC_GPU
+        )
         return np.floor((1.0 - s) * 100.0), None
 
 
@@ -164,18 +166,33 @@ def _access(state: ClusterState, view: View, typ: TypicalPods) -> np.ndarray:
 
 
 def fgd_scores(
-    state: ClusterState, view: View, req: Request, need: DeviceNeed, typ: TypicalPods
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """FGD's whole-number score, the raw fragmentation change F0 − F1, and the device choice."""
+    state: ClusterState,
+    view: View,
+    req: Request,
+    need: DeviceNeed,
+    typ: TypicalPods,
+    temperature: float = 1000.0,
+    fine_devices: bool = False,
+    whole_temperature: float = 1000.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """FGD's whole-number score 100·sigmoid((F0 − F1)/temperature) and the device choice.
+
+    For a fractional request every fitting device is tried; the best whole-number score wins
+    and, among devices tied on it, the first (as published) or, with `fine_devices`, the one
+    whose exact fragmentation change is smallest.
+    """
     acc = _access(state, view, typ)
     b = len(view)
     if req.fractional:
         f0, f1 = frag_after_share(view.cpu_free, view.gpu_free, acc, typ, req.cpu_milli, req.gpu_milli)
-        delta = np.where(need.usable, f0[:, None] - f1, -np.inf)
-        s = np.where(need.usable, sigmoid_score(f0[:, None], f1), -1.0)
-        best = np.argmax(s, axis=1)  # first device with the best whole-number score
-        rows = np.arange(b)
-        return s[rows, best], delta[rows, best], np.left_shift(np.int64(1), best.astype(np.int64))
+        s = np.where(need.usable, sigmoid_score(f0[:, None], f1, temperature), -1.0)
+        top = s.max(axis=1)
+        if fine_devices:
+            key = np.where(s == top[:, None], f0[:, None] - f1, -np.inf)
+            best = np.argmax(key, axis=1)
+        else:
+            best = np.argmax(s, axis=1)
+        return top, np.left_shift(np.int64(1), best.astype(np.int64))
     pick = first_fit(view, req, need)
     f0 = frag_amount(view.cpu_free, view.gpu_free, acc, typ)
     left1 = view.gpu_free.copy()
@@ -183,7 +200,7 @@ def fgd_scores(
         taken = ((pick[:, None] >> np.arange(view.g, dtype=np.int64)) & 1).astype(bool)
         left1[taken] = 0
     f1 = frag_amount(view.cpu_free - req.cpu_milli, left1, acc, typ)
-    return sigmoid_score(f0, f1), f0 - f1, pick
+    return sigmoid_score(f0, f1, whole_temperature), pick
 
 
 class FGDScorer(_Static):
@@ -200,8 +217,8 @@ class FGDScorer(_Static):
         self.typical = typical
 
     def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
-        s, _delta, pick = fgd_scores(state, view, req, need, self.typical)
-        return s, pick
+        assert need is not None
+        return fgd_scores(state, view, req, need, self.typical)
 
 
 @dataclass
@@ -250,17 +267,25 @@ class OnlineTypical:
 
 
 class DefaultScorer:
-    """`default`, the pool's policy: fragmentation gradient descent on a distribution learned
-    online from past requests only, with finer ties.
+    """`default`, the pool's policy: fragmentation gradient descent without future knowledge.
 
-    The fragmentation change F0 − F1 is used at full precision (not truncated to 0–100), so
-    that of two placements adding slightly different fragmentation the smaller wins; equal
-    changes still fall to the lowest node index, which packs work onto few nodes.
+    - The typical-request distribution is learned online from the requests seen so far.
+    - For fractional requests the score is FGD's whole-number sigmoid at a four times softer
+      temperature (4000 rather than 1000 milli): placements whose fragmentation change differs
+      by less than about a sixth of a GPU land in one tie class, and ties go to the lowest node
+      index, i.e. work is packed onto the earliest nodes of a fixed order. The coarser classes
+      make the choice robust to the noise of a distribution estimated from few requests, and
+      pack tighter. Whole-device and CPU-only requests keep FGD's temperature: softening it
+      there measured worse (4.83% vs 4.67% unallocated on the default workload, seeds 42–44).
+    - Inside the chosen node, among devices tied on the score, the one adding the least
+      fragmentation (exact change) wins.
     """
 
     name = "default"
     node_local = True
     cheap = False
+    temperature = 4000.0
+    whole_temperature = 1000.0
 
     def __init__(self, learner: OnlineTypical | None = None) -> None:
         self.learner = learner or OnlineTypical()
@@ -272,16 +297,26 @@ class DefaultScorer:
         self.learner.observe(req)
 
     def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
-        s, delta, pick = fgd_scores(state, view, req, need, self.learner.typical)
-        return s, pick
+        assert need is not None
+        return fgd_scores(
+            state,
+            view,
+            req,
+            need,
+            self.learner.typical,
+            self.temperature,
+            fine_devices=True,
+            whole_temperature=self.whole_temperature,
+        )
+
+    def pick(self, view: View, req: Request, need: DeviceNeed) -> np.ndarray:
+        return first_fit(view, req, need)
 
 
 POLICIES = ("random", "dotprod", "clustering", "packing", "bestfit", "fgd", "default")
 
 
-def make_scorer(
-    name: str, *, seed: int = 0, typical: TypicalPods | None = None
-):
+def make_scorer(name: str, *, seed: int = 0, typical: TypicalPods | None = None):
     """Build a scorer by name. `fgd` needs the workload's typical requests (future knowledge)."""
     if name == "random":
         return RandomScorer(np.random.default_rng(seed))

@@ -175,9 +175,7 @@ class _NodePlan:
     freed: int
 
 
-def _plan_node(
-    node: int, need: int, entries: list[_Entry], budgets: Mapping[str, int]
-) -> _NodePlan | None:
+def _plan_node(node: int, need: int, entries: list[_Entry], budgets: Mapping[str, int]) -> _NodePlan | None:
     """Cheapest victims on one node freeing `need` GPUs there (greedy, then pruned)."""
     entries.sort()
     left = dict(budgets)

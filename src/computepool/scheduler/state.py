@@ -32,6 +32,7 @@ def tag_of(gpu_count: int, fractional: bool) -> int:
         return TAG_SHARED
     return min(gpu_count, 61)
 
+
 # Columns of a class row; the four per-device blocks follow, G wide each.
 CPU_FREE, MEM_FREE, CPU_CAP, MEM_CAP, KINDS = range(5)
 _FIXED = 5
@@ -68,6 +69,7 @@ class ClusterState:
     schedulable: np.ndarray  # (N,) bool
     hosted: np.ndarray  # (N, N_TAGS) placements per kind tag
     idle_devices: np.ndarray = field(init=False)  # (N,) devices wholly free
+    gpu_left: np.ndarray = field(init=False)  # (N,) free compute summed over devices
     class_of: np.ndarray = field(init=False)  # (N,) class id per node
     node_stamp: np.ndarray = field(init=False)  # (N,) stamp of the node's class instance
     _class_ids: dict[bytes, int] = field(init=False, default_factory=dict)
@@ -84,6 +86,7 @@ class ClusterState:
         self.idle_devices = (
             (self.gpu_free == self.gpu_cap) & (self.gpu_mem_free == self.gpu_mem_cap) & (self.gpu_cap > 0)
         ).sum(axis=1)
+        self.gpu_left = self.gpu_free.sum(axis=1)
         self.class_of = np.zeros(n, dtype=np.int64)
         self.node_stamp = np.zeros(n, dtype=np.int64)
         self._class_rows = np.zeros((max(64, 2 * n), _FIXED + 5 * g), dtype=np.int64)
@@ -99,7 +102,7 @@ class ClusterState:
         models: list[str] = []
         model_ix: dict[str, int] = {}
         g = max_devices if max_devices is not None else max((n.gpu_count for n in nodes), default=0)
-        g = max(g, 1)
+        g = max(8, -(-g // 8) * 8)  # a multiple of 8: a row of bools is then whole 64-bit words
         n = len(nodes)
         gpu_cap = np.zeros((n, g), dtype=np.int64)
         gpu_mem = np.zeros((n, g), dtype=np.int64)
@@ -169,7 +172,13 @@ class ClusterState:
     def _row(self, i: int) -> np.ndarray:
         return np.concatenate(
             (
-                [self.cpu_free[i], self.mem_free[i], self.cpu_cap[i], self.mem_cap[i], self.kinds[i]],
+                [
+                    self.cpu_free[i],
+                    self.mem_free[i],
+                    self.cpu_cap[i],
+                    self.mem_cap[i],
+                    self.kinds[i],
+                ],
                 self.gpu_free[i],
                 self.gpu_mem_free[i],
                 self.gpu_model[i],
@@ -226,6 +235,7 @@ class ClusterState:
 
     def _touch(self, i: int) -> None:
         cap = self.gpu_cap[i]
+        self.gpu_left[i] = int(self.gpu_free[i].sum())
         self.idle_devices[i] = int(
             ((self.gpu_free[i] == cap) & (self.gpu_mem_free[i] == self.gpu_mem_cap[i]) & (cap > 0)).sum()
         )
@@ -251,7 +261,8 @@ class ClusterState:
         for j, m in change.gpu_memory_mib.items():
             self.gpu_mem_free[i, j] -= m
         self.hosted[i, change.tag] += 1
-        self._recompute_kinds(i)
+        if self.hosted[i, change.tag] == 1:
+            self.kinds[i] |= 1 << change.tag
         self._touch(i)
 
     def undo(self, change: Change) -> None:
@@ -263,11 +274,9 @@ class ClusterState:
         for j, m in change.gpu_memory_mib.items():
             self.gpu_mem_free[i, j] += m
         self.hosted[i, change.tag] -= 1
-        self._recompute_kinds(i)
+        if self.hosted[i, change.tag] == 0:
+            self.kinds[i] &= ~(1 << change.tag)
         self._touch(i)
-
-    def _recompute_kinds(self, i: int) -> None:
-        self.kinds[i] = sum(1 << int(t) for t in np.flatnonzero(self.hosted[i]))
 
     def set_schedulable(self, i: int, ok: bool) -> None:
         self.schedulable[i] = ok
@@ -308,6 +317,8 @@ class View(Protocol):
     def kinds(self) -> np.ndarray: ...
     @property
     def gpu_free(self) -> np.ndarray: ...
+    @property
+    def gpu_left(self) -> np.ndarray: ...
     @property
     def gpu_mem_free(self) -> np.ndarray: ...
     @property
@@ -361,6 +372,10 @@ class NodeView:
     @property
     def gpu_free(self) -> np.ndarray:
         return self._get(self.state.gpu_free)
+
+    @property
+    def gpu_left(self) -> np.ndarray:
+        return self._get(self.state.gpu_left)
 
     @property
     def gpu_mem_free(self) -> np.ndarray:
@@ -421,6 +436,10 @@ class ClassView:
         return self._block(0)
 
     @property
+    def gpu_left(self) -> np.ndarray:
+        return self._block(0).sum(axis=1)
+
+    @property
     def gpu_mem_free(self) -> np.ndarray:
         return self._block(1)
 
@@ -435,3 +454,14 @@ class ClassView:
     @property
     def gpu_mem_cap(self) -> np.ndarray:
         return self._block(4)
+
+
+def any_per_row(mask: np.ndarray) -> np.ndarray:
+    """`mask.any(axis=1)` for a C-contiguous (N, 8k) bool array, reading each row as k words.
+
+    numpy reduces slowly along a short last axis; this is one comparison instead.
+    """
+    words = np.ascontiguousarray(mask).view(np.uint64)
+    if words.shape[1] == 1:
+        return words[:, 0] != 0
+    return (words != 0).any(axis=1)

@@ -41,8 +41,13 @@ def load_nodes(path: str | Path) -> list[Node]:
         if model:
             parse_models(model, f"{where}: column model")
         devices = [
-            Device(index=j, vendor="nvidia", model=model, memory_mib=MODEL_MEMORY_MIB.get(model, 0),
-                   uuid=f"{name}-gpu{j}")
+            Device(
+                index=j,
+                vendor="nvidia",
+                model=model,
+                memory_mib=MODEL_MEMORY_MIB.get(model, 0),
+                uuid=f"{name}-gpu{j}",
+            )
             for j in range(gpus)
         ]
         nodes.append(Node(name=name, cpu_milli=cpu, memory_mib=mem, devices=devices))

@@ -35,7 +35,10 @@ def read_rows(path: str | Path, required: list[str]) -> Iterator[tuple[str, dict
         header = reader.fieldnames or []
         missing = [c for c in required if c not in header]
         if missing:
-            raise InvalidInput(f"{path}:1", f"missing column(s) {', '.join(missing)} (header has {', '.join(header) or 'nothing'})")
+            raise InvalidInput(
+                f"{path}:1",
+                f"missing column(s) {', '.join(missing)} (header has {', '.join(header) or 'nothing'})",
+            )
         for row in reader:
             yield f"{path}:{reader.line_num}", row
 

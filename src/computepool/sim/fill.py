@@ -100,7 +100,9 @@ class _FragMeter:
 
     def _frag(self, nodes: np.ndarray) -> np.ndarray:
         st = self.state
-        return frag_amount(st.cpu_free[nodes], st.gpu_free[nodes], self.table[st.gpu_model[nodes]], self.typical)
+        return frag_amount(
+            st.cpu_free[nodes], st.gpu_free[nodes], self.table[st.gpu_model[nodes]], self.typical
+        )
 
     def update(self, nodes: list[int]) -> None:
         idx = np.array(nodes, dtype=np.int64)
@@ -118,7 +120,10 @@ def offline_ffd_milli(pods: list[Pod], nodes: list[Node]) -> int:
     """
     free = np.array([d.compute_milli for n in nodes for d in n.devices], dtype=np.int64)
     placed = 0
-    whole = sorted((p.request.gpu_count for p in pods if p.gpu_milli_total and not p.request.fractional), reverse=True)
+    whole = sorted(
+        (p.request.gpu_count for p in pods if p.gpu_milli_total and not p.request.fractional),
+        reverse=True,
+    )
     idle = len(free)
     for k in whole:
         if k <= idle:

@@ -123,9 +123,7 @@ def _rows(path: Path, required: Sequence[str]) -> Iterator[tuple[int, list[str]]
             if len(row) != width:
                 if not row:
                     continue
-                raise InvalidInput(
-                    f"{path}:{reader.line_num}", f"expected {width} fields, got {len(row)}"
-                )
+                raise InvalidInput(f"{path}:{reader.line_num}", f"expected {width} fields, got {len(row)}")
             yield reader.line_num, [row[i] for i in cols]
 
 
@@ -209,9 +207,7 @@ def load_jobs(
         ("gpu_time", gpu_times, False, False),
     ):
 
-        def check(
-            where: str, text: str, c: str = column, pos: bool = positive, w: bool = whole
-        ) -> None:
+        def check(where: str, text: str, c: str = column, pos: bool = positive, w: bool = whole) -> None:
             if w:
                 _whole(where, c, text)
             else:
@@ -262,9 +258,7 @@ def load_published(path: str | os.PathLike[str]) -> dict[str, Published]:
             queue[vc] = _number(where, "fifo", fifo)
         elif metric == "jct_avg":
             jct[vc] = _number(where, "fifo", fifo)
-    return {
-        vc: Published(vc, queue[vc], jct.get(vc, math.nan)) for vc in queue
-    }
+    return {vc: Published(vc, queue[vc], jct.get(vc, math.nan)) for vc in queue}
 
 
 def traces_dir() -> Path:

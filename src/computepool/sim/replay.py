@@ -242,8 +242,15 @@ class _Sim:
         if self.record:
             off = self.parts[v].offset if self.mode == "static" else 0
             self.runs.append(
-                Run(j, v, self.start[j], t, tuple(n + off for n in nodes), self.per_node[j],
-                    preempted)
+                Run(
+                    j,
+                    v,
+                    self.start[j],
+                    t,
+                    tuple(n + off for n in nodes),
+                    self.per_node[j],
+                    preempted,
+                )
             )
         if self.mode == "static":
             self.parts[v].give(nodes, self.per_node[j])
@@ -282,11 +289,13 @@ class _Sim:
         if self.failed.get(v) == key:
             return None
         budgets = self.ledger.reclaimable(self.names[v], self.held[j])
-        cands = [h for u, run in enumerate(self.running) if self.names[u] in budgets
-                 for h in run.values()]
+        cands = [h for u, run in enumerate(self.running) if self.names[u] in budgets for h in run.values()]
         plan = select_victims(
             Claim(self.names[v], self.per_node[j], self.k[j]),
-            self.pool.free.tolist(), cands, budgets, t,
+            self.pool.free.tolist(),
+            cands,
+            budgets,
+            t,
         )
         if plan is None:
             self.failed[v] = key
@@ -396,12 +405,14 @@ class _Sim:
             )
 
         per = tuple(
-            figures(name, vc == v, cap[v], self.busy[v], self.lost[v])
-            for v, name in enumerate(self.names)
+            figures(name, vc == v, cap[v], self.busy[v], self.lost[v]) for v, name in enumerate(self.names)
         )
         overall = figures(
-            "all", np.ones(len(vc), dtype=bool), self.total_nodes * GPUS_PER_NODE,
-            sum(self.busy), sum(self.lost),
+            "all",
+            np.ones(len(vc), dtype=bool),
+            self.total_nodes * GPUS_PER_NODE,
+            sum(self.busy),
+            sum(self.lost),
         )
         return ReplayResult(
             mode=self.mode,
@@ -585,6 +596,4 @@ def find_parity(
         else:
             lo = mid + 1
     best = hi
-    return Parity(
-        best, static, seen[best], tuple((n, seen[n].overall.avg_queue_s) for n in probes)
-    )
+    return Parity(best, static, seen[best], tuple((n, seen[n].overall.avg_queue_s) for n in probes))

@@ -87,6 +87,10 @@ def run_mode(
 
 
 def static_vs_pooled(
-    nodes: list[Node], pods: list[Pod], seed: int, tune: float = 1.3, progress: Progress | None = None
+    nodes: list[Node],
+    pods: list[Pod],
+    seed: int,
+    tune: float = 1.3,
+    progress: Progress | None = None,
 ) -> dict[str, SharingResult]:
     return {m: run_mode(nodes, pods, m, seed, tune, progress) for m in ("static", "pooled")}

@@ -59,14 +59,22 @@ def synthetic_requests(count: int, seed: int = 1) -> list[Request]:
             out.append(Request(gpu_count=1, gpu_milli=1000, cpu_milli=cpu, memory_mib=mem, name=f"r{i}"))
         elif r < 0.92:
             k = int(rng.choice([2, 4, 8]))
-            out.append(Request(gpu_count=k, gpu_milli=1000, cpu_milli=cpu * k, memory_mib=mem * k, name=f"r{i}"))
+            out.append(
+                Request(gpu_count=k, gpu_milli=1000, cpu_milli=cpu * k, memory_mib=mem * k, name=f"r{i}")
+            )
         elif r < 0.97:
             out.append(Request(cpu_milli=cpu, memory_mib=mem, name=f"r{i}"))
         else:
             model = str(rng.choice(models))
             out.append(
-                Request(gpu_count=1, gpu_milli=1000, cpu_milli=cpu, memory_mib=mem,
-                        models=frozenset({model}), name=f"r{i}")
+                Request(
+                    gpu_count=1,
+                    gpu_milli=1000,
+                    cpu_milli=cpu,
+                    memory_mib=mem,
+                    models=frozenset({model}),
+                    name=f"r{i}",
+                )
             )
     return out
 
@@ -89,7 +97,12 @@ class BenchResult:
 
 
 def run_bench(
-    n_nodes: int, gpus_per_node: int, n_requests: int, policy: str, seed: int = 0, target_alloc: float = 0.85,
+    n_nodes: int,
+    gpus_per_node: int,
+    n_requests: int,
+    policy: str,
+    seed: int = 0,
+    target_alloc: float = 0.85,
     progress=None,
 ) -> BenchResult:
     nodes = synthetic_nodes(n_nodes, gpus_per_node, seed)
