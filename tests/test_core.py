@@ -200,11 +200,16 @@ def test_request_valid_shapes():
     assert excl.sharing == Sharing.EXCLUSIVE
     cpu = Request(cpu_milli=500, memory_mib=1024)
     assert not cpu.fractional and cpu.total_gpu_milli == 0
-    assert Request(gpu_count=1, gpu_milli=500, name="a").kind_key() == Request(
-        gpu_count=1, gpu_milli=500, name="b", tenant="t"
-    ).kind_key()
-    assert frac.kind_key() != Request(gpu_count=1, gpu_milli=500, cpu_milli=2000, sharing="shared",
-                                      models=frozenset({"T4"})).kind_key()
+    assert (
+        Request(gpu_count=1, gpu_milli=500, name="a").kind_key()
+        == Request(gpu_count=1, gpu_milli=500, name="b", tenant="t").kind_key()
+    )
+    assert (
+        frac.kind_key()
+        != Request(
+            gpu_count=1, gpu_milli=500, cpu_milli=2000, sharing="shared", models=frozenset({"T4"})
+        ).kind_key()
+    )
 
 
 # --- model lists -------------------------------------------------------------------------------

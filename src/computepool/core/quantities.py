@@ -60,10 +60,14 @@ def parse_cpu_milli(text: str | int | float, field: str = "cpu") -> int:
     """`2` cores, `0.5`, or `500m` → millicores."""
     value, unit = _split(text, field)
     if unit == "":
-        return round(value * 1000)
-    if unit == "m":
-        return round(value)
-    raise InvalidInput(field, f"unknown CPU unit {unit!r} in {text!r} (use cores like 2 or 0.5, or 500m)")
+        milli = value * 1000
+    elif unit == "m":
+        milli = value
+    else:
+        raise InvalidInput(field, f"unknown CPU unit {unit!r} in {text!r} (use cores like 2 or 0.5, or 500m)")
+    if abs(milli - round(milli)) > 1e-6:
+        raise InvalidInput(field, f"{text!r} is not a whole number of millicores")
+    return round(milli)
 
 
 def parse_gpu_milli(text: str | int | float, field: str = "gpus") -> tuple[int, int]:

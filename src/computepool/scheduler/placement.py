@@ -93,10 +93,11 @@ class Scheduler:
 
     def __init__(self, scorer: Scorer, *, cache: bool = True, max_cached_kinds: int = 4096) -> None:
         self.scorer = scorer
-        self.use_cache = cache and scorer.node_local and not scorer.cheap
+        self.direct = scorer.cheap
+        self.use_cache = cache and scorer.node_local
         self.max_cached_kinds = max_cached_kinds
         self._cache: dict[tuple, _KindCache] = {}
-        self._cache_owner: int | None = None
+        self._cache_owner: str | None = None
 
     # --- scoring ---------------------------------------------------------------------------
     def _best_direct(self, state: ClusterState, req: Request, excluded: list[int]) -> tuple[int, float, int]:
@@ -126,9 +127,13 @@ class Scheduler:
     def _scores_for_nodes(self, state: ClusterState, req: Request) -> tuple[np.ndarray, np.ndarray]:
         """Score and device bitmask for every node (−inf where infeasible), via the class cache."""
         cls = state.class_of
-        if self._cache_owner != id(state):
+        if not self.use_cache:
+            uniq, inverse = np.unique(cls, return_inverse=True)
+            s, p = self._score_classes(state, uniq, req)
+            return s[inverse], p[inverse]
+        if self._cache_owner != state.uid:
             self._cache.clear()
-            self._cache_owner = id(state)
+            self._cache_owner = state.uid
         key = req.kind_key()
         epoch = self.scorer.epoch()
         entry = self._cache.get(key)
@@ -170,22 +175,32 @@ class Scheduler:
         return score, pick
 
     # --- placing ---------------------------------------------------------------------------
-    def place(self, state: ClusterState, req: Request, *, observe: bool = True) -> Decision:
-        """Decide where `req` goes. The state is left as it was (use `commit` to apply)."""
+    def place(
+        self, state: ClusterState, req: Request, *, observe: bool = True, explain: bool = True
+    ) -> Decision:
+        """Decide where `req` goes. The state is left as it was (use `commit` to apply).
+
+        A failed decision carries the reasons per node; `explain=False` skips counting them
+        (a simulator that only needs to know it failed) and leaves a one-line reason.
+        """
         if observe:
             self.scorer.observe(req)
         decision = Decision(request=req)
         used: list[int] = []
         for _member in range(req.gang_nodes):
-            if self.use_cache:
-                best, score, mask = self._best_cached(state, req, used)
-            else:
+            if self.direct:
                 best, score, mask = self._best_direct(state, req, used)
+            else:
+                best, score, mask = self._best_cached(state, req, used)
             if best < 0 or not np.isfinite(score):
                 for pl in reversed(decision.placements):
                     state.undo(pl.change)
                 decision.placements = []
-                decision.reasons = self._explain(state, req, len(used))
+                decision.reasons = (
+                    self._explain(state, req, len(used))
+                    if explain
+                    else Reasons(state.n_nodes, notes=["no node fits (not explained)"])
+                )
                 return decision
             pl = self._placement(state, req, best, mask, score)
             decision.placements.append(pl)
@@ -249,9 +264,9 @@ class Scheduler:
         for pl in decision.placements:
             state.undo(pl.change)
 
-    def schedule(self, state: ClusterState, req: Request) -> Decision:
+    def schedule(self, state: ClusterState, req: Request, *, explain: bool = True) -> Decision:
         """Place and, when it fits, commit."""
-        d = self.place(state, req)
+        d = self.place(state, req, explain=explain)
         if d.ok:
             self.commit(state, d)
         return d

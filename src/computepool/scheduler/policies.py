@@ -225,7 +225,7 @@ class FGDScorer(_Static):
 class OnlineTypical:
     """The typical-request distribution learned from the requests seen so far (no future).
 
-    The typical set is rebuilt after 16, 32, 64, … requests and then every `period`; the
+    The typical set is rebuilt after 1, 2, 4, … requests and then every `period`; the
     epoch moves (invalidating cached scores) only when the rebuilt set differs in shape or
     its weights moved by more than `tolerance` in total variation.
     """

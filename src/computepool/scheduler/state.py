@@ -9,6 +9,7 @@ another class without touching the cache of any other.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,8 +81,10 @@ class ClusterState:
     _free_ids: list[int] = field(init=False, default_factory=list)
     _next_stamp: int = field(init=False, default=0)
     version: int = field(init=False, default=0)
+    uid: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
+        self.uid = uuid.uuid4().hex  # identifies this state to score caches
         n, g = self.gpu_free.shape
         self.idle_devices = (
             (self.gpu_free == self.gpu_cap) & (self.gpu_mem_free == self.gpu_mem_cap) & (self.gpu_cap > 0)

@@ -39,7 +39,9 @@ def load_nodes(path: str | Path) -> list[Node]:
         if gpus and not model:
             raise InvalidInput(where, "column model: empty for a node with GPUs")
         if model:
-            parse_models(model, f"{where}: column model")
+            models = parse_models(model, f"{where}: column model")
+            if models is None or len(models) != 1:
+                raise InvalidInput(where, f"column model: one model name expected, got {model!r}")
         devices = [
             Device(
                 index=j,

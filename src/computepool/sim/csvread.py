@@ -46,7 +46,7 @@ def read_rows(path: str | Path, required: list[str]) -> Iterator[tuple[str, dict
 def int_field(row: dict[str, str], col: str, where: str, *, minimum: int = 0) -> int:
     raw = (row.get(col) or "").strip()
     try:
-        value = int(float(raw)) if raw and "." in raw else int(raw)
+        value = int(raw)
     except ValueError:
         raise InvalidInput(where, f"column {col}: expected a whole number, got {raw!r}") from None
     if value < minimum:

@@ -32,7 +32,7 @@ def arrival_order(pods: list[Pod], seed: int, tune: float, capacity_milli: int) 
     shuffled = [ordered[i] for i in rng.permutation(len(ordered))]
     total = sum(p.gpu_milli_total for p in ordered)
     target = tune * capacity_milli
-    while True:
+    while total > 0:  # a workload without GPU requests cannot be inflated by GPU demand
         cand = ordered[int(rng.integers(len(ordered)))]
         if total + cand.request.gpu_milli > target:
             break
@@ -132,6 +132,8 @@ def offline_ffd_milli(pods: list[Pod], nodes: list[Node]) -> int:
     free = free[:idle].copy()
     frac = sorted((p.request.gpu_milli for p in pods if p.request.fractional), reverse=True)
     for m in frac:
+        if len(free) == 0:
+            break
         j = int(np.argmax(free >= m))
         if free[j] >= m:
             free[j] -= m
@@ -142,24 +144,43 @@ def offline_ffd_milli(pods: list[Pod], nodes: list[Node]) -> int:
 def lower_bound_unallocated_milli(pods: list[Pod], capacity_milli: int) -> int:
     """A floor on the GPU milli that must stay unallocated once these pods have arrived.
 
-    A pod of m > 500 milli sits alone on its device, leaving 1000 − m that only pods of at most
-    1000 − m milli can fill; if it is not placed instead, its own m > 1000 − m is unplaced.
-    For every threshold t, the gaps of at most t cannot be filled by more than all pods of at
-    most t milli, so Σ gaps(≤ t) − Σ small pods(≤ t) − (demand − capacity) is a floor.
+    A pod of m > 500 milli sits alone on its device and leaves a gap g = 1000 − m that only
+    pods of at most g milli can fill. Take the big pods whose gap is at most t, and the small
+    pods of at most t milli (total F). If the big pods in a set U are left out, unallocated
+    capacity is at least max(Σ_placed g − F, C − D + Σ_U m), where C is capacity and D demand
+    (unallocated = C − D + unplaced demand). Leaving out the pods with the largest gaps first is
+    the cheapest way to lower the first term, and allowing a fraction of a pod out only lowers
+    the minimum, so the minimum over that relaxation, maximised over t, is a valid floor.
     """
     frac = np.array([p.request.gpu_milli for p in pods if p.request.fractional], dtype=np.int64)
     demand = sum(p.gpu_milli_total for p in pods)
-    gaps = np.sort(1000 - frac[frac > 500])
+    slack = capacity_milli - demand
+    big_gaps = np.sort(1000 - frac[frac > 500])[::-1]  # largest gap first
     small = np.sort(frac[frac <= 500])
-    if len(gaps) == 0:
-        return max(0, demand - capacity_milli) * 0
-    gap_cum = np.cumsum(gaps)
-    small_cum = np.concatenate(([0], np.cumsum(small)))
-    # for each threshold t = gaps[i]: all gaps ≤ t (up to the last equal one), small pods ≤ t
-    last = np.searchsorted(gaps, gaps, side="right") - 1
-    filled = small_cum[np.searchsorted(small, gaps, side="right")]
-    best = int((gap_cum[last] - filled).max())
-    return max(0, best - max(0, demand - capacity_milli))
+    best = float(max(0, slack))
+    for t in np.unique(big_gaps):
+        gaps = big_gaps[big_gaps <= t]  # still largest first
+        fill = float(small[small <= t].sum())
+        a = float(gaps.sum()) - fill  # unfilled gaps if all are placed
+        b = float(slack)  # unallocated from slack if none is left out
+        if a <= b:
+            best = max(best, b)
+            continue
+        # leave out pods one by one: a drops by g, b rises by m = 1000 − g; stop where they cross
+        da = np.cumsum(gaps).astype(float)
+        db = np.cumsum(1000 - gaps).astype(float)
+        a_k = a - da
+        b_k = b + db
+        k = int(np.searchsorted(-(a_k - b_k), 0))  # first k where a_k <= b_k
+        if k >= len(gaps):
+            best = max(best, float(max(a_k[-1], b_k[-1])))
+            continue
+        a_prev = a if k == 0 else a_k[k - 1]
+        b_prev = b if k == 0 else b_k[k - 1]
+        g = float(gaps[k])
+        frac_x = (a_prev - b_prev) / (g + (1000.0 - g))  # share of pod k left out at the crossing
+        best = max(best, a_prev - frac_x * g)
+    return max(0, int(np.floor(best)))
 
 
 def run_fill(
@@ -199,7 +220,7 @@ def run_fill(
     for k, pod in enumerate(order, start=1):
         req = pod.request
         arrived_milli += pod.gpu_milli_total
-        d = sched.place(state, req)
+        d = sched.place(state, req, explain=not first_failure)
         if d.ok:
             sched.commit(state, d)
             placed_milli += pod.gpu_milli_total

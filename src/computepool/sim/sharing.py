@@ -63,7 +63,7 @@ def run_mode(
         arrived += pod.gpu_milli_total
         if placed_100 < 0 and arrived > cap:
             placed_100, served_100 = placed, served
-        d = sched.schedule(state, req)
+        d = sched.schedule(state, req, explain=False)
         if d.ok:
             placed += 1
             served += pod.gpu_milli_total
