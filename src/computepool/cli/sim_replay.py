@@ -219,10 +219,8 @@ def register(app: typer.Typer) -> None:
                 cal = calibrate(trace, progress=step)
             scale = cal.duration_scale
             static_res = cal.result
-        if mode == "static" and static_res is not None:
-            res = static_res
-        else:
-            res = replay(trace, mode, scale, nodes)  # type: ignore[arg-type]
+        reuse = mode == "static" and static_res is not None
+        res = static_res if reuse else replay(trace, mode, scale, nodes)  # type: ignore[arg-type]
         if mode == "static":
             static_res = res
         out = _report(res, pubs)

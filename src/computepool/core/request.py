@@ -83,7 +83,8 @@ class Request:
         if self.gpu_count > 1 and self.gpu_milli < MILLI_PER_DEVICE:
             raise InvalidInput(
                 "gpu_milli",
-                f"a fraction of a device ({self.gpu_milli}m) is only allowed for a single device, not {self.gpu_count}",
+                f"a fraction of a device ({self.gpu_milli}m) is only allowed for a single device, "
+                f"not {self.gpu_count}",
             )
         if self.gang_nodes > 1 and self.gpu_count > 0 and self.gpu_milli < MILLI_PER_DEVICE:
             raise InvalidInput("gpu_milli", "a gang over several nodes takes whole devices")

@@ -80,7 +80,9 @@ def pick_on_node(
         if whole:
             ok = free[j] == cap[j] and mem_free[j] == mem_cap[j]
         else:
-            mem = (mem_cap[j] * req.gpu_milli) // MILLI_PER_DEVICE if req.gpu_memory_mib is None else req.gpu_memory_mib
+            mem = req.gpu_memory_mib
+            if mem is None:
+                mem = (mem_cap[j] * req.gpu_milli) // MILLI_PER_DEVICE
             ok = free[j] >= req.gpu_milli and mem_free[j] >= mem
         if ok:
             usable.append(j)

@@ -18,7 +18,6 @@ from computepool.core.request import Request
 from computepool.scheduler.filters import (
     DeviceNeed,
     Reasons,
-    device_need,
     explain,
     feasible,
     node_feasible,

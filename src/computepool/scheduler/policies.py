@@ -182,7 +182,6 @@ def fgd_scores(
     whose exact fragmentation change is smallest.
     """
     acc = _access(state, view, typ)
-    b = len(view)
     if req.fractional:
         f0, f1 = frag_after_share(view.cpu_free, view.gpu_free, acc, typ, req.cpu_milli, req.gpu_milli)
         s = np.where(need.usable, sigmoid_score(f0[:, None], f1, temperature), -1.0)
