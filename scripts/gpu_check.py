@@ -1,0 +1,290 @@
+"""Check the agent's isolation on a real NVIDIA GPU; prints a pass/fail table (and JSON into $OUT).
+
+Run by scripts/gpu-check.sh. Only reads GPU state and starts ordinary CUDA processes (plus an
+MPS control daemon with its own pipe directory, stopped at the end): it never changes MIG mode,
+compute mode, clocks or anything else, and never resets a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from computepool.agent.devices import DeviceInfo, NvidiaBackend, discover_all
+from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, Executor, JobSpec
+from computepool.agent.isolation import MemoryWatchdog, MpsDaemon, SliceAssignment, slice_env
+from computepool.agent.localstate import JobRecord, JobState
+from computepool.core import Isolation
+
+SLICE_MIB = 8192
+RESULTS: list[dict[str, str]] = []
+
+# Allocates `step` MiB at a time up to `cap` MiB (or until the allocator refuses), reports, holds.
+ALLOC = r"""
+import json, os, sys, time
+step, cap, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+out = {"cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}
+try:
+    import torch
+except ImportError:
+    print(json.dumps(dict(out, error="no torch")), flush=True)
+    sys.exit(3)
+out["visible"] = torch.cuda.device_count()
+out["sm"] = torch.cuda.get_device_properties(0).multi_processor_count
+keep, total, oom = [], 0, ""
+try:
+    while total < cap:
+        keep.append(torch.empty(step * 2**20, dtype=torch.uint8, device="cuda"))
+        total += step
+except torch.cuda.OutOfMemoryError as e:
+    oom = str(e).splitlines()[0][:200]
+torch.cuda.synchronize()
+out.update(allocated_mib=total, oom=oom, shim=os.environ.get("CPOOL_SHIM_APPLIED", ""))
+print(json.dumps(out), flush=True)
+time.sleep(hold)
+"""
+
+
+def record(name: str, status: str, detail: str) -> None:
+    RESULTS.append({"check": name, "status": status, "detail": detail})
+    print(f"  {status:<5} {name}: {detail}", flush=True)
+
+
+def guarded(name: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as e:
+        record(name, "FAIL", f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+
+
+def has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def report_of(rec: JobRecord) -> dict[str, object]:
+    text = (Path(rec.run_dir) / STDOUT_LOG).read_text().strip().splitlines()
+    try:
+        return json.loads(text[-1]) if text else {}
+    except ValueError:
+        return {"raw": text[-1]}
+
+
+def stderr_tail(rec: JobRecord) -> str:
+    try:
+        return (Path(rec.run_dir) / STDERR_LOG).read_text()[-300:].strip()
+    except OSError:
+        return ""
+
+
+class Ctx:
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.backend = NvidiaBackend()
+        self.executor = Executor(work / "agent", cgroup_base=None, kill_grace_s=3)
+        self.devices: list[DeviceInfo] = []
+        self.peaks: dict[str, int] = {}
+
+    def alloc_job(self, name: str, env: dict[str, str], args: list[str], isolated: bool = False) -> JobRecord:
+        script = self.work / "alloc.py"
+        script.write_text(ALLOC)
+        py = [sys.executable, "-I"] if isolated else [sys.executable]  # -I: no PYTHONPATH, no shim
+        return self.executor.start(JobSpec(name, 1, [*py, str(script), *args], env=env, uses_gpu=True))
+
+    def state_of(self, rec: JobRecord) -> JobState:
+        now = self.executor.get(rec.key)
+        return now.state if now is not None else rec.state
+
+    def wait_sampling(self, recs: list[JobRecord], timeout: float) -> list[JobRecord]:
+        """Wait for jobs, noting the most GPU memory NVML saw each hold (for the report)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(self.state_of(r) is JobState.RUNNING for r in recs):
+            usage = self.backend.usage()
+            for r in recs:
+                pids = self.executor.job_pids(r.key)
+                seen = sum(m for u in usage for p, m in u.process_memory_mib.items() if p in pids)
+                self.peaks[r.key] = max(self.peaks.get(r.key, 0), seen)
+            self.executor.poll()
+            time.sleep(0.2)
+        out = []
+        for r in recs:
+            if self.state_of(r) is JobState.RUNNING:
+                self.executor.kill(r.key, "check timed out", grace_s=2)
+            out.append(self.executor.wait(r.key, 10))
+        return out
+
+
+def check_discovery(ctx: Ctx) -> None:
+    if not ctx.backend.available():
+        record("nvml discovery", "FAIL", ctx.backend.reason)
+        return
+    ctx.devices = ctx.backend.discover()
+    inv = discover_all(None)
+    migs = ctx.backend.mig_modes()
+    desc = "; ".join(
+        f"#{d.index} {d.model} {d.memory_mib} MiB cc {d.compute_capability} numa {d.numa_node} "
+        f"link '{d.link_group}' {d.uuid}"
+        + (f" (MIG of {d.mig_parent_uuid}, {d.compute_milli}m)" if d.is_mig else "")
+        for d in ctx.devices
+    )
+    ok = bool(ctx.devices) and len(inv.devices) == len(ctx.devices) and all(d.uuid for d in ctx.devices)
+    record("nvml discovery", "PASS" if ok else "FAIL", f"{len(ctx.devices)} device(s): {desc}")
+    record("mig mode", "INFO", ", ".join(f"{u}: {'enabled' if on else 'disabled'}" for u, on in migs.items()))
+    usage = ctx.backend.usage()
+    record(
+        "nvml usage",
+        "PASS" if len(usage) == len(ctx.devices) else "FAIL",
+        "; ".join(
+            f"#{u.index} util {u.utilization_pct}% {u.memory_used_mib} MiB pids {list(u.process_memory_mib)}"
+            for u in usage
+        ),
+    )
+
+
+def whole_gpu(ctx: Ctx) -> DeviceInfo | None:
+    return next((d for d in ctx.devices if not d.is_mig), None)
+
+
+def check_exclusive(ctx: Ctx) -> None:
+    gpu = ctx.devices[0]
+    tier = Isolation.MIG if gpu.is_mig else Isolation.EXCLUSIVE
+    env = slice_env(
+        "excl", 1, [SliceAssignment(gpu, gpu.compute_milli, gpu.memory_mib, tier)], ctx.work / "excl"
+    )
+    rec = ctx.alloc_job("excl", env, ["256", "256", "0"])
+    (done,) = ctx.wait_sampling([rec], 60)
+    rep = report_of(done)
+    ok = done.state is JobState.SUCCEEDED and rep.get("visible") == 1 and rep.get("cvd") == gpu.uuid
+    record(
+        f"{tier} slice alone",
+        "PASS" if ok else "FAIL",
+        f"{rep} {done.reason} {stderr_tail(done) if not ok else ''}",
+    )
+
+
+def check_timeslice(ctx: Ctx) -> None:
+    gpu = whole_gpu(ctx)
+    if gpu is None:
+        record("timeslice shim", "SKIP", "every GPU is in MIG mode")
+        return
+    watchdog = MemoryWatchdog(ctx.backend, ctx.executor, interval_s=0.5, kill_grace_s=1)
+    slices = [SliceAssignment(gpu, 500, SLICE_MIB, Isolation.TIMESLICE)]
+    recs = []
+    for name in ("ts-a", "ts-b"):
+        env = slice_env(name, 1, slices, ctx.work / name)
+        recs.append(ctx.alloc_job(name, env, ["256", str(3 * SLICE_MIB), "4"]))
+        watchdog.watch_slices(recs[-1].key, slices)
+    watchdog.start()
+    try:
+        done = ctx.wait_sampling(recs, 90)
+    finally:
+        watchdog.close()
+    for d in done:
+        rep = report_of(d)
+        alloc = int(rep.get("allocated_mib", -1))  # type: ignore[call-overload]
+        ok = (
+            d.state is JobState.SUCCEEDED
+            and bool(rep.get("oom"))
+            and 0 < alloc <= SLICE_MIB
+            and rep.get("shim") == "1"
+        )
+        detail = (
+            f"allocator stopped at {alloc} MiB of a {SLICE_MIB} MiB slice (oom: {str(rep.get('oom'))[:80]}); "
+            f"NVML peak {ctx.peaks.get(d.key)} MiB; state {d.state} {d.reason} {'' if ok else stderr_tail(d)}"
+        )
+        record(f"timeslice shim holds {d.allocation_id}", "PASS" if ok else "FAIL", detail)
+
+    # a process that bypasses the shim (python -I ignores PYTHONPATH) is stopped by the watchdog
+    watchdog = MemoryWatchdog(ctx.backend, ctx.executor, interval_s=0.5, kill_grace_s=1)
+    env = slice_env("ts-bypass", 1, slices, ctx.work / "ts-bypass")
+    rec = ctx.alloc_job("ts-bypass", env, ["1024", str(2 * SLICE_MIB), "60"], isolated=True)
+    watchdog.watch_slices(rec.key, slices)
+    watchdog.start()
+    try:
+        (d,) = ctx.wait_sampling([rec], 60)
+    finally:
+        watchdog.close()
+    ok = d.state is JobState.KILLED and d.reason.startswith("GPU memory") and "over slice limit" in d.reason
+    hint = "" if ok else f" (NVML peak {ctx.peaks.get(d.key)} MiB; pid namespace or NVML process accounting?)"
+    record("watchdog stops a shim bypass", "PASS" if ok else "FAIL", f"{d.state}: {d.reason}{hint}")
+
+
+def check_mps(ctx: Ctx) -> None:
+    gpu = ctx.devices[0]
+    daemon = MpsDaemon(gpu.uuid, ctx.work / "mps")
+    ok, why = daemon.available()
+    if not ok:
+        record("mps limits", "SKIP", why)
+        return
+    try:
+        daemon.start()
+    except Exception as e:
+        record("mps limits", "SKIP", str(e))
+        return
+    try:
+        mem = 4096
+        slices = [SliceAssignment(gpu, 250, mem, Isolation.MPS)]
+        env = slice_env("mps", 1, slices, ctx.work / "mps-job", mps={gpu.uuid: daemon})
+        rec = ctx.alloc_job("mps", env, ["256", str(3 * mem), "1"])
+        (d,) = ctx.wait_sampling([rec], 60)
+        rep = report_of(d)
+        alloc = int(rep.get("allocated_mib", -1))  # type: ignore[call-overload]
+        passed = d.state is JobState.SUCCEEDED and bool(rep.get("oom")) and 0 < alloc <= mem
+        record(
+            "mps pinned memory limit",
+            "PASS" if passed else "FAIL",
+            f"stopped at {alloc} MiB of {mem} MiB; {d.state} {d.reason} {'' if passed else stderr_tail(d)}",
+        )
+        record("mps active thread %", "INFO", f"25% asked; SMs seen by the client: {rep.get('sm')}")
+    finally:
+        daemon.stop()
+        record("mps daemon stopped", "PASS" if not daemon.running() else "FAIL", str(daemon.pipe_dir))
+
+
+def main() -> int:
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    work = Path(tempfile.mkdtemp(prefix="cpool-gpu-check-"))
+    ctx = Ctx(work)
+    print(f"ComputePool GPU check (work dir {work})", flush=True)
+    guarded("nvml discovery", lambda: check_discovery(ctx))
+    if ctx.devices and has_torch():
+        guarded("exclusive slice alone", lambda: check_exclusive(ctx))
+        guarded("timeslice", lambda: check_timeslice(ctx))
+        guarded("mps", lambda: check_mps(ctx))
+    elif ctx.devices:
+        record("torch checks", "SKIP", "PyTorch is not installed")
+    for rec in ctx.executor.running():
+        ctx.executor.kill(rec.key, "check finished", grace_s=1)
+
+    width = max(len(r["check"]) for r in RESULTS)
+    table = [f"{'check':<{width}}  status  detail", "-" * (width + 40)]
+    table += [f"{r['check']:<{width}}  {r['status']:<6}  {r['detail']}" for r in RESULTS]
+    print("\n" + "\n".join(table), flush=True)
+    failed = [r for r in RESULTS if r["status"] == "FAIL"]
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gpu-check.json").write_text(json.dumps(RESULTS, indent=2))
+        (out_dir / "gpu-check.txt").write_text("\n".join(table) + "\n")
+        runs = work / "agent" / "runs"
+        if runs.exists():
+            shutil.copytree(
+                runs,
+                out_dir / "runs",
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns("*.py", "cpool-shim"),
+            )
+    print(f"\n{len(RESULTS) - len(failed)} ok, {len(failed)} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""What every device backend reports, whatever the vendor: one shape for discovery and usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from computepool.core.quantities import MILLI_PER_DEVICE
+from computepool.core.resources import Device
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One schedulable accelerator on this node: a whole GPU or one MIG instance.
+
+    `index` numbers schedulable devices on the node (what a Slice's `device_index` names);
+    `physical_index` is the vendor's index of the GPU that holds it (the same for a whole GPU).
+    """
+
+    index: int
+    vendor: str
+    model: str
+    memory_mib: int
+    uuid: str
+    physical_index: int = -1
+    compute_milli: int = MILLI_PER_DEVICE
+    compute_capability: str = ""
+    numa_node: int = -1
+    link_group: str = ""
+    mig_parent_uuid: str | None = None
+
+    @property
+    def is_mig(self) -> bool:
+        return self.mig_parent_uuid is not None
+
+    def to_device(self) -> Device:
+        """The scheduler's view of this device."""
+        return Device(
+            index=self.index,
+            vendor=self.vendor,
+            model=self.model,
+            memory_mib=self.memory_mib,
+            uuid=self.uuid,
+            compute_milli=self.compute_milli,
+            numa_node=self.numa_node,
+            link_group=self.link_group,
+        )
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """A device's load right now. `utilization_pct` is None where the vendor cannot tell (MIG)."""
+
+    index: int
+    uuid: str
+    utilization_pct: float | None
+    memory_used_mib: int
+    process_memory_mib: dict[int, int] = field(default_factory=dict)
+
+
+@runtime_checkable
+class DeviceBackend(Protocol):
+    """A source of devices. Backends never raise for a missing driver: they say why instead."""
+
+    name: str
+
+    @property
+    def reason(self) -> str:
+        """Why the backend is unavailable ("" when it is available)."""
+        ...
+
+    def available(self) -> bool: ...
+
+    def discover(self) -> list[DeviceInfo]: ...
+
+    def usage(self) -> list[DeviceUsage]: ...

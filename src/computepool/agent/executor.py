@@ -1,0 +1,594 @@
+"""Run a job's command as a child process group, hold it to its CPU and host memory, and stop it.
+
+Each job runs under a tiny `/bin/sh` wrapper that (1) waits on a pipe until the agent has put it
+in its cgroup or set its rlimits, so not one instruction of the workload runs unlimited, and
+(2) writes the command's exit status into the run dir, so an agent that restarted can still
+tell how a job ended while it was away. The wrapper is the process group leader: signalling the
+group reaches the workload and everything it forked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from computepool.agent.localstate import JobRecord, JobState, LocalState, job_key
+from computepool.core.errors import InvalidInput
+
+DEFAULT_CGROUP_BASE = Path("/sys/fs/cgroup/computepool")
+EXIT_FILE = "exit_code"
+STDOUT_LOG = "stdout.log"
+STDERR_LOG = "stderr.log"
+MIB = 1024 * 1024
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "LD_LIBRARY_PATH")
+_OOM_MARKERS = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "out of memory")
+
+# $1 is the exit file; the rest is the command. stdin is the gate pipe until the agent says go.
+# The wrapper outlives SIGTERM (a trap, which the command does not inherit) so that the command
+# gets its whole grace period and its exit status is still written.
+_WRAPPER = """\
+read -r _cpool_go || exit 125
+exec </dev/null
+trap : TERM
+_cpool_exit_file=$1
+shift
+"$@"
+_cpool_rc=$?
+echo "$_cpool_rc" > "$_cpool_exit_file"
+exit "$_cpool_rc"
+"""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run for one attempt of an allocation. 0 means no limit for CPU or memory."""
+
+    allocation_id: str
+    attempt: int
+    command: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    user: str | None = None
+    cwd: str | None = None
+    uses_gpu: bool = False  # GPU runtimes reserve vast address space: no RLIMIT_AS for them
+
+    @property
+    def key(self) -> str:
+        return job_key(self.allocation_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class AdoptReport:
+    """What a (re)started executor found in its local state."""
+
+    adopted: list[JobRecord]
+    ended: list[JobRecord]
+
+
+@dataclass
+class _Live:
+    rec: JobRecord
+    popen: subprocess.Popen[bytes] | None  # None for a job adopted after a restart
+    stop_deadline: float | None = None
+    rss_limit_mib: int = 0  # host memory watched by RSS (GPU jobs without a cgroup)
+    cpus: tuple[int, ...] = ()
+
+
+class CgroupV2:
+    """Child cgroups under a base directory on a cgroup v2 hierarchy (delegated to the agent)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._checked: tuple[bool, str] | None = None
+
+    def usable(self) -> tuple[bool, str]:
+        if self._checked is None:
+            self._checked = self._check()
+        return self._checked
+
+    def _check(self) -> tuple[bool, str]:
+        parent = self.base.parent
+        controllers_file = parent / "cgroup.controllers"
+        if not controllers_file.exists():
+            return False, f"no cgroup v2 hierarchy at {parent}"
+        try:
+            have = set(controllers_file.read_text().split())
+            missing = {"cpu", "memory"} - have
+            if missing:
+                return False, f"cgroup controllers {sorted(missing)} not available in {parent}"
+            self.base.mkdir(exist_ok=True)
+            enabled = set((parent / "cgroup.subtree_control").read_text().split())
+            if not {"cpu", "memory"} <= enabled:
+                (parent / "cgroup.subtree_control").write_text("+cpu +memory")
+            (self.base / "cgroup.subtree_control").write_text("+cpu +memory")
+        except OSError as e:
+            return False, f"cgroup {self.base} not writable: {e}"
+        return True, ""
+
+    def create(self, name: str, cpu_milli: int, memory_mib: int) -> Path:
+        path = self.base / name
+        path.mkdir(exist_ok=True)
+        if cpu_milli > 0:
+            period = 100_000
+            (path / "cpu.max").write_text(f"{max(1000, cpu_milli * period // 1000)} {period}")
+        if memory_mib > 0:
+            (path / "memory.max").write_text(str(memory_mib * MIB))
+            for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                if (path / name).exists():  # no swapping past the limit; an OOM ends the whole job
+                    (path / name).write_text(value)
+        return path
+
+    @staticmethod
+    def add(path: Path, pid: int) -> None:
+        (path / "cgroup.procs").write_text(str(pid))
+
+    @staticmethod
+    def pids(path: Path) -> set[int]:
+        try:
+            return {int(x) for x in (path / "cgroup.procs").read_text().split()}
+        except (OSError, ValueError):
+            return set()
+
+    @staticmethod
+    def oom_kills(path: Path) -> int:
+        try:
+            for line in (path / "memory.events").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        """rmdir once the last killed process has left (the kernel takes a moment)."""
+        for _ in range(50):
+            try:
+                path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+class Executor:
+    """Starts, watches and stops the node's jobs; every change is written to the local state first.
+
+    `poll()` is meant to be called from the agent's control loop: it notices ended jobs, turns a
+    stop whose grace period ran out into SIGKILL, and returns the jobs that ended since the last
+    call. Safe to call from several threads (the memory watchdog calls `stop`).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        state: LocalState | None = None,
+        *,
+        cgroup_base: Path | None = DEFAULT_CGROUP_BASE,
+        kill_grace_s: float = 10.0,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.state = state if state is not None else LocalState(data_dir)
+        self.cgroups = CgroupV2(cgroup_base) if cgroup_base is not None else None
+        self.kill_grace_s = kill_grace_s
+        self.base_env = dict(base_env) if base_env is not None else _default_env()
+        self._live: dict[str, _Live] = {}
+        self._ended: list[JobRecord] = []
+        self._lock = threading.RLock()
+
+    # ---- starting -------------------------------------------------------------------------
+
+    def run_dir(self, allocation_id: str, attempt: int) -> Path:
+        return self.data_dir / "runs" / allocation_id / str(attempt)
+
+    def start(self, spec: JobSpec) -> JobRecord:
+        """Start one attempt; idempotent while it runs. Failures are recorded, never raised."""
+        if not _SAFE_ID.match(spec.allocation_id):
+            raise InvalidInput("allocation_id", f"{spec.allocation_id!r} is not a safe name")
+        if spec.attempt < 1:
+            raise InvalidInput("attempt", f"must be 1 or more, got {spec.attempt}")
+        with self._lock:
+            live = self._live.get(spec.key)
+            if live is not None:
+                return live.rec
+            run_dir = self.run_dir(spec.allocation_id, spec.attempt)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / EXIT_FILE).unlink(missing_ok=True)
+            rec = JobRecord(
+                allocation_id=spec.allocation_id,
+                attempt=spec.attempt,
+                command=list(spec.command),
+                run_dir=str(run_dir),
+                started_at=time.time(),
+                memory_mib=spec.memory_mib,
+            )
+            try:
+                return self._start(spec, rec, run_dir)
+            except Exception as e:  # the agent must survive whatever a bad job does
+                return self._fail(rec, f"could not start: {e}", None)
+
+    def _fail(self, rec: JobRecord, reason: str, exit_code: int | None) -> JobRecord:
+        rec.state, rec.reason, rec.exit_code = JobState.FAILED, reason, exit_code
+        rec.ended_at = time.time()
+        self.state.put(rec)
+        self._ended.append(rec)
+        return rec
+
+    def _start(self, spec: JobSpec, rec: JobRecord, run_dir: Path) -> JobRecord:
+        if not spec.command:
+            return self._fail(rec, "empty command", None)
+        user, why = _resolve_user(spec.user)
+        if why:
+            return self._fail(rec, why, None)
+        env = dict(self.base_env)
+        if user is not None:
+            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        env["CPOOL_RUN_DIR"] = str(run_dir)
+        env.update(spec.env)
+        if _which(spec.command[0], env.get("PATH", "")) is None:
+            return self._fail(rec, f"command not found: {spec.command[0]}", 127)
+        if user is not None and os.geteuid() == 0:
+            for p in (run_dir, *run_dir.iterdir()):
+                os.chown(p, user.pw_uid, user.pw_gid)
+
+        gate_r, gate_w = os.pipe()
+        try:
+            with open(run_dir / STDOUT_LOG, "ab") as out, open(run_dir / STDERR_LOG, "ab") as err:
+                popen = subprocess.Popen(
+                    ["/bin/sh", "-c", _WRAPPER, "cpool-job", str(run_dir / EXIT_FILE), *spec.command],
+                    stdin=gate_r,
+                    stdout=out,
+                    stderr=err,
+                    env=env,
+                    cwd=spec.cwd or str(run_dir),
+                    start_new_session=True,
+                    user=user.pw_uid if user is not None and os.geteuid() == 0 else None,
+                    group=user.pw_gid if user is not None and os.geteuid() == 0 else None,
+                    extra_groups=[] if user is not None and os.geteuid() == 0 else None,
+                )
+        except BaseException:
+            os.close(gate_w)
+            raise
+        finally:
+            os.close(gate_r)
+
+        rec.pid = rec.pgid = popen.pid
+        live = _Live(rec, popen)
+        try:
+            rec.create_time = psutil.Process(popen.pid).create_time()
+            self._limit(spec, live)
+            self.state.put(rec)  # recorded before the workload runs: a crash now cannot orphan it
+            os.write(gate_w, b"go\n")
+        except Exception as e:
+            os.close(gate_w)  # the wrapper reads EOF and exits without running the command
+            popen.wait()
+            return self._fail(rec, f"could not start: {e}", None)
+        os.close(gate_w)
+        self._live[rec.key] = live
+        return rec
+
+    def _limit(self, spec: JobSpec, live: _Live) -> None:
+        """cgroup v2 when we may write it, else rlimits and CPU affinity as a best effort."""
+        rec = live.rec
+        if spec.cpu_milli <= 0 and spec.memory_mib <= 0:
+            rec.limits = "none"
+            return
+        why = "cgroups disabled"
+        if self.cgroups is not None:
+            ok, why = self.cgroups.usable()
+            if ok:
+                path = self.cgroups.create(
+                    f"{spec.allocation_id}.{spec.attempt}", spec.cpu_milli, spec.memory_mib
+                )
+                self.cgroups.add(path, rec.pid)
+                rec.cgroup = str(path)
+                rec.limits = f"cgroup v2 {path}: cpu {spec.cpu_milli}m, memory {spec.memory_mib} MiB"
+                return
+        parts = []
+        if spec.memory_mib > 0:
+            if spec.uses_gpu:
+                live.rss_limit_mib = spec.memory_mib
+                parts.append(f"host memory {spec.memory_mib} MiB watched by RSS")
+            else:
+                limit = spec.memory_mib * MIB
+                psutil.Process(rec.pid).rlimit(psutil.RLIMIT_AS, (limit, limit))
+                parts.append(f"RLIMIT_AS {spec.memory_mib} MiB")
+        if spec.cpu_milli > 0:
+            live.cpus = self._pick_cpus(math.ceil(spec.cpu_milli / 1000))
+            os.sched_setaffinity(rec.pid, live.cpus)
+            parts.append(
+                f"affinity to {len(live.cpus)} CPU(s) {list(live.cpus)} (rlimits cannot cap CPU share)"
+            )
+        rec.limits = "; ".join(parts) + f" ({why})"
+
+    def _pick_cpus(self, n: int) -> tuple[int, ...]:
+        """The n CPUs least used by other jobs' affinity, so jobs do not all pile on CPU 0."""
+        allowed = sorted(os.sched_getaffinity(0))
+        load = dict.fromkeys(allowed, 0)
+        for live in self._live.values():
+            for c in live.cpus:
+                if c in load:
+                    load[c] += 1
+        return tuple(sorted(sorted(allowed, key=lambda c: (load[c], c))[: max(1, min(n, len(allowed)))]))
+
+    # ---- watching -------------------------------------------------------------------------
+
+    def get(self, key: str) -> JobRecord | None:
+        with self._lock:
+            live = self._live.get(key)
+            return live.rec if live is not None else self.state.get(key)
+
+    def running(self) -> list[JobRecord]:
+        with self._lock:
+            return [live.rec for live in self._live.values()]
+
+    def poll(self) -> list[JobRecord]:
+        """Jobs that ended since the last call, each returned once (start failures included)."""
+        with self._lock:
+            for key in list(self._live):
+                self._refresh(key)
+            ended, self._ended = self._ended, []
+            return ended
+
+    def wait(self, key: str, timeout: float | None = None) -> JobRecord:
+        """Block until the job ends (or the timeout passes); returns its record either way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            with self._lock:
+                if key in self._live:
+                    self._refresh(key)
+                live = self._live.get(key)
+                if live is None:
+                    rec = self.state.get(key)
+                    if rec is None:
+                        raise KeyError(key)
+                    return rec
+            if deadline is not None and time.monotonic() >= deadline:
+                return live.rec
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def job_pids(self, key: str) -> set[int]:
+        """Every live process of the job: its cgroup, else the leader and all its descendants."""
+        with self._lock:
+            live = self._live.get(key)
+            if live is None:
+                return set()
+            rec = live.rec
+        pids = CgroupV2.pids(Path(rec.cgroup)) if rec.cgroup else set()
+        try:
+            leader = psutil.Process(rec.pid)
+            if abs(leader.create_time() - rec.create_time) < 0.05:
+                pids.add(rec.pid)
+                pids.update(c.pid for c in leader.children(recursive=True))
+        except psutil.Error:
+            pass
+        return pids
+
+    @staticmethod
+    def _alive(rec: JobRecord, zombie_ok: bool = False) -> bool:
+        """Is the job's leader still this job's process (same pid and start time)?"""
+        try:
+            p = psutil.Process(rec.pid)
+            if abs(p.create_time() - rec.create_time) >= 0.05:
+                return False
+            return zombie_ok or p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def _refresh(self, key: str) -> None:
+        live = self._live[key]
+        rec = live.rec
+        if live.popen is not None:
+            rc = live.popen.poll()
+            ended = rc is not None
+        else:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(rec.pid, os.WNOHANG)  # reap it if it happens to be our child
+            ended = not self._alive(rec)
+            rc = _read_exit(Path(rec.run_dir)) if ended else None
+        if ended:
+            self._finish(live, rc)
+            return
+        self._escalate(live)
+        self._check_rss(live)
+
+    def _escalate(self, live: _Live) -> None:
+        if live.stop_deadline is not None and time.monotonic() >= live.stop_deadline:
+            self._signal_group(live.rec, signal.SIGKILL)
+            live.stop_deadline = None
+
+    def _check_rss(self, live: _Live) -> None:
+        if live.rss_limit_mib <= 0 or live.rec.stop_reason:
+            return
+        total = 0
+        for pid in self.job_pids(live.rec.key):
+            with contextlib.suppress(psutil.Error):
+                total += psutil.Process(pid).memory_info().rss
+        if total // MIB > live.rss_limit_mib:
+            reason = (
+                f"out of memory: host memory {total // MIB} MiB over limit {live.rss_limit_mib} MiB (RSS)"
+            )
+            self._stop(live, reason, 0.0)
+
+    def _finish(self, live: _Live, rc: int | None) -> None:
+        rec = live.rec
+        self._kill_leftovers(rec)
+        rec.exit_code = rc
+        rec.ended_at = time.time()
+        oom = CgroupV2.oom_kills(Path(rec.cgroup)) if rec.cgroup else 0
+        if rec.cgroup:
+            CgroupV2.remove(Path(rec.cgroup))
+        if rec.stop_reason:
+            rec.state, rec.reason = JobState.KILLED, rec.stop_reason
+        elif oom > 0:
+            rec.state = JobState.FAILED
+            rec.reason = f"out of memory (cgroup memory.max {rec.memory_mib} MiB)"
+        elif rc is None:
+            rec.state, rec.reason = JobState.LOST, "ended while the agent was away; exit status unknown"
+        elif rc == 0:
+            rec.state, rec.reason = JobState.SUCCEEDED, ""
+        else:
+            rec.state, rec.reason = JobState.FAILED, self._explain(rec, rc)
+        self.state.put(rec)
+        self._ended.append(rec)
+        del self._live[rec.key]
+
+    def _explain(self, rec: JobRecord, rc: int) -> str:
+        sig = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + 65 else 0
+        if sig:
+            try:
+                name = f" ({signal.Signals(sig).name})"
+            except ValueError:
+                name = ""
+            return f"killed by signal {sig}{name}"
+        if rc == 127:
+            return f"command not found: {rec.command[0]}"
+        if "RLIMIT_AS" in rec.limits and _stderr_says_oom(Path(rec.run_dir)):
+            return f"out of memory (RLIMIT_AS {rec.memory_mib} MiB): exit code {rc}"
+        return f"exit code {rc}"
+
+    def _kill_leftovers(self, rec: JobRecord) -> None:
+        """Processes the job left in its group: only those born after the job (no pgid reuse)."""
+        victims: list[psutil.Process] = []
+        for p in psutil.process_iter(["pid", "create_time"]):
+            try:
+                if os.getpgid(p.pid) == rec.pgid and p.info["create_time"] >= rec.create_time - 0.05:
+                    victims.append(p)
+            except (OSError, psutil.Error):
+                continue
+        for p in victims:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if rec.cgroup:
+            for pid in CgroupV2.pids(Path(rec.cgroup)):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+    # ---- stopping -------------------------------------------------------------------------
+
+    def stop(self, key: str, reason: str, grace_s: float | None = None) -> None:
+        """SIGTERM to the job's group now; `poll` sends SIGKILL once the grace period is over."""
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None:
+                self._stop(live, reason, self.kill_grace_s if grace_s is None else grace_s)
+
+    def _stop(self, live: _Live, reason: str, grace_s: float) -> None:
+        rec = live.rec
+        if not rec.stop_reason:
+            rec.stop_reason = reason
+            self.state.put(rec)
+        if grace_s <= 0:
+            self._signal_group(rec, signal.SIGKILL)
+            live.stop_deadline = None
+            return
+        self._signal_group(rec, signal.SIGTERM)
+        live.stop_deadline = time.monotonic() + grace_s
+
+    def kill(self, key: str, reason: str, grace_s: float | None = None) -> JobRecord:
+        """Stop and wait until the whole group is gone."""
+        grace = self.kill_grace_s if grace_s is None else grace_s
+        self.stop(key, reason, grace)
+        return self.wait(key, timeout=grace + 10)
+
+    def _signal_group(self, rec: JobRecord, sig: signal.Signals) -> None:
+        if not self._alive(rec, zombie_ok=True):
+            # the leader is gone (or its pid reused): reach the members we can prove are ours
+            if sig == signal.SIGKILL:
+                self._kill_leftovers(rec)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rec.pgid, sig)
+        if rec.cgroup and sig == signal.SIGKILL:
+            for pid in CgroupV2.pids(Path(rec.cgroup)):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+
+    # ---- restart --------------------------------------------------------------------------
+
+    def adopt(self) -> AdoptReport:
+        """Take back the jobs the local state says are running: still alive → adopted, else ended."""
+        adopted, ended = [], []
+        with self._lock:
+            for rec in self.state.running():
+                if rec.key in self._live:
+                    continue
+                live = _Live(rec, None)
+                if self._alive(rec):
+                    with contextlib.suppress(psutil.Error, OSError):
+                        live.cpus = tuple(psutil.Process(rec.pid).cpu_affinity() or ())
+                    self._live[rec.key] = live
+                    adopted.append(rec)
+                    if rec.stop_reason:  # a stop was under way when the agent went down
+                        self._stop(live, rec.stop_reason, self.kill_grace_s)
+                else:
+                    self._live[rec.key] = live
+                    self._finish(live, _read_exit(Path(rec.run_dir)))
+                    ended.append(rec)
+            self._ended = [r for r in self._ended if r not in ended]
+        return AdoptReport(adopted, ended)
+
+
+def _default_env() -> dict[str, str]:
+    """Only harmless variables pass from the agent: its own may hold credentials."""
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    me = pwd.getpwuid(os.geteuid())
+    env.update(HOME=me.pw_dir, USER=me.pw_name, LOGNAME=me.pw_name)
+    return env
+
+
+def _resolve_user(name: str | None) -> tuple[pwd.struct_passwd | None, str]:
+    if not name:
+        return None, ""
+    try:
+        user = pwd.getpwnam(name)
+    except KeyError:
+        return None, f"unknown user: {name}"
+    if os.geteuid() != 0 and user.pw_uid != os.geteuid():
+        return None, f"cannot run as {name}: the agent is not root"
+    return user, ""
+
+
+def _which(cmd: str, path: str) -> str | None:
+    if "/" in cmd:
+        return cmd if os.path.isfile(cmd) and os.access(cmd, os.X_OK) else None
+    return shutil.which(cmd, path=path)
+
+
+def _read_exit(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / EXIT_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _stderr_says_oom(run_dir: Path) -> bool:
+    try:
+        with open(run_dir / STDERR_LOG, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(m in tail for m in _OOM_MARKERS)

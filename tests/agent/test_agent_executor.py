@@ -1,0 +1,194 @@
+"""The executor with real child processes: exit codes, logs, limits, group kill, clean failures."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, CgroupV2, Executor, JobSpec
+from computepool.agent.localstate import JobState
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for_file(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_exit_codes_logs_and_env(executor: Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CPOOL_AGENT_SECRET", "do-not-leak")
+    script = 'echo "out $CPOOL_SLICE_VAR ${CPOOL_AGENT_SECRET:-none}"; echo err >&2; exit "$1"'
+    ok = executor.start(JobSpec("ok", 1, ["sh", "-c", script, "sh", "0"], env={"CPOOL_SLICE_VAR": "v1"}))
+    bad = executor.start(JobSpec("bad", 1, ["sh", "-c", script, "sh", "3"]))
+    ok_rec, bad_rec = executor.wait(ok.key, 10), executor.wait(bad.key, 10)
+    assert (ok_rec.state, ok_rec.exit_code, ok_rec.reason) == (JobState.SUCCEEDED, 0, "")
+    assert (bad_rec.state, bad_rec.exit_code, bad_rec.reason) == (JobState.FAILED, 3, "exit code 3")
+    run_dir = Path(ok_rec.run_dir)
+    assert (run_dir / STDOUT_LOG).read_text() == "out v1 none\n"
+    assert (run_dir / STDERR_LOG).read_text() == "err\n"
+    assert ok_rec.started_at <= ok_rec.ended_at  # type: ignore[operator]
+    assert {r.key for r in executor.poll()} == {ok.key, bad.key}
+    assert executor.poll() == []
+    assert executor.state.get(ok.key) == ok_rec
+
+
+def test_command_not_found_is_a_recorded_failure(executor: Executor) -> None:
+    rec = executor.start(JobSpec("nf", 1, ["no-such-command-xyz", "--flag"]))
+    assert (rec.state, rec.exit_code, rec.reason) == (
+        JobState.FAILED,
+        127,
+        "command not found: no-such-command-xyz",
+    )
+    assert executor.state.get(rec.key).reason == rec.reason  # type: ignore[union-attr]
+    assert [r.key for r in executor.poll()] == [rec.key]
+    empty = executor.start(JobSpec("empty", 1, []))
+    assert (empty.state, empty.reason) == (JobState.FAILED, "empty command")
+
+
+def test_start_is_idempotent_while_running(executor: Executor) -> None:
+    spec = JobSpec("idem", 1, ["sleep", "30"])
+    a, b = executor.start(spec), executor.start(spec)
+    assert a.pid == b.pid and len(executor.running()) == 1
+
+
+def test_kill_takes_the_whole_process_group(executor: Executor, tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    rec = executor.start(JobSpec("grp", 1, ["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"]))
+    child = int(_wait_for_file(pidfile))
+    assert child in executor.job_pids(rec.key)
+    done = executor.kill(rec.key, "preempted by a higher priority job", grace_s=2)
+    assert (done.state, done.reason) == (JobState.KILLED, "preempted by a higher priority job")
+    assert _gone(child) and _gone(rec.pid)
+
+
+def test_sigterm_ignored_escalates_to_sigkill(executor: Executor, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    rec = executor.start(
+        JobSpec("stubborn", 1, ["sh", "-c", f"trap '' TERM; echo 1 > {ready}; sleep 60 & wait"])
+    )
+    _wait_for_file(ready)
+    t0 = time.monotonic()
+    done = executor.kill(rec.key, "stop asked", grace_s=0.3)
+    assert done.state is JobState.KILLED and done.reason == "stop asked"
+    assert 0.25 < time.monotonic() - t0 < 5
+
+
+def test_a_job_handling_sigterm_gets_its_grace_period(executor: Executor, tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint"
+    code = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(0.2)\n"
+        f"    open({str(ckpt)!r}, 'w').write('saved')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        f"open({str(ckpt) + '.ready'!r}, 'w').write('1')\n"
+        "time.sleep(60)\n"
+    )
+    rec = executor.start(JobSpec("graceful", 1, [sys.executable, "-c", code]))
+    _wait_for_file(Path(str(ckpt) + ".ready"))
+    done = executor.kill(rec.key, "drain", grace_s=5)
+    assert ckpt.read_text() == "saved"
+    assert (done.state, done.exit_code, done.reason) == (JobState.KILLED, 0, "drain")
+
+
+def test_leftover_children_are_killed_when_the_job_ends(executor: Executor, tmp_path: Path) -> None:
+    pidfile = tmp_path / "bg.pid"
+    rec = executor.start(JobSpec("left", 1, ["sh", "-c", f"sleep 60 & echo $! > {pidfile}; exit 0"]))
+    done = executor.wait(rec.key, 10)
+    assert done.state is JobState.SUCCEEDED
+    bg = int(_wait_for_file(pidfile))
+    deadline = time.monotonic() + 5
+    while not _gone(bg) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _gone(bg)
+
+
+def test_killed_by_signal_is_recorded(executor: Executor) -> None:
+    rec = executor.start(
+        JobSpec("sig", 1, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    )
+    done = executor.wait(rec.key, 10)
+    assert done.state is JobState.FAILED and done.reason == "killed by signal 9 (SIGKILL)"
+
+
+def test_rlimit_stops_a_memory_hog_with_a_reason(executor: Executor) -> None:
+    hog = [sys.executable, "-c", "b = bytearray(600 * 1024 * 1024); print(len(b))"]
+    rec = executor.start(JobSpec("hog", 1, hog, memory_mib=200))
+    assert "RLIMIT_AS 200 MiB" in rec.limits
+    done = executor.wait(rec.key, 20)
+    assert done.state is JobState.FAILED
+    assert done.reason.startswith("out of memory (RLIMIT_AS 200 MiB)")
+    small = executor.start(
+        JobSpec("small", 1, [sys.executable, "-c", "b = bytearray(20 * 1024 * 1024)"], memory_mib=200)
+    )
+    assert executor.wait(small.key, 20).state is JobState.SUCCEEDED
+
+
+def test_cpu_fallback_pins_to_whole_cores(executor: Executor) -> None:
+    rec = executor.start(
+        JobSpec(
+            "cpu", 1, [sys.executable, "-c", "import os; print(len(os.sched_getaffinity(0)))"], cpu_milli=500
+        )
+    )
+    assert "affinity to 1 CPU" in rec.limits
+    done = executor.wait(rec.key, 10)
+    assert (Path(done.run_dir) / STDOUT_LOG).read_text().strip() == "1"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_run_as_another_user(executor: Executor) -> None:
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody'")
+    rec = executor.start(JobSpec("asuser", 1, ["sh", "-c", "id -u; echo $HOME"], user="nobody"))
+    done = executor.wait(rec.key, 10)
+    assert done.state is JobState.SUCCEEDED, done.reason
+    assert (Path(done.run_dir) / STDOUT_LOG).read_text().split() == [str(nobody.pw_uid), nobody.pw_dir]
+
+
+def test_unknown_user_is_a_recorded_failure(executor: Executor) -> None:
+    rec = executor.start(JobSpec("nouser", 1, ["true"], user="no-such-user-xyz"))
+    assert (rec.state, rec.reason) == (JobState.FAILED, "unknown user: no-such-user-xyz")
+
+
+def test_cgroup_v2_limits_when_writable(tmp_path: Path) -> None:
+    base = Path(f"/sys/fs/cgroup/computepool-test-{os.getpid()}")
+    cg = CgroupV2(base)
+    ok, why = cg.usable()
+    if not ok:
+        pytest.skip(f"cgroup v2 not writable here: {why}")
+    ex = Executor(tmp_path / "agent", cgroup_base=base, kill_grace_s=1)
+    try:
+        rec = ex.start(
+            JobSpec(
+                "cg",
+                1,
+                [sys.executable, "-c", "b = bytearray(600 * 1024 * 1024)"],
+                cpu_milli=500,
+                memory_mib=128,
+            )
+        )
+        assert rec.cgroup and "cgroup v2" in rec.limits
+        done = ex.wait(rec.key, 20)
+        assert done.state is JobState.FAILED
+        assert "out of memory" in done.reason
+    finally:
+        CgroupV2.remove(base)
