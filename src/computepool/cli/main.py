@@ -12,12 +12,13 @@ app.add_typer(bench_app, name="bench")
 
 
 def _register() -> None:
-    from computepool.cli import bench_cmd, sim_fill, sim_replay, sim_report
+    from computepool.cli import bench_cmd, server_cmd, sim_fill, sim_replay, sim_report
 
     sim_fill.register(sim_app)
     sim_replay.register(sim_app)
     sim_report.register(sim_app)
     bench_cmd.register(bench_app)
+    server_cmd.register(app)
 
 
 def main() -> None:

@@ -1,0 +1,120 @@
+"""API errors and their JSON shape: `{"error": message, "field": where}` — never a 500 for bad input.
+
+Services raise `ApiError` subclasses; handlers here turn them, validation errors and database
+outages into answers. A database that cannot be reached gives 503 with Retry-After; the engine's
+pre-ping replaces dead connections, so the server recovers by itself when the database returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("computepool.server")
+
+
+class ApiError(Exception):
+    status = 400
+
+    def __init__(self, message: str, field: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+
+class Unauthorized(ApiError):
+    status = 401
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ApiError):
+    status = 403
+
+
+class NotFound(ApiError):
+    status = 404
+
+
+class Conflict(ApiError):
+    status = 409
+
+
+class Invalid(ApiError):
+    status = 422
+
+
+def error_body(message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"error": message}
+    if field is not None:
+        body["field"] = field
+    body.update(extra)
+    return body
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """('body', 'devices', 0, 'index') → 'devices[0].index'; the request part is dropped."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        head = parts.pop(0)
+        if not parts:
+            return str(head)
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _validation(errors: Sequence[Any]) -> dict[str, Any]:
+    items = []
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            items.append(
+                {"field": "body", "error": f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}"}
+            )
+        else:
+            items.append({"field": field_path(e.get("loc", ())), "error": e.get("msg", "invalid")})
+    first = items[0] if items else {"field": "body", "error": "invalid request"}
+    return error_body(f"{first['field']}: {first['error']}", first["field"], errors=items)
+
+
+def install_handlers(app: FastAPI, on_denied: Any = None) -> None:
+    """`on_denied(request, exc)` is called for refused state-changing calls (to audit them)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if on_denied is not None and exc.status in (403, 404, 409, 422):
+            await on_denied(request, exc)
+        return JSONResponse(error_body(exc.message, exc.field), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation(exc.errors()), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    async def _db_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", type(exc).__name__)
+        retry = str(request.app.state.settings.retry_after_s)
+        return JSONResponse(
+            error_body("database unavailable, retry later"), status_code=503, headers={"Retry-After": retry}
+        )
+
+    for exc_type in (OperationalError, InterfaceError, PoolTimeout):
+        app.add_exception_handler(exc_type, _db_down)
+
+    @app.exception_handler(IntegrityError)
+    async def _conflict(request: Request, exc: IntegrityError) -> JSONResponse:
+        return JSONResponse(error_body("conflicts with stored data (it may exist already)"), status_code=409)

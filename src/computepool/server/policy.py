@@ -1,0 +1,153 @@
+"""Who may do what: roles, actions, and the one function that decides — `authorize`.
+
+Every route declares its action (see `deps.requires`); the dependency calls `authorize` with no
+target (may this role do this at all?), and services call it again with the object they touch
+(is it in the caller's tenant? is it the caller's own token?). Objects of another tenant are
+reported as missing (404), so their names do not leak; a known object the caller may see but not
+change is refused (403).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from computepool.server.errors import Forbidden, NotFound
+
+
+class Role(StrEnum):
+    ADMIN = "admin"  # the whole pool
+    TENANT_ADMIN = "tenant-admin"  # users, tokens and audit of their tenant
+    MEMBER = "member"  # uses the pool within their tenant
+    VIEWER = "viewer"  # reads only (may still revoke their own tokens)
+    NODE = "node"  # a node agent's credential, bound to that node
+
+
+HUMAN_ROLES = frozenset({Role.ADMIN, Role.TENANT_ADMIN, Role.MEMBER, Role.VIEWER})
+
+
+class Action(StrEnum):
+    WHOAMI = "whoami"
+    TENANT_CREATE = "tenant.create"
+    TENANT_LIST = "tenant.list"
+    TENANT_GET = "tenant.get"
+    USER_CREATE = "user.create"
+    USER_LIST = "user.list"
+    TOKEN_CREATE = "token.create"
+    TOKEN_LIST = "token.list"
+    TOKEN_REVOKE = "token.revoke"
+    QUOTA_SET = "quota.set"
+    QUOTA_GET = "quota.get"
+    JOIN_TOKEN_CREATE = "join-token.create"
+    NODE_JOIN = "node.join"  # authenticated by the join token in the body, not by a bearer token
+    NODE_HEARTBEAT = "node.heartbeat"
+    NODE_LIST = "node.list"
+    NODE_CORDON = "node.cordon"
+    NODE_UNCORDON = "node.uncordon"
+    NODE_DRAIN = "node.drain"
+    NODE_DELETE = "node.delete"
+    AUDIT_LIST = "audit.list"
+    AUDIT_VERIFY = "audit.verify"
+
+    @property
+    def mutating(self) -> bool:
+        """State-changing actions are audited, refused attempts included.
+
+        Heartbeats are liveness telemetry, every few seconds from every node: not audited.
+        """
+        if self in (Action.WHOAMI, Action.NODE_HEARTBEAT):
+            return False
+        return self.split(".")[-1] not in ("list", "get", "verify")
+
+
+_ALL = frozenset(HUMAN_ROLES)
+_ADMIN = frozenset({Role.ADMIN})
+_ADMINS = frozenset({Role.ADMIN, Role.TENANT_ADMIN})
+_WRITERS = frozenset({Role.ADMIN, Role.TENANT_ADMIN, Role.MEMBER})
+
+GRANTS: dict[Action, frozenset[Role]] = {
+    Action.WHOAMI: _ALL | {Role.NODE},
+    Action.TENANT_CREATE: _ADMIN,
+    Action.TENANT_LIST: _ALL,
+    Action.TENANT_GET: _ALL,
+    Action.USER_CREATE: _ADMINS,
+    Action.USER_LIST: _ALL,
+    Action.TOKEN_CREATE: _WRITERS,
+    Action.TOKEN_LIST: _ALL,
+    Action.TOKEN_REVOKE: _ALL,
+    Action.QUOTA_SET: _ADMIN,
+    Action.QUOTA_GET: _ALL,
+    Action.JOIN_TOKEN_CREATE: _ADMIN,
+    Action.NODE_JOIN: frozenset(),  # never by bearer token
+    Action.NODE_HEARTBEAT: frozenset({Role.NODE}),
+    Action.NODE_LIST: _ALL,
+    Action.NODE_CORDON: _ADMIN,
+    Action.NODE_UNCORDON: _ADMIN,
+    Action.NODE_DRAIN: _ADMIN,
+    Action.NODE_DELETE: _ADMIN,
+    Action.AUDIT_LIST: _ADMINS,
+    Action.AUDIT_VERIFY: _ADMIN,
+}
+
+# Actions on tokens, where a member or viewer may only touch their own.
+_OWN_ONLY = frozenset({Action.TOKEN_CREATE, Action.TOKEN_REVOKE})
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a user (with tenant) or a node (bound to `node`)."""
+
+    name: str
+    role: Role
+    tenant: str | None
+    token_id: str
+    node: str | None = None
+
+    @property
+    def actor(self) -> str:
+        return f"node:{self.node}" if self.role is Role.NODE else f"user:{self.name}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The object an action touches. `owner`/`owner_role`: the user a token or new user is for."""
+
+    kind: str
+    name: str
+    tenant: str | None = None
+    owner: str | None = None
+    owner_role: Role | None = None
+    node: str | None = None
+    field: str | None = None  # the request field that named the object, for error messages
+
+    def describe(self) -> str:
+        return f"{self.kind} '{self.name}'"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a list may show: None means no restriction on that field."""
+
+    tenant: str | None = None
+    user: str | None = None
+
+
+def authorize(principal: Principal, action: Action, target: Target | None = None) -> Scope:
+    """Raise Forbidden (403) or NotFound (404, for other tenants' objects); else the list scope."""
+    role = principal.role
+    if role not in GRANTS[action]:
+        raise Forbidden(f"role '{role}' may not {action}")
+    if role is Role.ADMIN:
+        return Scope()
+    if target is not None:
+        if target.tenant is not None and target.tenant != principal.tenant:
+            raise NotFound(f"{target.describe()} not found", target.field)
+        if target.node is not None and target.node != principal.node:
+            raise Forbidden(f"this credential belongs to node '{principal.node}', not '{target.node}'")
+        if target.owner_role is Role.ADMIN:
+            raise Forbidden("only an admin may act on admin users or their tokens")
+        if action in _OWN_ONLY and role is not Role.TENANT_ADMIN and target.owner != principal.name:
+            raise Forbidden(f"role '{role}' may only {action} for its own user")
+    if action is Action.TOKEN_LIST and role is not Role.TENANT_ADMIN:
+        return Scope(tenant=principal.tenant, user=principal.name)
+    return Scope(tenant=principal.tenant)

@@ -1,0 +1,15 @@
+"""HTTP routers, thin: parse, call one service function, return its model.
+
+`API_ROUTERS` are mounted under /api/v1 by the app factory; add a new module's router there.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from computepool.server.routers import audit, identity, nodes, quotas, tenants
+
+
+def api_routers() -> list[APIRouter]:
+    """Every router served under /api/v1, in the order they appear in the OpenAPI document."""
+    return [identity.router, tenants.router, quotas.router, nodes.router, audit.router]

@@ -1,0 +1,26 @@
+"""Liveness (no database) and readiness (the database answers)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="The process is alive (does not touch the database)")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="The database is reachable", responses={503: {"description": "Database down"}})
+def readyz(request: Request) -> JSONResponse:
+    try:
+        request.app.state.db.ping()
+    except Exception as e:  # any failure to reach the database means "not ready"
+        return JSONResponse(
+            {"status": "unavailable", "error": f"database unreachable ({type(e).__name__})"},
+            status_code=503,
+            headers={"Retry-After": str(request.app.state.settings.retry_after_s)},
+        )
+    return JSONResponse({"status": "ready"})

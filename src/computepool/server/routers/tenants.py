@@ -1,0 +1,33 @@
+"""Tenants."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from computepool.server.context import Ctx
+from computepool.server.deps import requires
+from computepool.server.policy import Action
+from computepool.server.schemas.common import Items
+from computepool.server.schemas.identity import TenantCreate, TenantOut
+from computepool.server.services import tenants
+
+router = APIRouter(tags=["tenants"])
+
+
+@router.post("/tenants", status_code=201, summary="Create a tenant")
+def create_tenant(
+    body: TenantCreate, ctx: Annotated[Ctx, Depends(requires(Action.TENANT_CREATE))]
+) -> TenantOut:
+    return tenants.create(ctx, body)
+
+
+@router.get("/tenants", summary="Tenants the caller may see")
+def list_tenants(ctx: Annotated[Ctx, Depends(requires(Action.TENANT_LIST))]) -> Items[TenantOut]:
+    return tenants.list_all(ctx)
+
+
+@router.get("/tenants/{name}", summary="One tenant")
+def get_tenant(name: str, ctx: Annotated[Ctx, Depends(requires(Action.TENANT_GET))]) -> TenantOut:
+    return tenants.get(ctx, name)

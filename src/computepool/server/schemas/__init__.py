@@ -1,0 +1,1 @@
+"""Pydantic models of the HTTP API: what goes in (extra fields refused) and what comes out."""

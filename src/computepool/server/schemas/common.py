@@ -1,0 +1,40 @@
+"""Shared field types and bounds. Bounds reject absurd values at the edge, naming the field."""
+
+from __future__ import annotations
+
+from typing import Annotated, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+T = TypeVar("T")
+
+MAX_CPU_MILLI = 10**9  # a million cores
+MAX_MEMORY_MIB = 2**40  # an exbibyte
+MAX_GPU_MILLI = 10**10  # ten million devices
+MAX_EXPIRES_S = 10 * 366 * 24 * 3600
+
+Name = Annotated[
+    str,
+    StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$"),
+    Field(description="Lower-case letters, digits, '.', '_' or '-'; at most 63 characters."),
+]
+ModelName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"),
+    Field(description="A GPU model name as the agent reports it, e.g. A100-SXM4-80GB."),
+]
+Count = Annotated[int, Field(strict=True, ge=0)]
+
+
+class In(BaseModel):
+    """Base of request bodies: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Items(Out, Generic[T]):
+    items: list[T] = Field(description="The matching objects.")

@@ -1,0 +1,122 @@
+"""Join tokens, node inventory, heartbeats."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints, model_validator
+
+from computepool.core.request import MAX_DEVICES_PER_NODE
+from computepool.server.schemas.common import (
+    MAX_CPU_MILLI,
+    MAX_EXPIRES_S,
+    MAX_MEMORY_MIB,
+    In,
+    ModelName,
+    Name,
+    Out,
+)
+
+MAX_DEVICE_MEMORY_MIB = 2**24  # 16 TiB on one device
+MAX_LABELS = 64
+NodeState = Literal["ready", "suspect", "lost"]
+Uuid = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:/-]{0,127})?$")]
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
+LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/@ -]{0,63}$")]
+
+
+class JoinTokenCreate(In):
+    expires_in_s: int = Field(
+        default=3600, strict=True, ge=1, le=MAX_EXPIRES_S, description="Lifetime in seconds."
+    )
+    single_use: bool = Field(default=True, strict=True, description="Refuse the token after one join.")
+
+
+class JoinTokenCreated(Out):
+    id: str
+    token: str = Field(description="Give this to `cpool agent`; shown only in this answer.")
+    expires_at: datetime
+    single_use: bool
+
+
+class DeviceIn(In):
+    index: int = Field(strict=True, ge=0, lt=MAX_DEVICES_PER_NODE, description="Index on the node (0-based).")
+    vendor: ModelName = Field(description="e.g. nvidia, amd, simulated.")
+    model: ModelName
+    memory_mib: int = Field(strict=True, ge=1, le=MAX_DEVICE_MEMORY_MIB, description="Device memory in MiB.")
+    uuid: Uuid = Field(default="", description="Vendor uuid (GPU-… or MIG-…).")
+    compute_milli: int = Field(default=1000, strict=True, ge=1, le=1000, description="1000 = a whole device.")
+    link_group: str = Field(
+        default="", max_length=63, pattern=r"^[A-Za-z0-9_.:-]*$", description="NVLink peers."
+    )
+    mig_parent_uuid: Uuid | None = Field(default=None, description="For a MIG instance: its GPU's uuid.")
+
+
+class NodeJoin(In):
+    join_token: str = Field(max_length=200, description="A join token from POST /api/v1/join-tokens.")
+    name: Name = Field(description="The node's name, unique in the pool.")
+    cpu_milli: int = Field(strict=True, ge=0, le=MAX_CPU_MILLI, description="Schedulable host CPU.")
+    memory_mib: int = Field(strict=True, ge=0, le=MAX_MEMORY_MIB, description="Schedulable host memory.")
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_LABELS)
+    devices: list[DeviceIn] = Field(default_factory=list, max_length=MAX_DEVICES_PER_NODE)
+
+    @model_validator(mode="after")
+    def _unique_indexes(self) -> NodeJoin:
+        seen: set[int] = set()
+        for d in self.devices:
+            if d.index in seen:
+                raise ValueError(f"devices: index {d.index} appears twice")
+            seen.add(d.index)
+        return self
+
+
+class DeviceUsageIn(In):
+    index: int = Field(strict=True, ge=0, lt=MAX_DEVICES_PER_NODE, description="Device index on this node.")
+    used_memory_mib: int | None = Field(default=None, strict=True, ge=0, le=MAX_DEVICE_MEMORY_MIB)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100, allow_inf_nan=False)
+
+
+class Heartbeat(In):
+    devices_usage: list[DeviceUsageIn] = Field(default_factory=list, max_length=MAX_DEVICES_PER_NODE)
+
+
+class DeviceOut(Out):
+    index: int
+    vendor: str
+    model: str
+    memory_mib: int
+    uuid: str
+    compute_milli: int
+    link_group: str
+    mig_parent_uuid: str | None
+    used_memory_mib: int | None
+    utilization_pct: float | None
+
+
+class NodeOut(Out):
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    labels: dict[str, str]
+    devices: list[DeviceOut]
+    state: NodeState = Field(description="From the heartbeat age on the database clock.")
+    heartbeat_age_s: float
+    cordoned: bool = Field(description="No new work is placed here.")
+    draining: bool = Field(description="Cordoned, and running work is to be moved away.")
+    joined_at: datetime
+    last_heartbeat_at: datetime
+
+
+class NodeJoined(Out):
+    node: NodeOut
+    credential: str = Field(description="The node's bearer token; shown only in this answer.")
+    heartbeat_interval_s: float
+
+
+class HeartbeatOut(Out):
+    node: str
+    state: NodeState
+    cordoned: bool
+    draining: bool
+    heartbeat_interval_s: float

@@ -1,0 +1,208 @@
+"""Join tokens, joining, heartbeats, node state and the admin's cordon / drain."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from computepool.server.context import Ctx
+from computepool.server.credentials import new_secret, secret_matches, split_token
+from computepool.server.errors import Conflict, Invalid, NotFound, Unauthorized
+from computepool.server.policy import Target, authorize
+from computepool.server.schemas.common import Items
+from computepool.server.schemas.nodes import (
+    DeviceOut,
+    Heartbeat,
+    HeartbeatOut,
+    JoinTokenCreate,
+    JoinTokenCreated,
+    NodeJoin,
+    NodeJoined,
+    NodeOut,
+    NodeState,
+)
+from computepool.server.services.audit import record
+from computepool.server.settings import ServerSettings
+from computepool.store import nodes, tokens
+from computepool.store.db import db_now
+from computepool.store.models import ApiToken, JoinToken, Node
+from computepool.store.nodes import DeviceSpec, DeviceUsage
+
+log = logging.getLogger("computepool.server")
+
+
+def node_state(age_s: float, settings: ServerSettings) -> NodeState:
+    """ready below `suspect_after_s`, suspect below `lost_after_s`, then lost."""
+    if age_s < settings.suspect_after_s:
+        return "ready"
+    if age_s < settings.lost_after_s:
+        return "suspect"
+    return "lost"
+
+
+def _out(n: Node, now: datetime, settings: ServerSettings) -> NodeOut:
+    age = max(0.0, (now - n.last_heartbeat_at).total_seconds())
+    return NodeOut(
+        name=n.name,
+        cpu_milli=n.cpu_milli,
+        memory_mib=n.memory_mib,
+        labels=dict(n.labels),
+        devices=[
+            DeviceOut(
+                index=d.index,
+                vendor=d.vendor,
+                model=d.model,
+                memory_mib=d.memory_mib,
+                uuid=d.uuid,
+                compute_milli=d.compute_milli,
+                link_group=d.link_group,
+                mig_parent_uuid=d.mig_parent_uuid,
+                used_memory_mib=d.used_memory_mib,
+                utilization_pct=d.utilization_pct,
+            )
+            for d in n.devices
+        ],
+        state=node_state(age, settings),
+        heartbeat_age_s=round(age, 3),
+        cordoned=n.cordoned,
+        draining=n.draining,
+        joined_at=n.joined_at,
+        last_heartbeat_at=n.last_heartbeat_at,
+    )
+
+
+def create_join_token(ctx: Ctx, body: JoinTokenCreate) -> JoinTokenCreated:
+    with ctx.db.write() as s:
+        now = db_now(s)
+        secret = new_secret()
+        tok = tokens.add_join(
+            s,
+            JoinToken(
+                id=secret.id,
+                secret_hash=secret.secret_hash,
+                single_use=body.single_use,
+                created_by=ctx.caller().name,
+                created_at=now,
+                expires_at=now + timedelta(seconds=body.expires_in_s),
+                uses=0,
+            ),
+        )
+        record(s, ctx, f"join-token:{tok.id}", detail={"single_use": body.single_use})
+        return JoinTokenCreated(
+            id=tok.id, token=secret.token, expires_at=tok.expires_at, single_use=tok.single_use
+        )
+
+
+def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
+    parts = split_token(body.join_token)
+    if parts is None:
+        raise Unauthorized("join_token: malformed (expected '<id>.<secret>' from POST /api/v1/join-tokens)")
+    token_id, secret = parts
+    with ctx.db.write() as s:
+        jt = tokens.get_join(s, token_id)
+        if jt is None or not secret_matches(secret, jt.secret_hash):
+            log.warning("node %r tried to join with an unknown join token", body.name)
+            raise Unauthorized("join_token: not a valid join token")
+        now = db_now(s)
+        if jt.expires_at <= now:
+            raise Unauthorized(f"join_token: join token {token_id} has expired")
+        if nodes.get(s, body.name) is not None:
+            raise Conflict(f"node '{body.name}' has joined already (an admin can remove it)", "name")
+        if not tokens.consume_join(s, jt, now):
+            raise Unauthorized(f"join_token: join token {token_id} was single-use and has been used already")
+        node = nodes.create(
+            s,
+            name=body.name,
+            cpu_milli=body.cpu_milli,
+            memory_mib=body.memory_mib,
+            labels=body.labels,
+            devices=[DeviceSpec(**d.model_dump()) for d in body.devices],
+            now=now,
+        )
+        cred = new_secret()
+        tokens.add(
+            s,
+            ApiToken(
+                id=cred.id,
+                secret_hash=cred.secret_hash,
+                name=f"node {node.name}",
+                node_id=node.id,
+                created_by=f"join-token:{token_id}",
+                created_at=now,
+            ),
+        )
+        record(
+            s,
+            ctx,
+            f"node:{node.name}",
+            actor=f"join-token:{token_id}",
+            detail={"devices": len(body.devices), "credential": cred.id},
+        )
+        return NodeJoined(
+            node=_out(node, now, ctx.settings),
+            credential=cred.token,
+            heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        )
+
+
+def heartbeat(ctx: Ctx, name: str, body: Heartbeat) -> HeartbeatOut:
+    authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
+    with ctx.db.write() as s:
+        node = nodes.get(s, name)
+        if node is None:
+            raise NotFound(f"node '{name}' not found")
+        known = {d.index for d in node.devices}
+        for i, u in enumerate(body.devices_usage):
+            if u.index not in known:
+                raise Invalid(f"node '{name}' has no device {u.index}", f"devices_usage[{i}].index")
+        usage = [DeviceUsage(u.index, u.used_memory_mib, u.utilization_pct) for u in body.devices_usage]
+        nodes.heartbeat(s, node, db_now(s), usage)
+        return HeartbeatOut(
+            node=name,
+            state="ready",
+            cordoned=node.cordoned,
+            draining=node.draining,
+            heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        )
+
+
+def list_all(ctx: Ctx) -> Items[NodeOut]:
+    authorize(ctx.caller(), ctx.action)
+    with ctx.db.read() as s:
+        now = db_now(s)
+        return Items[NodeOut](items=[_out(n, now, ctx.settings) for n in nodes.list_all(s)])
+
+
+def get(ctx: Ctx, name: str) -> NodeOut:
+    authorize(ctx.caller(), ctx.action)
+    with ctx.db.read() as s:
+        node = nodes.get(s, name)
+        if node is None:
+            raise NotFound(f"node '{name}' not found")
+        return _out(node, db_now(s), ctx.settings)
+
+
+def set_flags(ctx: Ctx, name: str, *, cordoned: bool, draining: bool) -> NodeOut:
+    """cordon: no new work; drain: cordon and move running work away; uncordon clears both."""
+    authorize(ctx.caller(), ctx.action, Target("node", name))
+    with ctx.db.write() as s:
+        node = nodes.get(s, name)
+        if node is None:
+            raise NotFound(f"node '{name}' not found")
+        node.cordoned, node.draining = cordoned, draining
+        s.flush()
+        record(s, ctx, f"node:{name}", detail={"cordoned": cordoned, "draining": draining})
+        return _out(node, db_now(s), ctx.settings)
+
+
+def delete(ctx: Ctx, name: str) -> NodeOut:
+    """Forget a node, its devices and its credentials (it must join again)."""
+    authorize(ctx.caller(), ctx.action, Target("node", name))
+    with ctx.db.write() as s:
+        node = nodes.get(s, name)
+        if node is None:
+            raise NotFound(f"node '{name}' not found")
+        out = _out(node, db_now(s), ctx.settings)
+        nodes.delete(s, node)  # devices and the node's credentials go with it (ON DELETE CASCADE)
+        record(s, ctx, f"node:{name}")
+        return out

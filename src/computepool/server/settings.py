@@ -1,0 +1,51 @@
+"""Server settings: one validated object, kept on `app.state.settings` (no globals)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_PORT = 8470
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data_dir: Path = Field(
+        default_factory=lambda: Path("~/.computepool").expanduser(),
+        description="Holds pool.db (the SQLite default) and the first admin token.",
+    )
+    db_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db; default SQLite in data_dir.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535, description="TCP port to listen on.")
+    heartbeat_interval_s: float = Field(default=5.0, gt=0, le=3600, description="How often nodes report.")
+    suspect_after_s: float = Field(
+        default=20.0, gt=0, description="Heartbeat age after which a node is suspect."
+    )
+    lost_after_s: float = Field(default=60.0, gt=0, description="Heartbeat age after which a node is lost.")
+    retry_after_s: int = Field(default=2, ge=1, le=600, description="Retry-After sent with 503 answers.")
+    log_level: str = Field(default="info", description="uvicorn and server log level.")
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> ServerSettings:
+        if not self.heartbeat_interval_s < self.suspect_after_s < self.lost_after_s:
+            raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")
+        return self
+
+    @property
+    def database_url(self) -> str:
+        """The URL to connect to; plain postgresql:// URLs get the psycopg 3 driver we ship."""
+        if not self.db_url:
+            return f"sqlite:///{self.data_dir / 'pool.db'}"
+        for plain in ("postgresql://", "postgres://"):
+            if self.db_url.startswith(plain):
+                return "postgresql+psycopg://" + self.db_url[len(plain) :]
+        return self.db_url
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.data_dir / "admin-token"

@@ -1,0 +1,131 @@
+"""The append-only audit log, hash-chained so that an edited, removed or reordered row is found.
+
+Each record's hash is the SHA-256 of its canonical JSON, which includes the previous record's
+hash. `audit_head` holds the last sequence number and hash; appending locks that row
+(`SELECT … FOR UPDATE` on PostgreSQL; SQLite write transactions are already exclusive), so
+concurrent writers — threads or server replicas — extend one chain instead of forking it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from computepool.store.models import AuditHead, AuditRecord
+
+GENESIS_HASH = "0" * 64
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    """What happened, before it gets a place in the chain."""
+
+    actor: str
+    action: str
+    target: str
+    outcome: str
+    request_id: str
+    tenant: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    ok: bool
+    records: int
+    first_broken: int | None
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def canonical_json(rec: AuditRecord) -> bytes:
+    """The bytes that are hashed: sorted keys, no spaces, UTC time to the microsecond."""
+    doc = {
+        "seq": rec.seq,
+        "time": _iso(rec.time),
+        "actor": rec.actor,
+        "tenant": rec.tenant,
+        "action": rec.action,
+        "target": rec.target,
+        "outcome": rec.outcome,
+        "request_id": rec.request_id,
+        "detail": rec.detail,
+        "prev_hash": rec.prev_hash,
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def record_hash(rec: AuditRecord) -> str:
+    return hashlib.sha256(canonical_json(rec)).hexdigest()
+
+
+def append(session: Session, event: AuditEvent, now: datetime) -> AuditRecord:
+    """Add one record at the end of the chain, inside the caller's transaction."""
+    head = session.execute(select(AuditHead).where(AuditHead.id == 1).with_for_update()).scalar_one()
+    rec = AuditRecord(
+        seq=head.seq + 1,
+        time=now.astimezone(UTC),
+        actor=event.actor,
+        tenant=event.tenant,
+        action=event.action,
+        target=event.target[:256],
+        outcome=event.outcome[:64],
+        request_id=event.request_id[:64],
+        detail=dict(event.detail),
+        prev_hash=head.hash,
+    )
+    rec.hash = record_hash(rec)
+    head.seq, head.hash = rec.seq, rec.hash
+    session.add(rec)
+    session.flush()
+    return rec
+
+
+def query(
+    session: Session,
+    *,
+    tenant: str | None = None,
+    actor: str | None = None,
+    action: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    after_seq: int = 0,
+    limit: int = 1000,
+) -> Sequence[AuditRecord]:
+    """Records in chain order, filtered; `after_seq` pages on."""
+    stmt = select(AuditRecord).where(AuditRecord.seq > after_seq)
+    if tenant is not None:
+        stmt = stmt.where(AuditRecord.tenant == tenant)
+    if actor is not None:
+        stmt = stmt.where(AuditRecord.actor == actor)
+    if action is not None:
+        stmt = stmt.where(AuditRecord.action == action)
+    if since is not None:
+        stmt = stmt.where(AuditRecord.time >= since)
+    if until is not None:
+        stmt = stmt.where(AuditRecord.time < until)
+    return session.scalars(stmt.order_by(AuditRecord.seq).limit(limit)).all()
+
+
+def verify(session: Session) -> ChainReport:
+    """Recompute every hash and link; `first_broken` is the first sequence number that fails."""
+    prev, expected, count = GENESIS_HASH, 1, 0
+    rows = session.scalars(select(AuditRecord).order_by(AuditRecord.seq).execution_options(yield_per=1000))
+    for rec in rows:
+        if rec.seq != expected or rec.prev_hash != prev or record_hash(rec) != rec.hash:
+            return ChainReport(ok=False, records=count, first_broken=expected)
+        prev, expected, count = rec.hash, expected + 1, count + 1
+    head = session.execute(select(AuditHead).where(AuditHead.id == 1)).scalar_one()
+    if head.seq != count or head.hash != prev:
+        # Records were cut from the end: the head still remembers them.
+        return ChainReport(ok=False, records=count, first_broken=expected)
+    return ChainReport(ok=True, records=count, first_broken=None)

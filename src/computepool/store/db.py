@@ -1,0 +1,93 @@
+"""The engine and its sessions: SQLite (WAL, foreign keys) by default, PostgreSQL for replicas.
+
+`Database.write()` opens a transaction that takes the write lock up front on SQLite
+(`BEGIN IMMEDIATE`): a deferred transaction that reads first and writes later fails with
+SQLITE_BUSY when another writer committed in between, and no busy timeout can save it.
+PostgreSQL needs no such care; row locks (`SELECT … FOR UPDATE`) serialise where it matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_S = 15
+PG_CONNECT_TIMEOUT_S = 3
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the sqlite3 module, decide when transactions begin.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        immediate = conn.get_execution_options().get("cpool_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+class Database:
+    """One engine per process; short sessions per request. Lives on `app.state.db`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.dialect = make_url(url).get_backend_name()
+        if self.dialect == "sqlite":
+            self.engine = _sqlite_engine(url)
+        else:
+            self.engine = create_engine(
+                url,
+                pool_pre_ping=True,
+                pool_recycle=1800,
+                connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S},
+            )
+        self._read = sessionmaker(self.engine, expire_on_commit=False)
+        self._write = sessionmaker(self.engine.execution_options(cpool_write=True), expire_on_commit=False)
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for queries; rolled back at the end."""
+        with self._read() as session:
+            try:
+                yield session
+            finally:
+                session.rollback()
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A transaction committed when the block ends, rolled back if it raises."""
+        with self._write() as session, session.begin():
+            yield session
+
+    def ping(self) -> None:
+        """Raise if the database cannot answer a trivial query."""
+        with self.engine.connect() as conn:
+            conn.execute(select(1))
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def db_now(session: Session) -> datetime:
+    """The database's clock, so that every replica measures ages (heartbeats, expiry) alike."""
+    if session.get_bind().dialect.name == "sqlite":
+        raw = session.execute(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")).scalar_one()
+        return datetime.fromisoformat(raw).replace(tzinfo=UTC)
+    value = session.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return value.astimezone(UTC)

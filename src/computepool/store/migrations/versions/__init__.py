@@ -1,0 +1,1 @@
+"""Schema revisions, oldest first (`0001_…`, `0002_…`)."""
