@@ -35,7 +35,9 @@ def _print_summary(rep: Report) -> None:
     """A compact version of report.md's summary table that fits 80 columns."""
     table = Table(
         title="unallocated GPU % at arrived = 100%: ours (mean over seeds) vs published",
-        box=box.SIMPLE,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
         caption=(
             f"checks: bestfit, fgd within ±{MATCH_PTS} of published; "
             f"default ≤ published fgd + {DEFAULT_MARGIN_PTS}. "

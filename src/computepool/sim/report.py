@@ -588,12 +588,12 @@ def _curve_panels(
                 pad = max(0.5, 0.05 * float(finite.max() - finite.min()))
                 ax.set_ylim(float(finite.min()) - pad, float(finite.max()) + pad)
     handles, labels = axes[1].get_legend_handles_labels()
-    axes[1].legend(handles, labels, fontsize=7, ncol=2, loc="best")
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(7, len(handles)), fontsize=8)
 
 
 def plot_alloc(figs: WorkloadFigures, path: Path, seeds: int) -> Path:
     """Allocation % against arrived %: our mean curves (solid) and the published ones (dashed)."""
-    fig = _figure(12, 4.8)
+    fig = _figure(12, 5.4)
     _curve_panels(
         fig, figs, lambda pf: pf.alloc_curve, lambda pp: pp.alloc_curve, "GPU allocation, %", (85, 130)
     )
@@ -608,7 +608,7 @@ def plot_alloc(figs: WorkloadFigures, path: Path, seeds: int) -> Path:
 
 def plot_frag(figs: WorkloadFigures, path: Path, seeds: int) -> Path:
     """Fragmentation rate (fragmented / idle GPU milli) against arrived %."""
-    fig = _figure(12, 4.8)
+    fig = _figure(12, 5.4)
     _curve_panels(
         fig,
         figs,
@@ -679,7 +679,7 @@ def _pm(s: Stat) -> str:
 
 
 def _signed(v: float) -> str:
-    return f"{v:+.2f}" if math.isfinite(v) else "–"
+    return f"{round(v, 2) + 0.0:+.2f}" if math.isfinite(v) else "–"  # + 0.0: no "-0.00"
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Iterable[int] = ()) -> str:
@@ -834,7 +834,7 @@ def _philly_section(ph: dict[str, Any], plots: dict[str, str]) -> list[str]:
     out = [
         "## 3. Philly replay: static VC partitions vs one pooled cluster",
         "",
-        f"{ph['jobs']:,} jobs of the 11 VCs, 2017-10-01 to 2017-11-30, on "
+        f"{ph['jobs']:,} jobs of the {len(ph['vcs'])} VCs, 2017-10-01 to 2017-11-30, on "
         f"{sum(v['gpus'] for v in ph['vcs']):,} GPUs. Static: each VC on its own nodes, FIFO. Pooled: one "
         "cluster, each VC guaranteed its static size, idle GPUs lent out and reclaimed by preemption.",
         "",
