@@ -204,7 +204,8 @@ def test_fill_bestfit_real(bestfit_run, gpu_nodes, default_pods):
     assert 0 < r.pods_failed < r.pods_arrived
     assert r.first_failure.startswith("openb-pod-") and "nodes:" in r.first_failure
     s = r.summary()
-    assert "frag_curve" not in s and "curve" in s
+    assert {"curve", "frag_curve", "frag_rate_curve"} <= set(s)
+    assert [a for a, _ in s["frag_rate_curve"]] == [a for a, _ in s["curve"]]
 
 
 def test_fill_curve_monotone(bestfit_run):

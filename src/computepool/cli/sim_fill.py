@@ -62,7 +62,7 @@ def register(sim_app: typer.Typer) -> None:
         tune: TuneOpt = 1.3,
         json_out: JsonOpt = False,
         curve: Annotated[
-            bool, typer.Option("--curve/--no-curve", help="Include the curve in --json.")
+            bool, typer.Option("--curve/--no-curve", help="Include the curves (allocation, fragmentation amount and rate per arrived %) in --json.")
         ] = True,
     ) -> None:
         """Fill the cluster with the workload's pods (no departures) and measure what is left."""
@@ -84,7 +84,8 @@ def register(sim_app: typer.Typer) -> None:
             )
         out = res.summary()
         if not curve:
-            out.pop("curve")
+            for key in ("curve", "frag_curve", "frag_rate_curve"):
+                out.pop(key)
         if json_out:
             print_json(out)
             return

@@ -82,10 +82,9 @@ class FillResult:
     first_failure: str = ""
 
     def summary(self) -> dict[str, object]:
-        d = dict(self.__dict__)
-        d.pop("frag_curve")
-        d.pop("frag_rate_curve")
-        return d
+        """Every figure; `frag_curve` (fragmentation, % of capacity) and `frag_rate_curve` (% of
+        idle GPU milli) are, like `curve`, lists of [arrived %, value]."""
+        return dict(self.__dict__)
 
 
 class _FragMeter:
