@@ -62,7 +62,11 @@ def register(sim_app: typer.Typer) -> None:
         tune: TuneOpt = 1.3,
         json_out: JsonOpt = False,
         curve: Annotated[
-            bool, typer.Option("--curve/--no-curve", help="Include the curves (allocation, fragmentation amount and rate per arrived %) in --json.")
+            bool,
+            typer.Option(
+                "--curve/--no-curve",
+                help="Include the curves (allocation, fragmentation amount and rate per arrived %) in --json.",
+            ),
         ] = True,
     ) -> None:
         """Fill the cluster with the workload's pods (no departures) and measure what is left."""

@@ -21,6 +21,7 @@ from typing import NoReturn
 import numpy as np
 
 from computepool.core.errors import InvalidInput
+from computepool.sim.csvread import traces_dir
 
 GPUS_PER_NODE = 8
 WINDOW_START = datetime(2017, 10, 1)
@@ -259,15 +260,6 @@ def load_published(path: str | os.PathLike[str]) -> dict[str, Published]:
         elif metric == "jct_avg":
             jct[vc] = _number(where, "fifo", fifo)
     return {vc: Published(vc, queue[vc], jct.get(vc, math.nan)) for vc in queue}
-
-
-def traces_dir() -> Path:
-    """`$CPOOL_TRACES`, else `../shared/traces` beside the repository root."""
-    env = os.environ.get("CPOOL_TRACES")
-    if env:
-        return Path(env)
-    beside_repo = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
-    return beside_repo if beside_repo.is_dir() else Path("..") / "shared" / "traces"
 
 
 def load_trace(
