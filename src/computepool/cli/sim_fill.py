@@ -65,7 +65,7 @@ def register(sim_app: typer.Typer) -> None:
             bool,
             typer.Option(
                 "--curve/--no-curve",
-                help="Include the curves (allocation, fragmentation amount and rate per arrived %) in --json.",
+                help="Include the curves (allocation, fragmentation amount and rate by arrived %).",
             ),
         ] = True,
     ) -> None:
