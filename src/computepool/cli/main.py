@@ -12,13 +12,35 @@ app.add_typer(bench_app, name="bench")
 
 
 def _register() -> None:
-    from computepool.cli import bench_cmd, server_cmd, sim_fill, sim_replay, sim_report
+    from computepool.cli import (
+        agent_cmd,
+        alloc_cmd,
+        bench_api_cmd,
+        bench_cmd,
+        bench_pool_cmd,
+        nodes_cmd,
+        pool_cmd,
+        run_cmd,
+        server_cmd,
+        sim_fill,
+        sim_replay,
+        sim_report,
+        up_cmd,
+    )
 
     sim_fill.register(sim_app)
     sim_replay.register(sim_app)
     sim_report.register(sim_app)
     bench_cmd.register(bench_app)
     server_cmd.register(app)
+    agent_cmd.register(app)
+    up_cmd.register(app)
+    pool_cmd.register(app)
+    nodes_cmd.register(app)
+    alloc_cmd.register(app)
+    run_cmd.register(app)
+    bench_api_cmd.register(bench_app)
+    bench_pool_cmd.register(bench_app)
 
 
 def main() -> None:

@@ -2,10 +2,13 @@
 
 Next parts add their routers to `routers.api_routers()`; background loops (scheduling,
 node health) belong in `lifespan`, started after migrations and stopped before the engine closes.
+The scheduling controller (`services.scheduling.Controller`) is on `app.state.controller`, the
+wake-up hub on `app.state.hub`, the Prometheus registry on `app.state.metrics`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -17,11 +20,14 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from computepool.server import metrics
 from computepool.server.errors import ApiError, install_handlers
+from computepool.server.hub import Hub
 from computepool.server.policy import Action
 from computepool.server.routers import api_routers, health
 from computepool.server.services.audit import record_refusal
 from computepool.server.services.bootstrap import ensure_admin
+from computepool.server.services.scheduling import Controller
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
 from computepool.store.migrate import upgrade
@@ -39,6 +45,7 @@ def _version() -> str:
 STARTUP_DB_WAIT_S = 30.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 log = logging.getLogger("computepool.server")
+_NO_WAKE = ("/heartbeat", "/logs")  # frequent telemetry; never changes a scheduling decision
 
 
 def _prepare_data_dir(settings: ServerSettings) -> None:
@@ -67,10 +74,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     db: Database = app.state.db
     _prepare_data_dir(settings)
     await run_in_threadpool(_migrate_and_bootstrap, db, settings)
+    hub: Hub = app.state.hub
+    controller: Controller = app.state.controller
+    hub.attach(asyncio.get_running_loop())
+    controller.start()
     log.info("control plane ready (database: %s)", db.dialect)
     try:
         yield
     finally:
+        await controller.stop()
         db.dispose()
 
 
@@ -84,13 +96,26 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = Database(settings.database_url)
+    app.state.hub = Hub()
+    app.state.metrics = metrics.Metrics(app.state.db, settings)
+    app.state.controller = Controller(
+        app.state.db, settings, app.state.hub, observe=app.state.metrics.cycle_seconds.observe
+    )
 
     @app.middleware("http")
     async def request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         given = request.headers.get("x-request-id", "")
         request.state.request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        started = time.perf_counter()
         response = await call_next(request)
         response.headers["X-Request-ID"] = request.state.request_id
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        app.state.metrics.api_seconds.labels(request.method, template, str(response.status_code)).observe(
+            time.perf_counter() - started
+        )
+        if request.method != "GET" and response.status_code < 400 and not template.endswith(_NO_WAKE):
+            app.state.hub.wake_scheduler()  # joins, cordons, quotas, weights may change decisions
         return response
 
     async def on_denied(request: Request, exc: ApiError) -> None:
@@ -108,6 +133,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     install_handlers(app, on_denied)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     for router in api_routers():
         app.include_router(router, prefix=API_PREFIX)
     return app

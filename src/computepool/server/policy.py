@@ -48,14 +48,23 @@ class Action(StrEnum):
     NODE_DELETE = "node.delete"
     AUDIT_LIST = "audit.list"
     AUDIT_VERIFY = "audit.verify"
+    ALLOCATION_CREATE = "allocation.create"
+    ALLOCATION_LIST = "allocation.list"
+    ALLOCATION_GET = "allocation.get"  # the allocation, its explanation and its logs
+    ALLOCATION_RELEASE = "allocation.release"
+    ALLOCATION_CANCEL = "allocation.cancel"
+    NODE_ASSIGNMENTS = "node.assignments.get"  # the agent's long-poll for its work
+    NODE_REPORT = "node.report"  # the agent reports process states
+    NODE_LOG_APPEND = "node.log.append"  # the agent ships job output
+    METRICS_READ = "metrics.read"
 
     @property
     def mutating(self) -> bool:
         """State-changing actions are audited, refused attempts included.
 
-        Heartbeats are liveness telemetry, every few seconds from every node: not audited.
+        Heartbeats, job output and metric scrapes are telemetry, frequent and voluminous: not audited.
         """
-        if self in (Action.WHOAMI, Action.NODE_HEARTBEAT):
+        if self in (Action.WHOAMI, Action.NODE_HEARTBEAT, Action.NODE_LOG_APPEND, Action.METRICS_READ):
             return False
         return self.split(".")[-1] not in ("list", "get", "verify")
 
@@ -87,6 +96,15 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.NODE_DELETE: _ADMIN,
     Action.AUDIT_LIST: _ADMINS,
     Action.AUDIT_VERIFY: _ADMIN,
+    Action.ALLOCATION_CREATE: _WRITERS,
+    Action.ALLOCATION_LIST: _ALL,
+    Action.ALLOCATION_GET: _ALL,
+    Action.ALLOCATION_RELEASE: _WRITERS,
+    Action.ALLOCATION_CANCEL: _WRITERS,
+    Action.NODE_ASSIGNMENTS: frozenset({Role.NODE}),
+    Action.NODE_REPORT: frozenset({Role.NODE}),
+    Action.NODE_LOG_APPEND: frozenset({Role.NODE}),
+    Action.METRICS_READ: _ADMIN,
 }
 
 # Actions on tokens, where a member or viewer may only touch their own.

@@ -4,12 +4,18 @@
 (`BEGIN IMMEDIATE`): a deferred transaction that reads first and writes later fails with
 SQLITE_BUSY when another writer committed in between, and no busy timeout can save it.
 PostgreSQL needs no such care; row locks (`SELECT … FOR UPDATE`) serialise where it matters.
+
+On SQLite the writers of one process also queue on a lock of their own before `BEGIN
+IMMEDIATE`: SQLite's busy handler waits by sleeping in growing steps (up to 100 ms), so under
+concurrent writers most of a request's time went to sleeping while the lock sat free. Other
+processes writing the same file still meet the busy timeout.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -57,6 +63,7 @@ class Database:
                 pool_recycle=1800,
                 connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S},
             )
+        self._writers = threading.Lock() if self.dialect == "sqlite" else None
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(self.engine.execution_options(cpool_write=True), expire_on_commit=False)
 
@@ -72,7 +79,7 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A transaction committed when the block ends, rolled back if it raises."""
-        with self._write() as session, session.begin():
+        with self._writers or nullcontext(), self._write() as session, session.begin():
             yield session
 
     def ping(self) -> None:

@@ -8,7 +8,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from computepool.store.types import UTCDateTime
@@ -153,3 +163,89 @@ class AuditHead(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     seq: Mapped[int] = mapped_column(BigInteger)
     hash: Mapped[str] = mapped_column(String(HASH_LEN))
+
+
+class Allocation(Base):
+    """A request for capacity and, once bound, its slices. `request` holds the validated API request.
+
+    `attempt` grows with every requeue; `term` is the scheduler term that bound the current attempt.
+    """
+
+    __tablename__ = "allocations"
+    __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_allocations_owner_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"), index=True)
+    owner: Mapped[str] = mapped_column(String(NAME_LEN))
+    idempotency_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    priority: Mapped[int] = mapped_column(Integer)
+    command: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    restartable: Mapped[bool] = mapped_column(Boolean)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str] = mapped_column(String(1024))
+    attempt: Mapped[int] = mapped_column(Integer)
+    term: Mapped[int] = mapped_column(BigInteger)
+    nodes: Mapped[list[str]] = mapped_column(JSON)
+    slices: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    bound_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    tenant: Mapped[Tenant] = relationship(lazy="joined")
+
+
+class AllocationEvent(Base):
+    """One state transition of an allocation, with its reason: the allocation's history."""
+
+    __tablename__ = "allocation_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(1024))
+    attempt: Mapped[int] = mapped_column(Integer)
+    term: Mapped[int] = mapped_column(BigInteger)
+
+
+class AllocationNode(Base):
+    """Which nodes hold a bound or active allocation (rows live only while it holds them)."""
+
+    __tablename__ = "allocation_nodes"
+
+    allocation_id: Mapped[int] = mapped_column(
+        ForeignKey("allocations.id", ondelete="CASCADE"), primary_key=True
+    )
+    node: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True, index=True)
+
+
+class AllocationLog(Base):
+    """A chunk of a job's output. Offsets and `size` count UTF-8 bytes, as the agent reads its files;
+    `pos` is the chunk's place in the allocation's combined log (both streams, arrival order)."""
+
+    __tablename__ = "allocation_logs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    stream_offset: Mapped[int] = mapped_column(BigInteger)
+    pos: Mapped[int] = mapped_column(BigInteger)
+    size: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[str] = mapped_column(Text)
+
+
+class SchedulerLease(Base):
+    """The single row saying which replica schedules, and in which term (fencing)."""
+
+    __tablename__ = "scheduler_lease"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    holder: Mapped[str] = mapped_column(String(64))
+    term: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -7,9 +7,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from computepool.server.routers import audit, identity, nodes, quotas, tenants
+from computepool.server.routers import agent, allocations, audit, identity, nodes, quotas, tenants
 
 
 def api_routers() -> list[APIRouter]:
     """Every router served under /api/v1, in the order they appear in the OpenAPI document."""
-    return [identity.router, tenants.router, quotas.router, nodes.router, audit.router]
+    return [
+        identity.router,
+        tenants.router,
+        quotas.router,
+        nodes.router,
+        allocations.router,
+        agent.router,
+        audit.router,
+    ]

@@ -1,0 +1,106 @@
+"""`cpool agent`: run this machine's node agent against a control plane."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from computepool.cli.common import fail
+
+DEFAULT_AGENT_DIR = Path("~/.computepool/agent")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise fail(f"--label: expected KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _cgroup_base(value: str) -> Path | None:
+    return None if value.strip().lower() in ("", "none", "off") else Path(value)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("agent")
+    def agent(
+        server: Annotated[
+            str,
+            typer.Option("--server", envvar="CPOOL_SERVER", help="Control plane URL, e.g. http://pool:8470."),
+        ],
+        join_token: Annotated[
+            str | None,
+            typer.Option(
+                "--join-token",
+                envvar="CPOOL_JOIN_TOKEN",
+                help="Join token (first start only; the node credential is kept in DATA_DIR).",
+            ),
+        ] = None,
+        simulate: Annotated[
+            str | None,
+            typer.Option(
+                "--simulate", help="Simulated devices instead of real ones, e.g. 2xA100-80GB,1xT4-16GB."
+            ),
+        ] = None,
+        data_dir: Annotated[
+            Path,
+            typer.Option(
+                "--data-dir", envvar="CPOOL_AGENT_DIR", help="Credential, job records and run dirs."
+            ),
+        ] = DEFAULT_AGENT_DIR,
+        name: Annotated[
+            str | None, typer.Option("--name", help="Node name (default: the host name).")
+        ] = None,
+        label: Annotated[list[str], typer.Option("--label", help="Node label KEY=VALUE (repeatable).")] = [],  # noqa: B006
+        cgroup_base: Annotated[
+            str,
+            typer.Option(
+                "--cgroup-base",
+                envvar="CPOOL_CGROUP_BASE",
+                help="cgroup v2 directory for job limits; 'none' for rlimits only.",
+            ),
+        ] = "/sys/fs/cgroup/computepool",
+        poll_wait_s: Annotated[
+            float, typer.Option("--poll-wait-s", min=1.0, max=300.0, help="Long-poll wait for assignments.")
+        ] = 20.0,
+        kill_grace_s: Annotated[
+            float, typer.Option("--kill-grace-s", min=0.0, max=3600.0, help="SIGTERM → SIGKILL grace.")
+        ] = 10.0,
+        log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+    ) -> None:
+        """Join the pool (once) and run the workloads the control plane assigns to this machine."""
+        from computepool.agent.loop import AgentConfig, AgentFatal, run_agent
+        from computepool.core.errors import InvalidInput
+
+        if log_level.lower() not in LOG_LEVELS:
+            raise fail(f"--log-level: unknown level {log_level!r}")
+        if not server.startswith(("http://", "https://")):
+            raise fail(f"--server: expected an http:// or https:// URL, got {server!r}")
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        config = AgentConfig(
+            server=server,
+            data_dir=data_dir.expanduser(),
+            join_token=join_token or None,
+            name=name,
+            simulate=simulate,
+            labels=_labels(label),
+            cgroup_base=_cgroup_base(cgroup_base),
+            kill_grace_s=kill_grace_s,
+            poll_wait_s=poll_wait_s,
+        )
+        try:
+            run_agent(config)
+        except AgentFatal as e:
+            raise fail(str(e), e.code) from None
+        except InvalidInput as e:
+            raise fail(str(e)) from None
+        except OSError as e:
+            raise fail(f"{type(e).__name__}: {e}") from None

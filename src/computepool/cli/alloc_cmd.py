@@ -1,0 +1,337 @@
+"""`cpool alloc`, `release`, `cancel`, `ps`, `explain`, `logs`: asking for devices, giving them back."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from computepool.cli.common import err_console, fail, print_json
+from computepool.cli.pool_cmd import (
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    cpus_text,
+    gpus_text,
+    open_client,
+    pool_command,
+    say,
+    short_time,
+    show,
+    table,
+)
+from computepool.client import AllocationRequest, PoolClient, PoolError
+from computepool.client.http import ENDED_STATES, HOLDING_STATES, PENDING
+from computepool.core.errors import InvalidInput
+from computepool.core.quantities import format_mib, parse_cpu_milli, parse_gpu_milli, parse_memory_mib
+
+ISOLATIONS = ("timeslice", "mps", "mig", "exclusive")
+POLL_S = 0.5
+EXPLAIN_EVERY_S = 2.0
+
+
+def request_text(req: dict[str, Any]) -> str:
+    """`2×0.5 GPU (10GiB), 4 CPUs, 16GiB` — the request as a person would say it."""
+    parts = []
+    gpus = int(req.get("gpus") or 0)
+    if gpus:
+        milli = int(req.get("gpu_milli") or 1000)
+        g = f"{gpus} GPU{'s' if gpus > 1 else ''}" if milli == 1000 else f"{gpus}×{gpus_text(milli)} GPU"
+        if req.get("gpu_memory_mib"):
+            g += f" ({format_mib(req['gpu_memory_mib'])})"
+        if req.get("models"):
+            g += f" [{'|'.join(req['models'])}]"
+        if req.get("exclusive"):
+            g += " exclusive"
+        parts.append(g)
+    if req.get("cpu_milli"):
+        parts.append(f"{cpus_text(req['cpu_milli'])} CPUs")
+    if req.get("memory_mib"):
+        parts.append(format_mib(req["memory_mib"]))
+    if int(req.get("gang_nodes") or 1) > 1:
+        parts.append(f"on {req['gang_nodes']} nodes")
+    return ", ".join(parts) or "nothing"
+
+
+def environment(alloc: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Per node, the variables a process needs to use its slices of the allocation."""
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for s in alloc.get("slices") or []:
+        by_node.setdefault(s["node"], []).append(s)
+    env: dict[str, dict[str, str]] = {}
+    for node, slices in by_node.items():
+        slices.sort(key=lambda s: s["device_index"])
+        devices = ",".join(s.get("device_uuid") or str(s["device_index"]) for s in slices)
+        env[node] = {"CUDA_VISIBLE_DEVICES": devices, "CPOOL_ALLOCATION": str(alloc["id"])}
+    if not env:  # CPU only: still name the allocation
+        for node in alloc.get("nodes") or []:
+            env[str(node)] = {"CPOOL_ALLOCATION": str(alloc["id"])}
+    return env
+
+
+def show_bound(alloc: dict[str, Any]) -> None:
+    what = escape(request_text(alloc.get("request") or {}))
+    say(
+        f"allocation [bold]{alloc['id']}[/bold] {alloc['state']}: {what}"
+        f" (tenant {alloc.get('tenant')}, attempt {alloc.get('attempt', 1)})"
+    )
+    slices = alloc.get("slices") or []
+    if slices:
+        t = table(None, "node", "device", "uuid", "compute", "memory", "isolation")
+        for s in slices:
+            t.add_row(
+                escape(s["node"]),
+                str(s["device_index"]),
+                escape(s.get("device_uuid") or ""),
+                f"{gpus_text(int(s.get('compute_milli') or 0))} GPU",
+                format_mib(int(s.get("memory_mib") or 0)),
+                s.get("isolation") or "",
+            )
+        show(t)
+    env = environment(alloc)
+    for node, variables in env.items():
+        say(f"# on {escape(node)}:" if len(env) > 1 else "# use it with:")
+        for k, v in variables.items():
+            say(f"export {k}={escape(v)}")
+
+
+def _explain_quietly(pool: PoolClient, alloc_id: object) -> dict[str, Any] | None:
+    """The explanation only decorates the wait: a failure to get it must not end the wait."""
+    try:
+        return pool.explain_allocation(str(alloc_id))
+    except PoolError:
+        return None
+
+
+def _pending_line(alloc_id: object, explain: dict[str, Any] | None) -> str:
+    if not explain:
+        return f"allocation {alloc_id} pending"
+    pos = explain.get("queue_position")
+    where = f" (queue position {pos})" if pos is not None else ""
+    return f"allocation {alloc_id} pending{where}: {explain.get('summary') or 'waiting for the scheduler'}"
+
+
+def wait_for_binding(
+    pool: PoolClient, alloc: dict[str, Any], timeout: float | None, quiet: bool
+) -> dict[str, Any]:
+    """Poll until bound or ended, showing the explain summary (a spinner on a terminal).
+
+    On a timeout the request is withdrawn (cancelled) so nothing keeps waiting unseen.
+    """
+    alloc_id = alloc["id"]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    spinner: AbstractContextManager[Any] = nullcontext()
+    live = not quiet and err_console.is_terminal
+    if live:
+        spinner = err_console.status(_pending_line(alloc_id, None))
+    last_line, next_explain = "", 0.0
+    with spinner as status:
+        while alloc.get("state") == PENDING:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                explain = _explain_quietly(pool, alloc_id) or {}
+                pool.cancel_allocation(alloc_id)
+                raise fail(
+                    f"allocation {alloc_id} not bound within {timeout:g} s, cancelled: "
+                    f"{explain.get('summary') or 'no reason given'}",
+                    code=1,
+                )
+            if now >= next_explain:
+                line = _pending_line(alloc_id, _explain_quietly(pool, alloc_id))
+                next_explain = now + EXPLAIN_EVERY_S
+                if live:
+                    status.update(line)
+                elif not quiet and line != last_line:
+                    err_console.print(line, highlight=False, soft_wrap=True)
+                last_line = line
+            pause = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            time.sleep(pause)
+            alloc = pool.get_allocation(alloc_id)
+    return alloc
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("alloc")
+    @pool_command
+    def alloc(
+        gpus: Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")] = "0",
+        gpu_mem: Annotated[
+            str | None, typer.Option("--gpu-mem", help="GPU memory per device, e.g. 10GiB.")
+        ] = None,
+        cpus: Annotated[str, typer.Option("--cpus", help="Host CPUs, e.g. 2 or 500m.")] = "0",
+        mem: Annotated[str, typer.Option("--mem", help="Host memory, e.g. 4GiB.")] = "0",
+        exclusive: Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")] = False,
+        model: Annotated[
+            list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
+        ] = None,
+        isolation: Annotated[
+            str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")
+        ] = None,
+        gang_nodes: Annotated[int, typer.Option("--gang-nodes", min=1, help="Nodes, all or none.")] = 1,
+        priority: Annotated[int, typer.Option("--priority", help="Higher goes first.")] = 0,
+        name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,
+        tenant: Annotated[str | None, typer.Option("--tenant", help="Admins: on behalf of a tenant.")] = None,
+        no_wait: Annotated[bool, typer.Option("--no-wait", help="Submit and return at once.")] = False,
+        timeout: Annotated[
+            float | None, typer.Option("--timeout", min=0, help="Give up (and cancel) after S seconds.")
+        ] = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Ask the pool for GPUs (whole or a slice), CPUs and memory; wait until bound; say how to use it."""
+        count, milli = parse_gpu_milli(gpus, "--gpus")
+        models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
+        if isolation is not None and isolation not in ISOLATIONS:
+            raise InvalidInput(
+                "--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})"
+            )
+        req = AllocationRequest(
+            gpus=count,
+            gpu_milli=milli or 1000,
+            gpu_memory_mib=parse_memory_mib(gpu_mem, "--gpu-mem") if gpu_mem else None,
+            cpu_milli=parse_cpu_milli(cpus, "--cpus"),
+            memory_mib=parse_memory_mib(mem, "--mem"),
+            models=models or None,
+            exclusive=exclusive,
+            isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
+            gang_nodes=gang_nodes,
+            priority=priority,
+            name=name,
+            tenant=tenant,
+        )
+        with open_client(server, token) as pool:
+            out = pool.create_allocation(req)
+            if not no_wait:
+                try:
+                    out = wait_for_binding(pool, out, timeout, quiet=json_out)
+                except KeyboardInterrupt:
+                    raise fail(
+                        f"stopped waiting; allocation {out['id']} stays queued (`cpool cancel {out['id']}`)",
+                        code=130,
+                    ) from None
+        if json_out:
+            print_json({**out, "environment": environment(out)})
+        elif out["state"] == PENDING:
+            say(f"allocation {out['id']} submitted (pending); `cpool explain {out['id']}` says why")
+        elif out["state"] not in ENDED_STATES:
+            show_bound(out)
+        if out["state"] in ENDED_STATES:
+            raise fail(
+                f"allocation {out['id']} {out['state']}: {out.get('reason') or 'no reason given'}", code=1
+            )
+
+    def ender(verb: str, doc: str) -> None:
+        @app.command(verb, help=doc)
+        @pool_command
+        def end(
+            alloc_id: Annotated[str, typer.Argument(metavar="ID", help="Allocation id.")],
+            server: ServerOpt = None,
+            token: TokenOpt = None,
+            json_out: JsonOpt = False,
+        ) -> None:
+            with open_client(server, token) as pool:
+                out = getattr(pool, f"{verb}_allocation")(alloc_id)
+            if json_out:
+                print_json(out)
+            else:
+                say(f"allocation {out['id']}: {out['state']}")
+
+    ender("release", "Give a bound allocation's devices back to the pool.")
+    ender("cancel", "Withdraw an allocation (pending or bound).")
+
+    @app.command("ps")
+    @pool_command
+    def ps(
+        all_: Annotated[bool, typer.Option("--all", "-a", help="Ended allocations too.")] = False,
+        tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant (admins).")] = None,
+        limit: Annotated[int, typer.Option("--limit", min=1, max=10_000)] = 200,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Allocations you may see: pending, bound and active ones (all with --all)."""
+        with open_client(server, token) as pool:
+            if all_:
+                items = pool.list_allocations(tenant=tenant, limit=limit)
+            else:
+                items = [a for s in HOLDING_STATES for a in pool.list_allocations(s, tenant, limit)]
+        items.sort(key=lambda a: str(a.get("created_at") or ""))
+        if json_out:
+            print_json(items)
+            return
+        if not items:
+            say("no allocations" + ("" if all_ else " held or queued (--all for ended ones)"))
+            return
+        t = table(None, "id", "name", "tenant", "owner", "state", "request", "nodes", "created", "reason")
+        for a in items:
+            t.add_row(
+                str(a["id"]),
+                escape(a.get("name") or ""),
+                a.get("tenant") or "",
+                a.get("owner") or "",
+                a["state"],
+                escape(request_text(a.get("request") or {})),
+                escape(",".join(map(str, a.get("nodes") or []))),
+                short_time(a.get("created_at")),
+                escape(a.get("reason") or ""),
+            )
+        show(t)
+
+    @app.command("explain")
+    @pool_command
+    def explain(
+        alloc_id: Annotated[str, typer.Argument(metavar="ID", help="Allocation id.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Why an allocation is where it is: for a pending one, what each node lacks."""
+        with open_client(server, token) as pool:
+            out = pool.explain_allocation(alloc_id)
+        if json_out:
+            print_json(out)
+            return
+        pos = out.get("queue_position")
+        say(
+            f"allocation {alloc_id}: [bold]{out.get('state')}[/bold]"
+            + (f", queue position {pos}" if pos is not None else ""),
+        )
+        if out.get("summary"):
+            say(escape(str(out["summary"])))
+        reasons = out.get("reasons") or {}
+        counts = reasons.get("counts") or {}
+        if counts:
+            t = table(None, "nodes", "reason")
+            for reason, n in sorted(counts.items(), key=lambda kv: -int(kv[1])):
+                t.add_row(str(n), escape(str(reason)))
+            show(t)
+        for note in reasons.get("notes") or []:
+            say(f"- {escape(str(note))}")
+        if out.get("quota"):
+            say(f"quota: {escape(str(out['quota']))}")
+
+    @app.command("logs")
+    @pool_command
+    def logs(
+        alloc_id: Annotated[str, typer.Argument(metavar="ID", help="Allocation id.")],
+        follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until it ends.")] = False,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Print the output of an allocation's command."""
+        offset = 0
+        with open_client(server, token, timeout=60.0) as pool:
+            while True:
+                out = pool.allocation_logs(alloc_id, offset=offset, wait=20.0 if follow else None)
+                sys.stdout.write(out.get("data") or "")
+                sys.stdout.flush()
+                offset = int(out.get("next_offset", offset))
+                if not follow or out.get("ended"):
+                    return
+                if not out.get("data"):
+                    time.sleep(POLL_S)  # a server that answers at once instead of long-polling

@@ -1,0 +1,217 @@
+"""`cpool run -- CMD …`: run a command on pooled capacity and behave like the command itself.
+
+Submit a job (an allocation with a command), show why it waits while it is pending, stream
+its output, and exit with its exit code — so `cpool run` drops into scripts where the command
+used to be. Ctrl-C cancels the job (or, with --detach, leaves it running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.markup import escape
+
+from computepool.cli.alloc_cmd import ISOLATIONS, request_text, wait_for_binding
+from computepool.cli.common import err_console, fail
+from computepool.cli.pool_cmd import ServerOpt, TokenOpt, gpus_text, open_client, pool_command, table
+from computepool.client import AllocationRequest, PoolClient, PoolError
+from computepool.client.http import ENDED_STATES
+from computepool.core.errors import InvalidInput
+from computepool.core.quantities import format_mib, parse_cpu_milli, parse_gpu_milli, parse_memory_mib
+
+LOG_WAIT_S = 10.0
+
+
+def _stream_until_ended(pool: PoolClient, alloc_id: str) -> dict[str, Any]:
+    """Print the job's output as it comes; return the allocation once it ended and all is out."""
+    offset = 0
+    while True:
+        out = pool.allocation_logs(alloc_id, offset=offset, wait=LOG_WAIT_S)
+        data = out.get("data") or ""
+        if data:
+            sys.stdout.write(data)
+            sys.stdout.flush()
+        offset = int(out.get("next_offset", offset))
+        if out.get("ended") and not data:
+            alloc = pool.get_allocation(alloc_id)
+            if alloc.get("state") in ENDED_STATES:
+                return alloc
+        if not data and not out.get("ended"):
+            alloc = pool.get_allocation(alloc_id)
+            if alloc.get("state") in ENDED_STATES:
+                # the end is recorded; one more read drains what the agent sent last
+                rest = pool.allocation_logs(alloc_id, offset=offset)
+                sys.stdout.write(rest.get("data") or "")
+                sys.stdout.flush()
+                return alloc
+            time.sleep(0.2)  # a server that answered at once instead of long-polling
+
+
+def _exit_code(alloc: dict[str, Any]) -> int:
+    code = alloc.get("exit_code")
+    if isinstance(code, int):
+        return code if 0 <= code < 256 else 1
+    return 0 if alloc.get("state") == "released" else 1
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "run",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )
+    @pool_command
+    def run(
+        ctx: typer.Context,
+        gpus: Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")] = "0",
+        gpu_mem: Annotated[
+            str | None, typer.Option("--gpu-mem", help="GPU memory per device, e.g. 10GiB.")
+        ] = None,
+        cpus: Annotated[str, typer.Option("--cpus", help="Host CPUs, e.g. 2 or 500m.")] = "0",
+        mem: Annotated[str, typer.Option("--mem", help="Host memory, e.g. 4GiB.")] = "0",
+        exclusive: Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")] = False,
+        model: Annotated[
+            list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
+        ] = None,
+        isolation: Annotated[
+            str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")
+        ] = None,
+        restartable: Annotated[
+            bool, typer.Option("--restartable", help="Requeue (new attempt) if its node is lost.")
+        ] = False,
+        name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,
+        detach: Annotated[
+            bool, typer.Option("--detach", "-d", help="Submit and return; Ctrl-C never cancels.")
+        ] = False,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Run CMD on the pool: `cpool run --gpus 0.5 -- python train.py`. Exits with CMD's exit code."""
+        command = list(ctx.args)
+        if not command:
+            raise InvalidInput(
+                "CMD", "nothing to run: put the command after `--`, e.g. cpool run -- nvidia-smi"
+            )
+        count, milli = parse_gpu_milli(gpus, "--gpus")
+        models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
+        if isolation is not None and isolation not in ISOLATIONS:
+            raise InvalidInput(
+                "--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})"
+            )
+        req = AllocationRequest(
+            gpus=count,
+            gpu_milli=milli or 1000,
+            gpu_memory_mib=parse_memory_mib(gpu_mem, "--gpu-mem") if gpu_mem else None,
+            cpu_milli=parse_cpu_milli(cpus, "--cpus"),
+            memory_mib=parse_memory_mib(mem, "--mem"),
+            models=models or None,
+            exclusive=exclusive,
+            isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
+            name=name,
+            command=command,
+            restartable=restartable,
+        )
+        with open_client(server, token, timeout=60.0) as pool:
+            job = pool.create_allocation(req)
+            job_id = str(job["id"])
+            if detach:
+                err_console.print(
+                    f"job {job_id} submitted ({job['state']}); `cpool logs -f {job_id}` follows it",
+                    highlight=False,
+                )
+                return
+            try:
+                job = wait_for_binding(pool, job, None, quiet=False)
+                if job["state"] not in ENDED_STATES:
+                    err_console.print(
+                        f"job {job_id} {job['state']} on {', '.join(map(str, job.get('nodes') or []))}: "
+                        f"{escape(request_text(job.get('request') or {}))}",
+                        highlight=False,
+                        style="dim",
+                    )
+                    job = _stream_until_ended(pool, job_id)
+            except KeyboardInterrupt:
+                with contextlib.suppress(PoolError):
+                    pool.cancel_allocation(job_id)
+                raise fail(f"cancelled job {job_id}", code=130) from None
+        code = _exit_code(job)
+        if job["state"] != "released" or code != 0:
+            err_console.print(
+                f"job {job_id} {job['state']}: {job.get('reason') or 'no reason given'}",
+                highlight=False,
+                style="dim" if job["state"] in ("released", "failed") else None,
+            )
+        raise typer.Exit(code)
+
+    @app.command("top")
+    @pool_command
+    def top(
+        interval: Annotated[
+            float, typer.Option("--interval", min=0.2, help="Seconds between refreshes.")
+        ] = 2.0,
+        iterations: Annotated[
+            int, typer.Option("--iterations", min=0, help="Stop after N (0: forever).")
+        ] = 0,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """A live view of the pool: each device's allocated share and the work queued and running."""
+        with open_client(server, token) as pool, Live(console=err_console, auto_refresh=False) as live:
+            n = 0
+            while True:
+                live.update(_top_view(pool), refresh=True)
+                n += 1
+                if iterations and n >= iterations:
+                    return
+                try:
+                    time.sleep(interval)
+                except KeyboardInterrupt:
+                    return
+
+
+def _bar(share: float, width: int = 20) -> str:
+    full = max(0, min(width, round(share * width)))
+    return "█" * full + "·" * (width - full)
+
+
+def _top_view(pool: PoolClient) -> Any:
+    from rich.console import Group
+
+    nodes = pool.list_nodes()
+    allocs = [a for s in ("pending", "bound", "active") for a in pool.list_allocations(s)]
+    used: dict[tuple[str, int], list[int]] = {}
+    for a in allocs:
+        if a.get("state") == "pending":
+            continue
+        for s in a.get("slices") or []:
+            u = used.setdefault((s["node"], int(s["device_index"])), [0, 0])
+            u[0] += int(s.get("compute_milli") or 0)
+            u[1] += int(s.get("memory_mib") or 0)
+    dev_table = table("devices", "node", "state", "device", "model", "allocated", "compute", "memory")
+    for nd in nodes:
+        for d in nd.get("devices") or []:
+            c, m = used.get((nd["name"], int(d["index"])), [0, 0])
+            cap = int(d.get("compute_milli") or 1000)
+            dev_table.add_row(
+                escape(nd["name"]),
+                str(nd.get("state", "")),
+                str(d["index"]),
+                escape(str(d.get("model", ""))),
+                _bar(c / cap if cap else 0.0),
+                f"{gpus_text(c)}/{gpus_text(cap)}",
+                f"{format_mib(m)}/{format_mib(int(d.get('memory_mib') or 0))}",
+            )
+    work = table("work", "id", "tenant", "state", "request", "nodes")
+    for a in allocs:
+        work.add_row(
+            str(a["id"]),
+            str(a.get("tenant", "")),
+            str(a.get("state", "")),
+            escape(request_text(a.get("request") or {})),
+            escape(",".join(map(str, a.get("nodes") or []))),
+        )
+    return Group(dev_table, work)

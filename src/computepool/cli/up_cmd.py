@@ -1,0 +1,277 @@
+"""`cpool up`: the whole pool on this machine — control plane and a local agent, supervised.
+
+Both run as child processes (`cpool server`, `cpool agent`) with their logs in DATA_DIR/logs;
+`up` restarts a crashed child with backoff and stops both on Ctrl-C / SIGTERM. Everything lives
+in DATA_DIR, so running it again reuses the database, the admin token and the node credential.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import httpx
+import typer
+
+from computepool.cli.common import fail
+
+EXIT_FATAL = 2  # the agent's "only the operator can fix this" (computepool.agent.loop.EXIT_FATAL)
+EXIT_CREDENTIAL_REFUSED = 3  # the agent's credential was refused: it needs a fresh join token
+READY_TIMEOUT_S = 60.0
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 30.0  # a child that ran this long is healthy again: its backoff starts over
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if `cpool up` itself is killed, so no control plane is orphaned."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+@dataclass
+class Child:
+    """One supervised process: its command, log file and restart backoff."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    failures: int = 0
+    next_start: float = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # Ctrl-C reaches `up` alone; it stops the children in order
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        self.started_at = time.monotonic()
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def schedule_restart(self) -> float:
+        if time.monotonic() - self.started_at > STABLE_AFTER_S:
+            self.failures = 0
+        self.failures += 1
+        delay = min(MAX_BACKOFF_S, 2.0 ** (self.failures - 1))
+        self.next_start = time.monotonic() + delay
+        self.proc = None
+        return delay
+
+    def stop(self, timeout_s: float, nudge_after_s: float | None = None) -> None:
+        """SIGTERM; then SIGINT after `nudge_after_s` (uvicorn's "force quit": it stops waiting for
+        open long polls); SIGKILL once `timeout_s` has passed."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        if nudge_after_s is not None:
+            try:
+                self.proc.wait(timeout=min(nudge_after_s, timeout_s))
+                return
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _cpool(*args: str) -> list[str]:
+    return [sys.executable, "-m", "computepool.cli.main", *args]
+
+
+def _wait_ready(server: Child, url: str, token_file: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        rc = server.exited()
+        if rc is not None:
+            raise fail(f"the control plane did not start (exit code {rc}): {_last_line(server.log_path)}", 1)
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and token_file.exists():
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop(10)
+            raise fail(f"the control plane was not ready after {READY_TIMEOUT_S:.0f} s: "
+                       f"{_last_line(server.log_path)}", 1)  # fmt: skip
+        time.sleep(0.2)
+
+
+def _join_token(url: str, token_file: Path) -> str:
+    admin = token_file.read_text().strip()
+    r = httpx.post(
+        f"{url}/api/v1/join-tokens",
+        json={"expires_in_s": 600, "single_use": True},
+        headers={"Authorization": f"Bearer {admin}"},
+        timeout=10,
+    )
+    if r.status_code != 201:
+        raise RuntimeError(
+            f"could not create a join token for the local agent: HTTP {r.status_code} {r.text}"
+        )
+    return str(r.json()["token"])
+
+
+def _agent_env(agent: Child, url: str, token_file: Path, agent_dir: Path, *, refused: bool = False) -> None:
+    """A fresh join token only when the agent needs one: no credential yet, or its credential refused."""
+    if refused or not (agent_dir / "node.json").exists():
+        agent.env["CPOOL_JOIN_TOKEN"] = _join_token(url, token_file)
+    else:
+        agent.env.pop("CPOOL_JOIN_TOKEN", None)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("up")
+    def up(
+        data_dir: Annotated[
+            Path,
+            typer.Option(
+                "--data-dir", envvar="CPOOL_DATA_DIR", help="Database, admin token, agent state, logs."
+            ),
+        ] = Path("~/.computepool"),
+        port: Annotated[int, typer.Option("--port", min=1, max=65535, help="API port.")] = 8470,
+        host: Annotated[str, typer.Option("--host", help="Address the API listens on.")] = "127.0.0.1",
+        simulate: Annotated[
+            str | None,
+            typer.Option(
+                "--simulate", help="Add simulated devices, e.g. 2xA100-80GB (NVIDIA GPUs need no flag)."
+            ),
+        ] = None,
+    ) -> None:
+        """Start the control plane and a local agent; stay in the foreground until Ctrl-C."""
+        from computepool.agent.devices import parse_spec
+        from computepool.core.errors import InvalidInput
+
+        if simulate is not None:
+            try:
+                parse_spec(simulate)
+            except InvalidInput as e:
+                raise fail(str(e)) from None
+        data_dir = data_dir.expanduser().absolute()
+        if not _port_free(host, port):
+            raise fail(f"port {port} on {host} is already in use (another cpool server?): choose --port")
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise fail(f"--data-dir: cannot create {data_dir}: {e.strerror}") from None
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        token_file = data_dir / "admin-token"
+        agent_dir = data_dir / "agent"
+        logs = data_dir / "logs"
+
+        stop = threading.Event()
+
+        def on_signal(_signum: int, _frame: FrameType | None) -> None:
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+        server = Child(
+            "control plane",
+            _cpool("server", "--data-dir", str(data_dir), "--host", host, "--port", str(port)),
+            logs / "server.log",
+        )
+        agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))
+        if simulate:
+            agent_argv += ["--simulate", simulate]
+        agent = Child("agent", agent_argv, logs / "agent.log")
+        server.start()
+        try:
+            _wait_ready(server, url, token_file)
+            _agent_env(agent, url, token_file, agent_dir)
+            agent.start()
+        except (RuntimeError, OSError, httpx.HTTPError) as e:
+            server.stop(15)
+            raise fail(str(e), 1) from None
+
+        print(f"ComputePool is up: API {url}", flush=True)
+        print(f"admin token in {token_file}", flush=True)
+        print(f"  export CPOOL_SERVER={url} CPOOL_TOKEN=$(cat {token_file})", flush=True)
+        print(f"logs in {logs}/ (server.log, agent.log); Ctrl-C stops both (running jobs keep running "
+              "and are re-adopted by the next `cpool up`)", flush=True)  # fmt: skip
+
+        code = _supervise(stop, server, agent, url, token_file, agent_dir)
+        agent.stop(15)
+        server.stop(20, nudge_after_s=3)
+        print("ComputePool stopped", flush=True)
+        if code:
+            raise typer.Exit(code)
+
+
+def _supervise(
+    stop: threading.Event, server: Child, agent: Child, url: str, token_file: Path, agent_dir: Path
+) -> int:
+    """Restart what crashed, with backoff; 0 on a requested stop, non-zero on a fatal agent error."""
+    refused = False
+    while not stop.wait(0.5):
+        for child in (server, agent):
+            if child.proc is None:
+                if time.monotonic() >= child.next_start:
+                    if child is agent:
+                        try:
+                            _agent_env(agent, url, token_file, agent_dir, refused=refused)
+                        except (RuntimeError, OSError, httpx.HTTPError) as e:
+                            delay = agent.schedule_restart()
+                            print(f"agent not restarted yet ({e}); trying again in {delay:.0f} s", flush=True)
+                            continue
+                        refused = False
+                    child.start()
+                    print(f"{child.name} restarted (pid {child.proc.pid if child.proc else '?'})", flush=True)
+                continue
+            rc = child.exited()
+            if rc is None:
+                continue
+            last = _last_line(child.log_path)
+            if child is agent and rc == EXIT_FATAL:
+                print(f"error: the agent stopped: {last}", file=sys.stderr, flush=True)
+                return 1
+            refused = refused or (child is agent and rc == EXIT_CREDENTIAL_REFUSED)
+            delay = child.schedule_restart()
+            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited (code {rc}): {last}"
+            print(f"{child.name} {how}; restarting in {delay:.0f} s", flush=True)
+    return 0

@@ -1,0 +1,23 @@
+"""The pool's HTTP client: `PoolClient` for every API call, config resolution, the API benchmark.
+
+Typical use: `with PoolClient.from_config(resolve_config()) as pool:` then
+`pool.create_allocation(AllocationRequest(gpus=1, gpu_milli=500))`.
+"""
+
+from __future__ import annotations
+
+from computepool.client.config import DEFAULT_SERVER, ClientConfig, config_path, resolve_config, save_config
+from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.client.http import AllocationRequest, PoolClient
+
+__all__ = [
+    "DEFAULT_SERVER",
+    "AllocationRequest",
+    "ClientConfig",
+    "PoolClient",
+    "PoolError",
+    "ServerUnreachable",
+    "config_path",
+    "resolve_config",
+    "save_config",
+]

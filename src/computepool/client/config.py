@@ -1,0 +1,93 @@
+"""Where the client finds its server and token: flags > environment > the file `cpool login` writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from computepool.core.errors import InvalidInput
+
+DEFAULT_SERVER = "http://127.0.0.1:8470"
+ENV_SERVER = "CPOOL_SERVER"
+ENV_TOKEN = "CPOOL_TOKEN"
+ENV_CONFIG = "CPOOL_CONFIG"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    server: str
+    token: str | None
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """`$CPOOL_CONFIG`, else `~/.config/computepool/config.json`."""
+    env = os.environ if env is None else env
+    explicit = env.get(ENV_CONFIG)
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path("~/.config/computepool/config.json").expanduser()
+
+
+def normalise_server(server: str) -> str:
+    """Accept `host:port` as well as a URL; refuse anything that is not http(s)."""
+    s = server.strip().rstrip("/")
+    if "://" not in s:
+        s = f"http://{s}"
+    if not s.startswith(("http://", "https://")) or len(s.split("://", 1)[1]) == 0:
+        raise InvalidInput("server", f"expected an http:// or https:// URL, got {server!r}")
+    return s
+
+
+def load_config(path: Path) -> dict[str, str]:
+    """The saved server and token; an absent file is an empty config, a corrupt one an error."""
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(
+            str(path), f"not valid JSON ({e.msg} at line {e.lineno}); run `cpool login`"
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidInput(str(path), "expected a JSON object; run `cpool login`")
+    return {k: v for k, v in data.items() if k in ("server", "token") and isinstance(v, str)}
+
+
+def resolve_config(
+    server: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
+) -> ClientConfig:
+    """Each setting from the first place that has it: the argument, the environment, the file."""
+    env = os.environ if env is None else env
+    saved: dict[str, str] = {}
+    if not (server or env.get(ENV_SERVER)) or not (token or env.get(ENV_TOKEN)):
+        saved = load_config(config_path(env))
+    chosen_server = server or env.get(ENV_SERVER) or saved.get("server") or DEFAULT_SERVER
+    chosen_token = token or env.get(ENV_TOKEN) or saved.get("token") or None
+    return ClientConfig(server=normalise_server(chosen_server), token=chosen_token)
+
+
+def save_config(cfg: ClientConfig, env: Mapping[str, str] | None = None) -> Path:
+    """Write server + token readable by the owner only (0600), in a 0700 folder when we create it.
+
+    The file is created with its final mode (no window where the token is world-readable) and
+    replaced atomically, so a crash never leaves half a config.
+    """
+    path = config_path(env)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # an existing tmp file keeps its mode otherwise
+            json.dump({"server": cfg.server, "token": cfg.token}, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,385 @@
+"""`PoolClient`: one typed method per API endpoint over a shared httpx connection pool.
+
+Answers are the server's JSON (dicts), not client-side copies of the server's models: the
+server's schemas are the one definition, and the CLI prints what the server says. Errors come
+back as `PoolError` (the server's message and field) or `ServerUnreachable` (no answer).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import quote
+
+import httpx
+
+from computepool.client.config import ClientConfig, normalise_server
+from computepool.client.errors import PoolError, ServerUnreachable
+
+API = "/api/v1"
+JSON = dict[str, Any]
+AllocId = int | str
+Isolation = Literal["timeslice", "mps", "mig", "exclusive"]
+PENDING = "pending"
+ENDED_STATES = frozenset({"released", "preempted", "failed", "cancelled"})
+HOLDING_STATES = ("pending", "bound", "active")
+MAX_RETRY_WAIT_S = 10.0
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("computepool")
+    except Exception:  # not installed (running from a source tree)
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """The body of `POST /allocations`; quantities already in pool units (milli, MiB)."""
+
+    gpus: int = 0
+    gpu_milli: int = 1000
+    gpu_memory_mib: int | None = None
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    models: Sequence[str] | None = None
+    exclusive: bool = False
+    isolation: Isolation | None = None
+    gang_nodes: int = 1
+    priority: int = 0
+    name: str | None = None
+    tenant: str | None = None
+    command: Sequence[str] | None = None
+    env: Mapping[str, str] | None = None
+    restartable: bool = False
+
+    def body(self) -> JSON:
+        """Only the fields that are set: unset optionals keep the server's defaults."""
+        out: JSON = {}
+        for k, v in asdict(self).items():
+            if v is None:
+                continue
+            out[k] = list(v) if isinstance(v, tuple) else v
+        return out
+
+
+def error_from_response(r: httpx.Response) -> PoolError:
+    """The server's `{"error", "field"}` when it sent one, else the status line and a bit of body."""
+    message, field = "", None
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        message = body["error"]
+        field = body.get("field") if isinstance(body.get("field"), str) else None
+    else:
+        text = " ".join(r.text.split())[:200]
+        reason = r.reason_phrase or "error"
+        message = reason if text in ("", reason) else f"{reason}: {text}"
+    if r.status_code >= 500 and r.status_code != 503:
+        message += " (a server fault, not your input: the server's log has the details)"
+    return PoolError(r.status_code, message, field)
+
+
+def retry_after_s(r: httpx.Response, attempt: int) -> float:
+    """Seconds to wait before retrying a 503: the server's Retry-After (seconds or a date), bounded."""
+    value = r.headers.get("Retry-After", "").strip()
+    wait: float | None = None
+    if value:
+        try:
+            wait = float(value)
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value) if value else None
+            if when is not None:
+                wait = (when - datetime.now(when.tzinfo)).total_seconds()
+    if wait is None:
+        wait = 0.5 * 2**attempt
+    return min(max(wait, 0.05), MAX_RETRY_WAIT_S)
+
+
+def transport_cause(e: httpx.TransportError, timeout: float) -> str:
+    if isinstance(e, httpx.TimeoutException):
+        return f"no answer within {timeout:g} s"
+    if isinstance(e, httpx.ConnectError):
+        return f"connection failed: {e}" if str(e) else "connection refused"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class PoolClient:
+    """A connection to one pool server with one bearer token.
+
+    A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After
+    says (at most 10 s each); everything else is raised at once.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.server = normalise_server(server)
+        self.token = token
+        self.timeout = timeout
+        self.retries = max(0, retries)
+        self._sleep = sleep
+        headers = {"User-Agent": f"cpool/{_version()}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_config(cls, cfg: ClientConfig, timeout: float = 30.0) -> PoolClient:
+        return cls(cfg.server, cfg.token, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: object = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        api: bool = True,
+    ) -> Any:
+        """One call (under /api/v1 unless `api` is false) with 503 retries; returns the decoded JSON."""
+        url = API + path if api else path
+        hdrs = dict(headers or {})
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        replayable = method in ("GET", "PUT", "DELETE") or "Idempotency-Key" in hdrs
+        attempt, reconnected = 0, False
+        while True:  # bounded: `retries` 503s plus one reconnect
+            try:
+                r = self._http.request(method, url, json=json, params=query, headers=hdrs)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                # a kept-alive connection the server had closed: resend once if that cannot double it
+                if replayable and not reconnected:
+                    reconnected = True
+                    continue
+                raise ServerUnreachable(self.server, transport_cause(e, self.timeout)) from None
+            except httpx.TransportError as e:
+                raise ServerUnreachable(self.server, transport_cause(e, self.timeout)) from None
+            if r.status_code == 503 and attempt < self.retries:
+                self._sleep(retry_after_s(r, attempt))
+                attempt += 1
+                continue
+            break
+        if r.is_success:
+            return r.json() if r.content else None
+        err = error_from_response(r)
+        if r.status_code in (404, 405) and err.message in ("Not Found", "Method Not Allowed"):
+            # the route itself is missing: name it, rather than suggest the object does not exist
+            err = PoolError(
+                r.status_code, f"{self.server} has no {method} {url} (a server older than this client?)"
+            )
+        elif r.status_code == 401 and not self.token:
+            err = PoolError(401, f"{err.message}; no token: run `cpool login` or set CPOOL_TOKEN", err.field)
+        raise err
+
+    def _items(self, path: str, params: Mapping[str, Any] | None = None) -> list[JSON]:
+        return list(self.request("GET", path, params=params)["items"])
+
+    # -- health and identity --------------------------------------------------------------
+
+    def healthz(self) -> JSON:
+        return dict(self.request("GET", "/healthz", api=False))
+
+    def readyz(self) -> JSON:
+        return dict(self.request("GET", "/readyz", api=False))
+
+    def whoami(self) -> JSON:
+        return dict(self.request("GET", "/whoami"))
+
+    # -- tenants, users, tokens, quotas ---------------------------------------------------
+
+    def list_tenants(self) -> list[JSON]:
+        return self._items("/tenants")
+
+    def get_tenant(self, name: str) -> JSON:
+        return dict(self.request("GET", f"/tenants/{_seg(name)}"))
+
+    def create_tenant(self, name: str, weight: float = 1.0) -> JSON:
+        return dict(self.request("POST", "/tenants", json={"name": name, "weight": weight}))
+
+    def list_users(self) -> list[JSON]:
+        return self._items("/users")
+
+    def create_user(self, name: str, tenant: str, role: str) -> JSON:
+        return dict(self.request("POST", "/users", json={"name": name, "tenant": tenant, "role": role}))
+
+    def list_tokens(self) -> list[JSON]:
+        return self._items("/tokens")
+
+    def create_token(self, user: str | None = None, name: str = "", expires_in_s: int | None = None) -> JSON:
+        body: JSON = {"name": name}
+        if user is not None:
+            body["user"] = user
+        if expires_in_s is not None:
+            body["expires_in_s"] = expires_in_s
+        return dict(self.request("POST", "/tokens", json=body))
+
+    def revoke_token(self, token_id: str) -> JSON:
+        return dict(self.request("DELETE", f"/tokens/{_seg(token_id)}"))
+
+    def get_quota(self, tenant: str) -> JSON:
+        return dict(self.request("GET", f"/tenants/{_seg(tenant)}/quota"))
+
+    def set_quota(self, tenant: str, quota: Mapping[str, Any]) -> JSON:
+        """Replaces the tenant's whole quota (resources left out have none)."""
+        return dict(self.request("PUT", f"/tenants/{_seg(tenant)}/quota", json=dict(quota)))
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def create_join_token(self, expires_in_s: int = 3600, single_use: bool = True) -> JSON:
+        body = {"expires_in_s": expires_in_s, "single_use": single_use}
+        return dict(self.request("POST", "/join-tokens", json=body))
+
+    def join_node(
+        self,
+        join_token: str,
+        name: str,
+        cpu_milli: int,
+        memory_mib: int,
+        devices: Sequence[Mapping[str, Any]] = (),
+        labels: Mapping[str, str] | None = None,
+    ) -> JSON:
+        """Join with a join token (no bearer token); the answer holds the node's credential."""
+        body = {
+            "join_token": join_token,
+            "name": name,
+            "cpu_milli": cpu_milli,
+            "memory_mib": memory_mib,
+            "labels": dict(labels or {}),
+            "devices": [dict(d) for d in devices],
+        }
+        return dict(self.request("POST", "/nodes/join", json=body))
+
+    def heartbeat(self, name: str, devices_usage: Sequence[Mapping[str, Any]] = ()) -> JSON:
+        """Needs the node's own credential as this client's token."""
+        body = {"devices_usage": [dict(u) for u in devices_usage]}
+        return dict(self.request("POST", f"/nodes/{_seg(name)}/heartbeat", json=body))
+
+    def list_nodes(self) -> list[JSON]:
+        return self._items("/nodes")
+
+    def get_node(self, name: str) -> JSON:
+        return dict(self.request("GET", f"/nodes/{_seg(name)}"))
+
+    def cordon(self, name: str) -> JSON:
+        return dict(self.request("POST", f"/nodes/{_seg(name)}/cordon"))
+
+    def uncordon(self, name: str) -> JSON:
+        return dict(self.request("POST", f"/nodes/{_seg(name)}/uncordon"))
+
+    def drain(self, name: str) -> JSON:
+        return dict(self.request("POST", f"/nodes/{_seg(name)}/drain"))
+
+    def delete_node(self, name: str) -> JSON:
+        return dict(self.request("DELETE", f"/nodes/{_seg(name)}"))
+
+    # -- audit ----------------------------------------------------------------------------
+
+    def list_audit(
+        self,
+        tenant: str | None = None,
+        actor: str | None = None,
+        action: str | None = None,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+    ) -> list[JSON]:
+        params = {
+            "tenant": tenant,
+            "actor": actor,
+            "action": action,
+            "since": since.isoformat() if isinstance(since, datetime) else since,
+            "until": until.isoformat() if isinstance(until, datetime) else until,
+            "after": after,
+            "limit": limit,
+        }
+        return self._items("/audit", params)
+
+    def verify_audit(self) -> JSON:
+        return dict(self.request("GET", "/audit/verify"))
+
+    # -- allocations ----------------------------------------------------------------------
+
+    def create_allocation(self, req: AllocationRequest, idempotency_key: str | None = None) -> JSON:
+        """Submit a request. The idempotency key (made up if not given) is reused by the 503
+        retries, so a retried submit never queues the request twice."""
+        key = idempotency_key or uuid.uuid4().hex
+        return dict(self.request("POST", "/allocations", json=req.body(), headers={"Idempotency-Key": key}))
+
+    def list_allocations(
+        self, state: str | None = None, tenant: str | None = None, limit: int | None = None
+    ) -> list[JSON]:
+        return self._items("/allocations", {"state": state, "tenant": tenant, "limit": limit})
+
+    def get_allocation(self, alloc_id: AllocId) -> JSON:
+        return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}"))
+
+    def explain_allocation(self, alloc_id: AllocId) -> JSON:
+        return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}/explain"))
+
+    def release_allocation(self, alloc_id: AllocId) -> JSON:
+        return dict(self.request("POST", f"/allocations/{_seg(alloc_id)}/release"))
+
+    def cancel_allocation(self, alloc_id: AllocId) -> JSON:
+        return dict(self.request("POST", f"/allocations/{_seg(alloc_id)}/cancel"))
+
+    def allocation_logs(self, alloc_id: AllocId, offset: int = 0, wait: float | None = None) -> JSON:
+        params = {"offset": offset, "wait": wait}
+        return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}/logs", params=params))
+
+    def wait_allocation(
+        self,
+        alloc_id: AllocId,
+        timeout: float | None = None,
+        poll_s: float = 0.5,
+        on_pending: Callable[[JSON], None] | None = None,
+    ) -> JSON:
+        """Poll until the allocation leaves `pending` or `timeout` passes; returns its last state.
+
+        `on_pending` sees each pending answer (the CLI updates its spinner there).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            alloc = self.get_allocation(alloc_id)
+            if alloc.get("state") != PENDING:
+                return alloc
+            if on_pending is not None:
+                on_pending(alloc)
+            if deadline is not None and time.monotonic() >= deadline:
+                return alloc
+            pause = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))
+            self._sleep(pause)
+
+
+def _seg(value: object) -> str:
+    """A path segment, percent-encoded so a name can never reach another route."""
+    return quote(str(value), safe="")

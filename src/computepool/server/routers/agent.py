@@ -1,0 +1,63 @@
+"""The node agent's side: its assignments (long-poll), process reports, and job output."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.concurrency import run_in_threadpool
+
+from computepool.server.context import Ctx
+from computepool.server.deps import requires
+from computepool.server.hub import Hub
+from computepool.server.policy import Action
+from computepool.server.routers.allocations import MAX_WAIT_S, RECHECK_S, get_hub
+from computepool.server.schemas.allocations import Assignments, LogAppended, LogChunk, Reports, ReportsOut
+from computepool.server.services import allocations
+
+router = APIRouter(tags=["agent"])
+
+
+@router.get("/nodes/{name}/assignments", summary="The jobs this node should run (node credential; long-poll)")
+async def assignments(
+    name: str,
+    ctx: Annotated[Ctx, Depends(requires(Action.NODE_ASSIGNMENTS))],
+    hub: Annotated[Hub, Depends(get_hub)],
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for a change.")] = 0,
+    since: Annotated[int | None, Query(ge=0, lt=2**63, description="The version last seen.")] = None,
+) -> Assignments:
+    deadline = time.monotonic() + wait
+    while True:
+        ev = hub.subscribe(f"node:{name}")
+        try:
+            out = await run_in_threadpool(allocations.assignments, ctx, name)
+            left = deadline - time.monotonic()
+            if since is None or out.version != since or left <= 0:
+                return out
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
+        finally:
+            hub.unsubscribe(f"node:{name}", ev)
+
+
+@router.post("/nodes/{name}/reports", summary="Process states of this node's jobs (node credential)")
+def reports(
+    name: str,
+    body: Reports,
+    ctx: Annotated[Ctx, Depends(requires(Action.NODE_REPORT))],
+    hub: Annotated[Hub, Depends(get_hub)],
+) -> ReportsOut:
+    return allocations.report(ctx, name, body, hub)
+
+
+@router.post("/allocations/{alloc_id}/logs", summary="Append a chunk of a job's output (node credential)")
+def append_logs(
+    alloc_id: int,
+    body: LogChunk,
+    ctx: Annotated[Ctx, Depends(requires(Action.NODE_LOG_APPEND))],
+    hub: Annotated[Hub, Depends(get_hub)],
+) -> LogAppended:
+    return allocations.append_log(ctx, alloc_id, body, hub)

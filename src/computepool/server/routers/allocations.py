@@ -1,0 +1,123 @@
+"""Allocations: create (idempotent with `Idempotency-Key`), list, get, explain, release, cancel, logs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from computepool.server.context import Ctx
+from computepool.server.deps import requires
+from computepool.server.hub import Hub
+from computepool.server.policy import Action
+from computepool.server.schemas.allocations import (
+    AllocationCreate,
+    AllocationOut,
+    AllocationState,
+    ExplainOut,
+    LogsOut,
+)
+from computepool.server.schemas.common import Items
+from computepool.server.services import allocations
+
+router = APIRouter(tags=["allocations"])
+MAX_WAIT_S = 30.0
+RECHECK_S = 1.0  # long-polls re-read at least this often (changes made by other replicas)
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:-]{1,128}$",
+        description="Retries with the same key return the allocation the first call made.",
+    ),
+]
+
+
+def get_hub(request: Request) -> Hub:
+    hub: Hub = request.app.state.hub
+    return hub
+
+
+@router.post(
+    "/allocations",
+    status_code=201,
+    summary="Ask the pool for capacity (201 created; 200 when the Idempotency-Key was seen)",
+    responses={200: {"description": "The allocation an earlier call with this key created"}},
+)
+def create(
+    body: AllocationCreate,
+    response: Response,
+    ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_CREATE))],
+    hub: Annotated[Hub, Depends(get_hub)],
+    idempotency_key: IdempotencyKey = None,
+) -> AllocationOut:
+    out, created = allocations.create(ctx, body, idempotency_key, hub)
+    response.status_code = 201 if created else 200
+    return out
+
+
+@router.get("/allocations", summary="Allocations, newest first")
+def list_allocations(
+    ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_LIST))],
+    state: Annotated[AllocationState | None, Query(description="Only this state.")] = None,
+    tenant: Annotated[str | None, Query(max_length=63, description="Only this tenant (admins).")] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000, description="At most this many.")] = 100,
+) -> Items[AllocationOut]:
+    return allocations.list_all(ctx, state=state, tenant=tenant, limit=limit)
+
+
+@router.get("/allocations/{alloc_id}", summary="One allocation with its slices and history")
+def get_allocation(
+    alloc_id: int, ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_GET))]
+) -> AllocationOut:
+    return allocations.get(ctx, alloc_id)
+
+
+@router.get("/allocations/{alloc_id}/explain", summary="Why it is pending, where it runs, or why it ended")
+def explain(alloc_id: int, ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_GET))]) -> ExplainOut:
+    return allocations.explain(ctx, alloc_id)
+
+
+@router.post("/allocations/{alloc_id}/release", summary="Give a bound or active allocation back")
+def release(
+    alloc_id: int,
+    ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_RELEASE))],
+    hub: Annotated[Hub, Depends(get_hub)],
+) -> AllocationOut:
+    return allocations.release(ctx, alloc_id, hub)
+
+
+@router.post("/allocations/{alloc_id}/cancel", summary="Cancel a pending, bound or active allocation")
+def cancel(
+    alloc_id: int,
+    ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_CANCEL))],
+    hub: Annotated[Hub, Depends(get_hub)],
+) -> AllocationOut:
+    return allocations.cancel(ctx, alloc_id, hub)
+
+
+@router.get("/allocations/{alloc_id}/logs", summary="A job's output from `offset` (long-poll with wait)")
+async def read_logs(
+    alloc_id: int,
+    ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_GET))],
+    hub: Annotated[Hub, Depends(get_hub)],
+    offset: Annotated[int, Query(ge=0, le=2**62, description="Characters already read.")] = 0,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for new output.")] = 0,
+) -> LogsOut:
+    deadline = time.monotonic() + wait
+    while True:
+        ev = hub.subscribe(f"logs:{alloc_id}")
+        try:
+            out = await run_in_threadpool(allocations.read_log, ctx, alloc_id, offset)
+            left = deadline - time.monotonic()
+            if out.data or out.ended or left <= 0:
+                return out
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
+        finally:
+            hub.unsubscribe(f"logs:{alloc_id}", ev)

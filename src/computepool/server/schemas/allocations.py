@@ -1,0 +1,212 @@
+"""Allocations (requests for capacity, their slices and history) and the node agent's protocol."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StringConstraints
+
+from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
+from computepool.server.schemas.common import MAX_CPU_MILLI, MAX_MEMORY_MIB, In, ModelName, Name, Out
+
+AllocationState = Literal["pending", "bound", "active", "released", "preempted", "failed", "cancelled"]
+IsolationName = Literal["timeslice", "mps", "mig", "exclusive"]
+ACTIVE_STATES = ("bound", "active")
+ENDED_STATES = ("released", "preempted", "failed", "cancelled")
+MAX_COMMAND_ARGS = 1024
+MAX_ARG_LEN = 8192
+MAX_ENV = 256
+MAX_PRIORITY = 1_000_000
+MAX_LOG_CHUNK = 1 << 20
+EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+EnvValue = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
+Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
+
+
+class AllocationCreate(In):
+    """What to allocate. Device quantities are per node; a gang asks for `gang_nodes` such nodes."""
+
+    name: Name | None = Field(default=None, description="A label for people; not unique.")
+    tenant: Name | None = Field(default=None, description="Admins only: allocate for this tenant.")
+    gpus: int = Field(default=0, strict=True, ge=0, le=MAX_DEVICES_PER_NODE, description="Devices per node.")
+    gpu_milli: int = Field(
+        default=1000,
+        strict=True,
+        ge=1,
+        le=1000,
+        description="Compute per device; below 1000 only with gpus=1.",
+    )
+    gpu_memory_mib: int | None = Field(
+        default=None, strict=True, ge=0, le=2**24, description="GPU memory per device; default in proportion."
+    )
+    cpu_milli: int = Field(default=0, strict=True, ge=0, le=MAX_CPU_MILLI, description="Host CPU per node.")
+    memory_mib: int = Field(
+        default=0, strict=True, ge=0, le=MAX_MEMORY_MIB, description="Host memory per node."
+    )
+    models: list[ModelName] | None = Field(
+        default=None, min_length=1, max_length=64, description="Allowed GPU models; default any."
+    )
+    exclusive: bool = Field(default=False, strict=True, description="Whole devices, alone on them.")
+    isolation: IsolationName | None = Field(
+        default=None, description="Default: exclusive for whole devices, timeslice for fractions."
+    )
+    gang_nodes: int = Field(
+        default=1, strict=True, ge=1, le=MAX_GANG_NODES, description="Nodes, bound all-or-nothing."
+    )
+    priority: int = Field(
+        default=0,
+        strict=True,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Higher goes first in a tenant.",
+    )
+    command: list[Arg] | None = Field(
+        default=None, min_length=1, max_length=MAX_COMMAND_ARGS, description="A job: run by the node agent."
+    )
+    env: dict[EnvKey, EnvValue] | None = Field(
+        default=None, max_length=MAX_ENV, description="Job environment."
+    )
+    restartable: bool = Field(
+        default=False, strict=True, description="Requeue (attempt + 1) after preemption or node loss."
+    )
+
+
+class RequestOut(Out):
+    name: str | None
+    tenant: str
+    gpus: int
+    gpu_milli: int
+    gpu_memory_mib: int | None
+    cpu_milli: int
+    memory_mib: int
+    models: list[str] | None
+    exclusive: bool
+    isolation: IsolationName
+    gang_nodes: int
+    priority: int
+    command: list[str] | None
+    env: dict[str, str] | None
+    restartable: bool
+
+
+class SliceOut(Out):
+    node: str
+    device_index: int
+    device_uuid: str
+    compute_milli: int
+    memory_mib: int
+    isolation: IsolationName
+
+
+class EventOut(Out):
+    at: datetime
+    state: str
+    reason: str
+
+
+class AllocationOut(Out):
+    id: int
+    name: str
+    tenant: str
+    owner: str
+    request: RequestOut
+    command: list[str] | None
+    env: dict[str, str] | None
+    restartable: bool
+    state: AllocationState
+    reason: str
+    attempt: int
+    term: int
+    nodes: list[str]
+    slices: list[SliceOut]
+    exit_code: int | None
+    created_at: datetime
+    bound_at: datetime | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    events: list[EventOut]
+
+
+class ReasonsOut(Out):
+    counts: dict[str, int] = Field(description="Nodes rejected, by the first filter that rejects them.")
+    notes: list[str]
+
+
+class ExplainOut(Out):
+    state: AllocationState
+    summary: str = Field(description="One line: why it is pending, or where it runs, or why it ended.")
+    reasons: ReasonsOut
+    quota: dict[str, Any] = Field(description="Per resource: used, request, guaranteed, limit (null: none).")
+    queue_position: int | None = Field(
+        description="1 = next of its tenant's pending requests; null if not pending."
+    )
+
+
+class Assignment(Out):
+    allocation_id: int
+    attempt: int
+    term: int
+    tenant: str
+    slices: list[SliceOut]
+    command: list[str]
+    env: dict[str, str]
+    isolation: IsolationName
+    cpu_milli: int
+    memory_mib: int
+    restartable: bool
+
+
+class Assignments(Out):
+    version: int = Field(
+        description="Opaque; changes whenever this node's assignments change. Pass as since."
+    )
+    term: int = Field(description="The scheduler term now in force.")
+    assignments: list[Assignment]
+
+
+class Report(In):
+    allocation_id: int = Field(strict=True, ge=1)
+    attempt: int = Field(strict=True, ge=1)
+    state: Literal["running", "exited", "failed", "lost"]
+    exit_code: int | None = Field(default=None, strict=True, ge=-(2**31), lt=2**31)
+    reason: str | None = Field(default=None, max_length=1000)
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+
+class Reports(In):
+    reports: list[Report] = Field(max_length=10_000)
+
+
+class StaleOut(Out):
+    allocation_id: int
+    attempt: int
+    reason: str
+
+
+class ReportsOut(Out):
+    accepted: list[int] = Field(description="Allocation ids whose report was applied (or changed nothing).")
+    stale: list[StaleOut] = Field(description="Attempts the control plane no longer assigns: stop them.")
+
+
+class LogChunk(In):
+    attempt: int = Field(strict=True, ge=1)
+    stream: Literal["stdout", "stderr"]
+    offset: int = Field(
+        strict=True,
+        ge=0,
+        le=2**62,
+        description="Byte offset (UTF-8) where `data` starts in this attempt's stream.",
+    )
+    data: str = Field(max_length=MAX_LOG_CHUNK)
+
+
+class LogAppended(Out):
+    next_offset: int = Field(description="The stream's length now: where the next chunk starts.")
+
+
+class LogsOut(Out):
+    data: str
+    next_offset: int
+    ended: bool = Field(description="The allocation has ended: no more output will come.")

@@ -1,0 +1,440 @@
+"""Allocations for users (create, read, explain, release, cancel, logs) and for node agents
+(assignments, reports, log chunks).
+
+Lifecycle: `pending → bound` (the scheduler placed it; slices fixed). A *plain* allocation (no
+command) is used as it is and stays `bound` until released. A *job* (with a command) is run by
+the agents of its nodes and turns `active` when one reports the process running; it ends
+`released` when it exits 0, `failed` otherwise. Preemption and node loss requeue a restartable
+allocation (`pending`, attempt + 1) and end any other one (`preempted`, `failed`). Every
+transition is an event with its time and reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from computepool.core import InvalidInput
+from computepool.server.context import Ctx
+from computepool.server.errors import Conflict, Forbidden, Invalid, NotFound
+from computepool.server.hub import Hub
+from computepool.server.policy import Target, authorize
+from computepool.server.schemas.allocations import (
+    AllocationCreate,
+    AllocationOut,
+    Assignment,
+    Assignments,
+    EventOut,
+    ExplainOut,
+    LogAppended,
+    LogChunk,
+    LogsOut,
+    ReasonsOut,
+    Reports,
+    ReportsOut,
+    RequestOut,
+    SliceOut,
+    StaleOut,
+)
+from computepool.server.schemas.common import Items
+from computepool.server.services import scheduling
+from computepool.server.services.audit import record
+from computepool.store import allocations as store
+from computepool.store import nodes as node_store
+from computepool.store import tenants as tenant_store
+from computepool.store.db import db_now
+from computepool.store.models import Allocation, AllocationEvent
+
+MAX_LOG_READ = 1 << 20
+
+
+def _utc(t: datetime | None) -> datetime | None:
+    """Agent clocks send ISO times; one without a zone is read as UTC."""
+    if t is None:
+        return None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
+
+
+# --- shaping ------------------------------------------------------------------------------------
+def _out(a: Allocation, events: Sequence[AllocationEvent]) -> AllocationOut:
+    return AllocationOut(
+        id=a.id,
+        name=a.name,
+        tenant=a.tenant.name,
+        owner=a.owner,
+        request=RequestOut.model_validate(a.request),
+        command=a.command,
+        env=a.env,
+        restartable=a.restartable,
+        state=a.state,  # type: ignore[arg-type]
+        reason=a.reason,
+        attempt=a.attempt,
+        term=a.term,
+        nodes=list(a.nodes),
+        slices=[SliceOut.model_validate(sl) for sl in a.slices],
+        exit_code=a.exit_code,
+        created_at=a.created_at,
+        bound_at=a.bound_at,
+        started_at=a.started_at,
+        ended_at=a.ended_at,
+        events=[EventOut(at=e.at, state=e.state, reason=e.reason) for e in events],
+    )
+
+
+def _one(s: Session, a: Allocation) -> AllocationOut:
+    return _out(a, store.events_of(s, [a.id])[a.id])
+
+
+def _visible(s: Session, ctx: Ctx, alloc_id: int, *, lock: bool = False) -> Allocation:
+    """The allocation if the caller's tenant may see it; the same 404 otherwise."""
+    a = store.get(s, alloc_id, for_update=lock)
+    if a is None:
+        raise NotFound(f"allocation {alloc_id} not found")
+    authorize(ctx.caller(), ctx.action, Target("allocation", str(alloc_id), tenant=a.tenant.name))
+    return a
+
+
+# --- create -------------------------------------------------------------------------------------
+def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
+    """The request as stored: isolation resolved (exclusive for whole devices, timeslice for fractions)."""
+    if body.gpus == 0 and "gpu_milli" in body.model_fields_set and body.gpu_milli != 1000:
+        raise Invalid("gpu_milli: given without any device (gpus is 0)", "gpu_milli")
+    if body.exclusive and body.isolation not in (None, "exclusive", "mig"):
+        raise Invalid(f"isolation: '{body.isolation}' contradicts exclusive=true", "isolation")
+    fractional = body.gpus == 1 and body.gpu_milli < 1000
+    if body.isolation is not None:
+        isolation = body.isolation
+    elif body.exclusive:
+        isolation = "exclusive"
+    else:
+        isolation = "timeslice" if fractional or body.gpus == 0 else "exclusive"
+    exclusive = (
+        body.exclusive
+        or body.isolation in ("exclusive", "mig")
+        or (isolation == "exclusive" and body.gpus > 0)
+    )
+    return {
+        "name": body.name,
+        "tenant": tenant,
+        "gpus": body.gpus,
+        "gpu_milli": body.gpu_milli,
+        "gpu_memory_mib": body.gpu_memory_mib,
+        "cpu_milli": body.cpu_milli,
+        "memory_mib": body.memory_mib,
+        "models": sorted(set(body.models)) if body.models else None,
+        "exclusive": exclusive,
+        "isolation": isolation,
+        "gang_nodes": body.gang_nodes,
+        "priority": body.priority,
+        "command": body.command,
+        "env": body.env,
+        "restartable": body.restartable,
+    }
+
+
+def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple[AllocationOut, bool]:
+    """Store a pending allocation (201), or return the one this caller made with `key` (200)."""
+    caller = ctx.caller()
+    tenant_name = body.tenant or caller.tenant or ""
+    if body.tenant is not None:
+        authorize(caller, ctx.action, Target("tenant", body.tenant, tenant=body.tenant, field="tenant"))
+    req = _normalise(body, tenant_name)
+    try:
+        core = scheduling.to_core(req)
+    except InvalidInput as e:
+        raise Invalid(f"{e.where}: {e.message}", e.where) from e
+    try:
+        with ctx.db.write() as s:
+            if key is not None:
+                found = store.by_key(s, caller.name, key)
+                if found is not None:
+                    return _one(s, found), False
+            tenant = tenant_store.get(s, tenant_name)
+            if tenant is None:
+                raise NotFound(f"tenant '{tenant_name}' not found", "tenant")
+            snap = scheduling.load_snapshot(s, ctx.settings, live=False)
+            quota = snap.quotas.get(tenant_name, {})
+            too_big = scheduling.over_limit(Counter(), scheduling.estimate(core), quota)
+            if too_big is not None:
+                raise Invalid(f"the request alone exceeds tenant {tenant_name}'s {too_big}", "tenant")
+            never = scheduling.never_fits(snap, core)
+            if never is not None:
+                raise Invalid(never, "gpus" if core.gpu_count else "cpu_milli")
+            now = db_now(s)
+            a = store.add(
+                s,
+                Allocation(
+                    name=body.name or "",
+                    tenant_id=tenant.id,
+                    owner=caller.name,
+                    idempotency_key=key,
+                    request=req,
+                    priority=body.priority,
+                    command=body.command,
+                    env=body.env,
+                    restartable=body.restartable,
+                    state="pending",
+                    reason="submitted",
+                    attempt=1,
+                    term=0,
+                    nodes=[],
+                    slices=[],
+                    created_at=now,
+                ),
+                now,
+            )
+            record(s, ctx, f"allocation:{a.id}", tenant=tenant_name, detail={"request": _brief(req)})
+            out = _one(s, a)
+    except IntegrityError:
+        if key is None:
+            raise
+        with ctx.db.read() as s:  # the same key raced in from another request: answer with that one
+            found = store.by_key(s, caller.name, key)
+            if found is None:
+                raise
+            return _one(s, found), False
+    hub.wake_scheduler()
+    return out, True
+
+
+def _brief(req: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in req.items() if k not in ("env", "command") and v not in (None, False, 0)}
+
+
+# --- read ---------------------------------------------------------------------------------------
+def list_all(ctx: Ctx, *, state: str | None, tenant: str | None, limit: int) -> Items[AllocationOut]:
+    scope = authorize(ctx.caller(), ctx.action)
+    if scope.tenant is not None:
+        if tenant is not None and tenant != scope.tenant:
+            return Items[AllocationOut](items=[])
+        tenant = scope.tenant
+    with ctx.db.read() as s:
+        rows = store.query(s, tenant=tenant, state=state, limit=limit)
+        events = store.events_of(s, [a.id for a in rows])
+        return Items[AllocationOut](items=[_out(a, events[a.id]) for a in rows])
+
+
+def get(ctx: Ctx, alloc_id: int) -> AllocationOut:
+    with ctx.db.read() as s:
+        return _one(s, _visible(s, ctx, alloc_id))
+
+
+@dataclass(frozen=True)
+class _Seen:
+    id: int
+    state: str
+    reason: str
+    tenant: str
+    request: dict[str, Any]
+    nodes: list[str]
+    slices: int
+
+
+def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
+    """Why it waits (filters counted over nodes, quota), where it runs, or why it ended."""
+    with ctx.db.read() as s:
+        row = _visible(s, ctx, alloc_id)
+        a = _Seen(
+            row.id,
+            row.state,
+            row.reason,
+            row.tenant.name,
+            dict(row.request),
+            list(row.nodes),
+            len(row.slices),
+        )
+        snap = scheduling.load_snapshot(s, ctx.settings)
+    world, _running, _stops = scheduling.build_world(snap)
+    core = scheduling.to_core(a.request)
+    tenant = a.tenant
+    used = world.usage.get(tenant, Counter())
+    quota = snap.quotas.get(tenant, {})
+    ask = scheduling.estimate(core)
+    quota_doc: dict[str, Any] = {}
+    for key in sorted(set(quota) | {k for k, v in ask.items() if v} | {k for k, v in used.items() if v}):
+        model, res = key
+        g, lim = quota.get(key, (None, None))
+        entry = {"used": used[key], "request": ask[key], "guaranteed": g, "limit": lim}
+        if model:
+            quota_doc.setdefault("models", {}).setdefault(model, {})[res] = entry
+        else:
+            quota_doc[res] = entry
+    counts: dict[str, int] = {}
+    notes: list[str] = []
+    position: int | None = None
+    if a.state == "pending":
+        reasons = world.reasons(core)
+        counts, notes = dict(reasons.counts.most_common()), list(reasons.notes)
+        refused = scheduling.over_limit(used, ask, quota)
+        if refused is not None:
+            summary = refused
+        elif counts or notes:
+            summary = str(reasons)
+        else:
+            summary = (
+                a.reason if a.reason not in ("", "submitted") else "fits now: waiting for the next cycle"
+            )
+        mine = sorted(
+            (x for x in snap.live if x.state == "pending" and x.tenant == tenant),
+            key=lambda x: (-x.priority, x.id),
+        )
+        position = next((i + 1 for i, x in enumerate(mine) if x.id == a.id), None)
+    elif a.state in store.HOLDING:
+        summary = f"{a.state} on {', '.join(a.nodes) or 'no node'} ({a.slices} slices)"
+    else:
+        summary = f"{a.state}: {a.reason}"
+    return ExplainOut(
+        state=a.state,  # type: ignore[arg-type]
+        summary=summary,
+        reasons=ReasonsOut(counts=counts, notes=notes),
+        quota=quota_doc,
+        queue_position=position,
+    )
+
+
+# --- release / cancel ---------------------------------------------------------------------------
+def _end(ctx: Ctx, alloc_id: int, hub: Hub, *, state: str, allowed: tuple[str, ...]) -> AllocationOut:
+    with ctx.db.write() as s:
+        a = _visible(s, ctx, alloc_id, lock=True)
+        if a.state not in allowed:
+            verb = "released" if state == "released" else "cancelled"
+            raise Conflict(f"allocation {alloc_id} is {a.state}: only {'/'.join(allowed)} ones can be {verb}")
+        nodes = list(a.nodes)
+        store.transition(s, a, state, f"{state} by {ctx.caller().actor}", db_now(s))
+        record(s, ctx, f"allocation:{a.id}", tenant=a.tenant.name, detail={"nodes": nodes})
+        out = _one(s, a)
+    hub.notify(*(f"node:{n}" for n in nodes), f"logs:{alloc_id}")
+    hub.wake_scheduler()
+    return out
+
+
+def release(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:
+    return _end(ctx, alloc_id, hub, state="released", allowed=store.HOLDING)
+
+
+def cancel(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:
+    return _end(ctx, alloc_id, hub, state="cancelled", allowed=store.LIVE)
+
+
+# --- node agents --------------------------------------------------------------------------------
+def _node(s: Session, ctx: Ctx, name: str) -> None:
+    authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
+    if node_store.get(s, name) is None:
+        raise NotFound(f"node '{name}' not found")
+
+
+def assignments(ctx: Ctx, name: str) -> Assignments:
+    """The jobs this node should run now: bound or active allocations with a command."""
+    with ctx.db.read() as s:
+        _node(s, ctx, name)
+        items = [
+            Assignment(
+                allocation_id=a.id,
+                attempt=a.attempt,
+                term=a.term,
+                tenant=a.tenant.name,
+                slices=[SliceOut.model_validate(sl) for sl in a.slices if sl["node"] == name],
+                command=list(a.command or []),
+                env=dict(a.env or {}),
+                isolation=a.request["isolation"],
+                cpu_milli=int(a.request["cpu_milli"]),
+                memory_mib=int(a.request["memory_mib"]),
+                restartable=a.restartable,
+            )
+            for a in store.holding_on(s, name)
+            if a.command is not None
+        ]
+        term = store.current_term(s)
+    digest = hashlib.sha256(json.dumps([i.model_dump(mode="json") for i in items], sort_keys=True).encode())
+    return Assignments(version=int(digest.hexdigest()[:15], 16), term=term, assignments=items)
+
+
+def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
+    """Apply the agent's process states; answer the attempts it should stop (stale)."""
+    accepted: list[int] = []
+    stale: list[StaleOut] = []
+    changes: list[dict[str, Any]] = []
+    touched: set[str] = set()
+    with ctx.db.write() as s:
+        _node(s, ctx, name)
+        now = db_now(s)
+        for r in body.reports:
+            a = store.get(s, r.allocation_id, for_update=True)
+            why = None
+            if a is None or a.command is None or name not in a.nodes:
+                why = f"allocation {r.allocation_id} is not assigned to node {name}"
+            elif a.attempt != r.attempt:
+                why = f"attempt {r.attempt} is not current (now {a.attempt})"
+            elif a.state not in store.HOLDING:
+                why = f"allocation {a.id} is {a.state}"
+            if why is not None or a is None:
+                stale.append(StaleOut(allocation_id=r.allocation_id, attempt=r.attempt, reason=why or ""))
+                continue
+            accepted.append(a.id)
+            before = a.state
+            if r.state == "running":
+                if a.state == "bound":
+                    a.started_at = _utc(r.started_at) or now
+                    store.transition(s, a, "active", f"started on {name}", now)
+            elif r.state == "exited" and r.exit_code == 0:
+                a.exit_code = 0
+                store.transition(s, a, "released", "exited 0", now)
+            elif r.state in ("exited", "failed"):
+                a.exit_code = r.exit_code
+                what = f"exited {r.exit_code}" if r.state == "exited" else "failed"
+                store.transition(
+                    s, a, "failed", f"{what} on {name}" + (f": {r.reason}" if r.reason else ""), now
+                )
+            else:  # lost: the agent no longer knows the process
+                lost = f"process lost on {name}" + (f": {r.reason}" if r.reason else "")
+                touched.update(a.nodes)
+                if a.restartable:
+                    store.requeue(s, a, f"{lost}; requeued as attempt {a.attempt + 1}", now)
+                else:
+                    store.transition(s, a, "failed", lost, now)
+            if a.state != before:
+                touched.update(a.nodes)
+                changes.append({"allocation": a.id, "from": before, "to": a.state})
+        if changes:
+            record(s, ctx, f"node:{name}", detail={"changes": changes})
+    if changes:
+        hub.notify(*(f"node:{n}" for n in touched), *(f"logs:{c['allocation']}" for c in changes))
+        hub.wake_scheduler()
+    return ReportsOut(accepted=accepted, stale=stale)
+
+
+def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended:
+    """Add a chunk of output; resent chunks (offset below the stream's end) are trimmed, not doubled."""
+    principal = ctx.caller()
+    with ctx.db.write() as s:
+        a = store.get(s, alloc_id)
+        if a is None or principal.node not in a.nodes:
+            raise Forbidden(f"allocation {alloc_id} does not run on node {principal.node}")
+        if body.attempt != a.attempt:
+            raise Conflict(f"attempt {body.attempt} is not current (now {a.attempt})", "attempt")
+        end = store.stream_length(s, alloc_id, body.attempt, body.stream)
+        if body.offset > end:
+            raise Conflict(f"offset {body.offset} is past the end of {body.stream} ({end})", "offset")
+        raw = body.data.encode()
+        data = raw[end - body.offset :].decode(errors="ignore") if end > body.offset else body.data
+        if data:
+            store.append_log(s, alloc_id, body.attempt, body.stream, end, data)
+    if data:
+        hub.notify(f"logs:{alloc_id}")
+    return LogAppended(next_offset=end + len(data.encode()))
+
+
+def read_log(ctx: Ctx, alloc_id: int, offset: int) -> LogsOut:
+    with ctx.db.read() as s:
+        a = _visible(s, ctx, alloc_id)
+        data, nxt = store.read_log(s, alloc_id, offset, MAX_LOG_READ)
+        ended = a.state in store.ENDED and nxt >= store.log_length(s, alloc_id)
+        return LogsOut(data=data, next_offset=max(nxt, offset), ended=ended)

@@ -1,0 +1,268 @@
+"""Allocations, their history (events), which nodes hold them, job logs, and the scheduler lease.
+
+Transitions go through `transition`, which stamps the time, writes the event and keeps
+`allocation_nodes` equal to the nodes of bound and active allocations — the index the agents'
+long-polls and node-loss handling read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from computepool.store.models import (
+    Allocation,
+    AllocationEvent,
+    AllocationLog,
+    AllocationNode,
+    SchedulerLease,
+    Tenant,
+)
+
+HOLDING = ("bound", "active")
+LIVE = ("pending", "bound", "active")
+ENDED = ("released", "preempted", "failed", "cancelled")
+LEASE_ID = 1
+
+
+def get(session: Session, alloc_id: int, *, for_update: bool = False) -> Allocation | None:
+    stmt = select(Allocation).where(Allocation.id == alloc_id)
+    if for_update:
+        stmt = stmt.with_for_update(of=Allocation)
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def by_key(session: Session, owner: str, key: str) -> Allocation | None:
+    stmt = select(Allocation).where(Allocation.owner == owner, Allocation.idempotency_key == key)
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def add(session: Session, alloc: Allocation, now: datetime) -> Allocation:
+    session.add(alloc)
+    session.flush()
+    session.add(
+        AllocationEvent(
+            allocation_id=alloc.id, at=now, state=alloc.state, reason=alloc.reason, attempt=1, term=0
+        )
+    )
+    session.flush()
+    return alloc
+
+
+def query(session: Session, *, tenant: str | None, state: str | None, limit: int) -> Sequence[Allocation]:
+    stmt = select(Allocation)
+    if tenant is not None:
+        stmt = stmt.join(Tenant, Allocation.tenant_id == Tenant.id).where(Tenant.name == tenant)
+    if state is not None:
+        stmt = stmt.where(Allocation.state == state)
+    return session.scalars(stmt.order_by(Allocation.id.desc()).limit(limit)).unique().all()
+
+
+def events_of(session: Session, ids: Iterable[int]) -> dict[int, list[AllocationEvent]]:
+    wanted = list(ids)
+    out: dict[int, list[AllocationEvent]] = {i: [] for i in wanted}
+    if not wanted:
+        return out
+    stmt = select(AllocationEvent).where(AllocationEvent.allocation_id.in_(wanted))
+    for ev in session.scalars(stmt.order_by(AllocationEvent.id)):
+        out[ev.allocation_id].append(ev)
+    return out
+
+
+def transition(
+    session: Session, alloc: Allocation, state: str, reason: str, now: datetime, *, term: int | None = None
+) -> None:
+    """Move to `state` with its reason; stamp the time; keep `allocation_nodes` in step."""
+    was_holding = alloc.state in HOLDING
+    alloc.state = state
+    alloc.reason = reason[:1024]
+    if term is not None:
+        alloc.term = term
+    if state == "bound":
+        alloc.bound_at = now
+        session.add_all(AllocationNode(allocation_id=alloc.id, node=n) for n in dict.fromkeys(alloc.nodes))
+    elif state == "active":
+        alloc.started_at = alloc.started_at or now
+    elif state in ENDED:
+        alloc.ended_at = now
+    if was_holding and state not in HOLDING:
+        session.execute(
+            delete(AllocationNode).where(AllocationNode.allocation_id == alloc.id),
+            execution_options={"synchronize_session": False},
+        )
+    session.add(
+        AllocationEvent(
+            allocation_id=alloc.id,
+            at=now,
+            state=state,
+            reason=reason[:1024],
+            attempt=alloc.attempt,
+            term=alloc.term,
+        )
+    )
+
+
+def requeue(session: Session, alloc: Allocation, reason: str, now: datetime) -> None:
+    """Back to pending as the next attempt: slices dropped, bind times cleared."""
+    alloc.attempt += 1
+    alloc.nodes, alloc.slices = [], []
+    alloc.bound_at = alloc.started_at = alloc.ended_at = None
+    alloc.exit_code = None
+    transition(session, alloc, "pending", reason, now)
+
+
+def holding_on(session: Session, node: str) -> Sequence[Allocation]:
+    """Bound and active allocations with a part on `node`, oldest first."""
+    stmt = (
+        select(Allocation)
+        .join(AllocationNode, AllocationNode.allocation_id == Allocation.id)
+        .where(AllocationNode.node == node)
+        .order_by(Allocation.id)
+    )
+    return session.scalars(stmt).unique().all()
+
+
+def live_rows(session: Session) -> Sequence[Any]:
+    """Pending, bound and active allocations as plain rows (the scheduler's snapshot), by id."""
+    stmt = (
+        select(
+            Allocation.id,
+            Tenant.name.label("tenant"),
+            Allocation.state,
+            Allocation.request,
+            Allocation.priority,
+            Allocation.attempt,
+            Allocation.restartable,
+            Allocation.command,
+            Allocation.nodes,
+            Allocation.slices,
+            Allocation.reason,
+            Allocation.bound_at,
+        )
+        .join(Tenant, Allocation.tenant_id == Tenant.id)
+        .where(Allocation.state.in_(LIVE))
+        .order_by(Allocation.id)
+    )
+    return session.execute(stmt).all()
+
+
+def set_reasons(session: Session, reasons: dict[int, str]) -> None:
+    """Record why pending allocations wait (one statement per distinct reason)."""
+    by_reason: dict[str, list[int]] = {}
+    for alloc_id, reason in reasons.items():
+        by_reason.setdefault(reason[:1024], []).append(alloc_id)
+    for reason, ids in by_reason.items():
+        for i in range(0, len(ids), 500):
+            session.execute(
+                update(Allocation)
+                .where(Allocation.id.in_(ids[i : i + 500]), Allocation.state == "pending")
+                .values(reason=reason),
+                execution_options={"synchronize_session": False},
+            )
+
+
+def count_by(session: Session, state: str) -> dict[str, int]:
+    stmt = (
+        select(Tenant.name, func.count(Allocation.id))
+        .join(Tenant, Allocation.tenant_id == Tenant.id)
+        .where(Allocation.state == state)
+        .group_by(Tenant.name)
+    )
+    return {name: int(n) for name, n in session.execute(stmt).all()}
+
+
+# --- logs (offsets in UTF-8 bytes) -------------------------------------------------------------
+def stream_length(session: Session, alloc_id: int, attempt: int, stream: str) -> int:
+    stmt = select(func.max(AllocationLog.stream_offset + AllocationLog.size)).where(
+        AllocationLog.allocation_id == alloc_id,
+        AllocationLog.attempt == attempt,
+        AllocationLog.stream == stream,
+    )
+    return int(session.execute(stmt).scalar_one() or 0)
+
+
+def log_length(session: Session, alloc_id: int) -> int:
+    stmt = select(func.max(AllocationLog.pos + AllocationLog.size)).where(
+        AllocationLog.allocation_id == alloc_id
+    )
+    return int(session.execute(stmt).scalar_one() or 0)
+
+
+def append_log(
+    session: Session, alloc_id: int, attempt: int, stream: str, stream_offset: int, data: str
+) -> None:
+    session.add(
+        AllocationLog(
+            allocation_id=alloc_id,
+            attempt=attempt,
+            stream=stream,
+            stream_offset=stream_offset,
+            pos=log_length(session, alloc_id),
+            size=len(data.encode()),
+            data=data,
+        )
+    )
+    session.flush()
+
+
+def read_log(session: Session, alloc_id: int, offset: int, max_bytes: int) -> tuple[str, int]:
+    """About `max_bytes` of the combined log from byte `offset` (whole characters); (data, next offset)."""
+    stmt = (
+        select(AllocationLog.pos, AllocationLog.data)
+        .where(AllocationLog.allocation_id == alloc_id, AllocationLog.pos + AllocationLog.size > offset)
+        .order_by(AllocationLog.pos)
+    )
+    out = bytearray()
+    nxt = offset
+    for pos, data in session.execute(stmt):
+        raw = data.encode()[max(0, offset - pos) :]
+        room = max_bytes - len(out)
+        if len(raw) > room:
+            raw = raw[:room].decode(errors="ignore").encode()  # cut on a character boundary
+        out += raw
+        nxt = max(pos, offset) + len(raw)
+        if len(out) >= max_bytes or not raw:
+            break
+    return out.decode(errors="replace"), nxt
+
+
+# --- the scheduler lease ------------------------------------------------------------------
+def _lease_row(session: Session) -> SchedulerLease | None:
+    stmt = select(SchedulerLease).where(SchedulerLease.id == LEASE_ID).with_for_update()
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def acquire_lease(session: Session, holder: str, now: datetime, ttl_s: float) -> int | None:
+    """Hold (or renew) the lease; the term when this holder schedules, None when another does.
+
+    Taking the lease over from an expired holder bumps the term, which fences its commits out.
+    """
+    row = _lease_row(session)
+    expires = now + timedelta(seconds=ttl_s)
+    if row is None:
+        session.add(SchedulerLease(id=LEASE_ID, holder=holder, term=1, expires_at=expires))
+        session.flush()
+        return 1
+    if row.holder == holder:
+        row.expires_at = expires
+    elif row.expires_at <= now:
+        row.holder, row.term, row.expires_at = holder, row.term + 1, expires
+    else:
+        return None
+    session.flush()
+    return row.term
+
+
+def holds_lease(session: Session, holder: str, term: int) -> bool:
+    """Inside a commit: does `holder` still hold the lease in `term`? (Locks the row on PostgreSQL.)"""
+    row = _lease_row(session)
+    return row is not None and row.holder == holder and row.term == term
+
+
+def current_term(session: Session) -> int:
+    row = session.execute(select(SchedulerLease.term).where(SchedulerLease.id == LEASE_ID)).scalar()
+    return int(row or 0)

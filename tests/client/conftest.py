@@ -1,0 +1,44 @@
+"""Client and CLI test fixtures: a pool server per module, and the CLI in-process.
+
+The CLI is invoked through Typer's runner with the server and token in the environment and
+`CPOOL_CONFIG` in a temporary folder, so no test touches ~/.config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer
+from poolkit import Cli, PoolServer, start_server
+from typer.testing import CliRunner, Result
+
+from computepool.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
+    with start_server(tmp_path_factory.mktemp("pool")) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def app() -> typer.Typer:
+    if "tenants" not in {g.name for g in cli_main.app.registered_groups}:
+        cli_main._register()  # main() registers on every call; the runner needs it once
+    return cli_main.app
+
+
+@pytest.fixture
+def cli(app: typer.Typer, server: PoolServer, tmp_path: Path) -> Cli:
+    """Run `cpool ARGS` as the admin (override with env=...); the result has stdout and stderr."""
+    runner = CliRunner()
+    config = str(tmp_path / "config.json")
+
+    def run(*args: str, env: dict[str, str | None] | None = None, input: str | None = None) -> Result:
+        base: dict[str, str | None] = {"CPOOL_SERVER": server.url, "CPOOL_TOKEN": server.token}
+        base["CPOOL_CONFIG"] = config
+        return runner.invoke(app, list(args), env={**base, **(env or {})}, input=input)
+
+    return run
