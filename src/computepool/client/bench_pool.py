@@ -5,7 +5,8 @@ at most `concurrency` in flight, and times each from submit to `started_at` (ser
 `created_at` → `started_at`) and from submit to ended (client clock, polled).
 
 `run_agents_bench` joins `count` simulated nodes (one device each) and heartbeats each of them
-every `interval_s`, the nodes spread evenly over the interval, timing how late every beat is.
+every `interval_s`, the nodes spread evenly over the interval, timing how late every beat is. No beat
+is sent after `seconds`: the ones still queued then (an overloaded server) count as missed.
 
 `LocalProcess` starts `cpool up` / `cpool server` on a free loopback port in a temp data dir.
 """
@@ -338,6 +339,7 @@ async def run_agents_bench(s: AgentsSettings) -> dict[str, Any]:
     lag_ms: list[float] = []
     err = _Errors()
     join_err = _Errors()
+    missed = [0]  # beats never sent: still queued behind slow answers when the run ended
     joined: dict[str, str] = {}
     meter = _CpuMeter(s.server_pid)
     t_join = 0.0
@@ -389,6 +391,11 @@ async def run_agents_bench(s: AgentsSettings) -> dict[str, Any]:
                     await asyncio.sleep(max(0.0, scheduled - time.monotonic()))
                     try:
                         async with beat_sem:
+                            if time.monotonic() >= end:  # the run is over: what is still queued is missed
+                                missed[0] += sum(
+                                    1 for j in range(k, beats) if offset + j * s.interval_s < s.seconds
+                                )
+                                return
                             await api.call("POST", f"/nodes/{name}/heartbeat", {"devices_usage": []}, headers)
                     except (PoolError, ServerUnreachable) as e:
                         err.add(f"heartbeat {name}: {e}")
@@ -415,6 +422,7 @@ async def run_agents_bench(s: AgentsSettings) -> dict[str, Any]:
         "heartbeat_lag_p99_ms": percentile(lag_ms, 99),
         "heartbeat_lag_max_ms": round(max(lag_ms), 3) if lag_ms else None,
         "heartbeats": len(lag_ms),
+        "heartbeats_missed": missed[0],
         "errors": err.count + join_err.count,
         "join_errors": join_err.count,
         "nodes_ready_at_end": ready_at_end,
