@@ -19,6 +19,7 @@ from computepool.store.models import (
     AllocationEvent,
     AllocationLog,
     AllocationNode,
+    Node,
     SchedulerLease,
     Tenant,
 )
@@ -124,6 +125,21 @@ def holding_on(session: Session, node: str) -> Sequence[Allocation]:
         .order_by(Allocation.id)
     )
     return session.scalars(stmt).unique().all()
+
+
+def needs_cycle(session: Session, lost_before: datetime) -> bool:
+    """Whether a scheduling cycle has anything to do: a pending request, or held work on a node
+    that is lost (no heartbeat since `lost_before`) or gone. Two indexed queries instead of a
+    snapshot of every node, so an idle pool of many nodes costs the server next to nothing."""
+    if session.scalar(select(Allocation.id).where(Allocation.state == "pending").limit(1)) is not None:
+        return True
+    stranded = (
+        select(AllocationNode.allocation_id)
+        .outerjoin(Node, Node.name == AllocationNode.node)
+        .where((Node.id.is_(None)) | (Node.last_heartbeat_at < lost_before))
+        .limit(1)
+    )
+    return session.scalar(stranded) is not None
 
 
 def live_rows(session: Session) -> Sequence[Any]:

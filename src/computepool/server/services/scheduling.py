@@ -34,7 +34,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -705,6 +705,9 @@ class Controller:
             if term is None:
                 return CycleReport(leader=False)
             with self.db.read() as s:
+                lost_before = db_now(s) - timedelta(seconds=self.settings.lost_after_s)
+                if not store.needs_cycle(s, lost_before):  # idle pool: nothing pending, no node lost
+                    return CycleReport(True, term, time.perf_counter() - t0, 0.0, 0, CommitResult())
                 snap = load_snapshot(s, self.settings)
             t1 = time.perf_counter()
             plan = decide(snap)
