@@ -57,6 +57,34 @@ def request_text(req: dict[str, Any]) -> str:
     return ", ".join(parts) or "nothing"
 
 
+def request_from_options(
+    gpus: str,
+    gpu_mem: str | None,
+    cpus: str,
+    mem: str,
+    exclusive: bool,
+    model: list[str] | None,
+    isolation: str | None,
+    **extra: Any,
+) -> AllocationRequest:
+    """The request body from the options `cpool alloc` and `cpool run` share (human units parsed here)."""
+    count, milli = parse_gpu_milli(gpus, "--gpus")
+    models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
+    if isolation is not None and isolation not in ISOLATIONS:
+        raise InvalidInput("--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})")
+    return AllocationRequest(
+        gpus=count,
+        gpu_milli=milli or 1000,
+        gpu_memory_mib=parse_memory_mib(gpu_mem, "--gpu-mem") if gpu_mem else None,
+        cpu_milli=parse_cpu_milli(cpus, "--cpus"),
+        memory_mib=parse_memory_mib(mem, "--mem"),
+        models=models or None,
+        exclusive=exclusive,
+        isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
+        **extra,
+    )
+
+
 def environment(alloc: dict[str, Any]) -> dict[str, dict[str, str]]:
     """Per node, the variables a process needs to use its slices of the allocation."""
     by_node: dict[str, list[dict[str, Any]]] = {}
@@ -184,26 +212,10 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Ask the pool for GPUs (whole or a slice), CPUs and memory; wait until bound; say how to use it."""
-        count, milli = parse_gpu_milli(gpus, "--gpus")
-        models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
-        if isolation is not None and isolation not in ISOLATIONS:
-            raise InvalidInput(
-                "--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})"
-            )
-        req = AllocationRequest(
-            gpus=count,
-            gpu_milli=milli or 1000,
-            gpu_memory_mib=parse_memory_mib(gpu_mem, "--gpu-mem") if gpu_mem else None,
-            cpu_milli=parse_cpu_milli(cpus, "--cpus"),
-            memory_mib=parse_memory_mib(mem, "--mem"),
-            models=models or None,
-            exclusive=exclusive,
-            isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
-            gang_nodes=gang_nodes,
-            priority=priority,
-            name=name,
-            tenant=tenant,
-        )
+        req = request_from_options(
+            gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
+            gang_nodes=gang_nodes, priority=priority, name=name, tenant=tenant,
+        )  # fmt: skip
         with open_client(server, token) as pool:
             out = pool.create_allocation(req)
             if not no_wait:

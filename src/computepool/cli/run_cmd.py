@@ -16,13 +16,13 @@ import typer
 from rich.live import Live
 from rich.markup import escape
 
-from computepool.cli.alloc_cmd import ISOLATIONS, request_text, wait_for_binding
+from computepool.cli.alloc_cmd import request_from_options, request_text, wait_for_binding
 from computepool.cli.common import err_console, fail
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, gpus_text, open_client, pool_command, table
-from computepool.client import AllocationRequest, PoolClient, PoolError
+from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
 from computepool.core.errors import InvalidInput
-from computepool.core.quantities import format_mib, parse_cpu_milli, parse_gpu_milli, parse_memory_mib
+from computepool.core.quantities import format_mib
 
 LOG_WAIT_S = 10.0
 
@@ -96,25 +96,10 @@ def register(app: typer.Typer) -> None:
             raise InvalidInput(
                 "CMD", "nothing to run: put the command after `--`, e.g. cpool run -- nvidia-smi"
             )
-        count, milli = parse_gpu_milli(gpus, "--gpus")
-        models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
-        if isolation is not None and isolation not in ISOLATIONS:
-            raise InvalidInput(
-                "--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})"
-            )
-        req = AllocationRequest(
-            gpus=count,
-            gpu_milli=milli or 1000,
-            gpu_memory_mib=parse_memory_mib(gpu_mem, "--gpu-mem") if gpu_mem else None,
-            cpu_milli=parse_cpu_milli(cpus, "--cpus"),
-            memory_mib=parse_memory_mib(mem, "--mem"),
-            models=models or None,
-            exclusive=exclusive,
-            isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
-            name=name,
-            command=command,
-            restartable=restartable,
-        )
+        req = request_from_options(
+            gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
+            name=name, command=command, restartable=restartable,
+        )  # fmt: skip
         with open_client(server, token, timeout=60.0) as pool:
             job = pool.create_allocation(req)
             job_id = str(job["id"])
