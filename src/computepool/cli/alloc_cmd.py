@@ -33,6 +33,17 @@ ISOLATIONS = ("timeslice", "mps", "mig", "exclusive")
 POLL_S = 0.5
 EXPLAIN_EVERY_S = 2.0
 
+# The request options `cpool alloc` and `cpool run` share (parsed by `request_from_options`).
+GpusOpt = Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")]
+GpuMemOpt = Annotated[str | None, typer.Option("--gpu-mem", help="GPU memory per device, e.g. 10GiB.")]
+CpusOpt = Annotated[str, typer.Option("--cpus", help="Host CPUs, e.g. 2 or 500m.")]
+MemOpt = Annotated[str, typer.Option("--mem", help="Host memory, e.g. 4GiB.")]
+ExclusiveOpt = Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")]
+ModelOpt = Annotated[
+    list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
+]
+IsolationOpt = Annotated[str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")]
+
 
 def request_text(req: dict[str, Any]) -> str:
     """`2×0.5 GPU (10GiB), 4 CPUs, 16GiB` — the request as a person would say it."""
@@ -186,19 +197,13 @@ def register(app: typer.Typer) -> None:
     @app.command("alloc")
     @pool_command
     def alloc(
-        gpus: Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")] = "0",
-        gpu_mem: Annotated[
-            str | None, typer.Option("--gpu-mem", help="GPU memory per device, e.g. 10GiB.")
-        ] = None,
-        cpus: Annotated[str, typer.Option("--cpus", help="Host CPUs, e.g. 2 or 500m.")] = "0",
-        mem: Annotated[str, typer.Option("--mem", help="Host memory, e.g. 4GiB.")] = "0",
-        exclusive: Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")] = False,
-        model: Annotated[
-            list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
-        ] = None,
-        isolation: Annotated[
-            str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")
-        ] = None,
+        gpus: GpusOpt = "0",
+        gpu_mem: GpuMemOpt = None,
+        cpus: CpusOpt = "0",
+        mem: MemOpt = "0",
+        exclusive: ExclusiveOpt = False,
+        model: ModelOpt = None,
+        isolation: IsolationOpt = None,
         gang_nodes: Annotated[int, typer.Option("--gang-nodes", min=1, help="Nodes, all or none.")] = 1,
         priority: Annotated[int, typer.Option("--priority", help="Higher goes first.")] = 0,
         name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,

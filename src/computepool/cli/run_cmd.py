@@ -16,7 +16,18 @@ import typer
 from rich.live import Live
 from rich.markup import escape
 
-from computepool.cli.alloc_cmd import request_from_options, request_text, wait_for_binding
+from computepool.cli.alloc_cmd import (
+    CpusOpt,
+    ExclusiveOpt,
+    GpuMemOpt,
+    GpusOpt,
+    IsolationOpt,
+    MemOpt,
+    ModelOpt,
+    request_from_options,
+    request_text,
+    wait_for_binding,
+)
 from computepool.cli.common import err_console, fail
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, gpus_text, open_client, pool_command, table
 from computepool.client import PoolClient, PoolError
@@ -67,19 +78,13 @@ def register(app: typer.Typer) -> None:
     @pool_command
     def run(
         ctx: typer.Context,
-        gpus: Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")] = "0",
-        gpu_mem: Annotated[
-            str | None, typer.Option("--gpu-mem", help="GPU memory per device, e.g. 10GiB.")
-        ] = None,
-        cpus: Annotated[str, typer.Option("--cpus", help="Host CPUs, e.g. 2 or 500m.")] = "0",
-        mem: Annotated[str, typer.Option("--mem", help="Host memory, e.g. 4GiB.")] = "0",
-        exclusive: Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")] = False,
-        model: Annotated[
-            list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
-        ] = None,
-        isolation: Annotated[
-            str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")
-        ] = None,
+        gpus: GpusOpt = "0",
+        gpu_mem: GpuMemOpt = None,
+        cpus: CpusOpt = "0",
+        mem: MemOpt = "0",
+        exclusive: ExclusiveOpt = False,
+        model: ModelOpt = None,
+        isolation: IsolationOpt = None,
         restartable: Annotated[
             bool, typer.Option("--restartable", help="Requeue (new attempt) if its node is lost.")
         ] = False,
