@@ -188,8 +188,7 @@ def wait_for_binding(
                     err_console.print(line, highlight=False, soft_wrap=True)
                 last_line = line
             pause = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-            time.sleep(pause)
-            alloc = pool.get_allocation(alloc_id)
+            alloc = pool.get_allocation(alloc_id, wait=pause, state=PENDING)  # answers on binding
     return alloc
 
 

@@ -1,7 +1,7 @@
 """`cpool bench api`: end-to-end allocate → bound → release cycles against a live server.
 
 N asyncio clients share one httpx connection pool; each cycle submits a fractional allocation
-(timing the POST), polls until the scheduler binds it, and releases it. When the pool has no
+(timing the POST), long-polls until the scheduler binds it, and releases it. When the pool has no
 ready node, simulated nodes are joined through the ordinary join protocol (and kept alive with
 heartbeats for the run), so the scheduler sees a real inventory without any agent.
 """
@@ -40,8 +40,7 @@ class BenchSettings:
     nodes: int = 20
     gpu_milli: int = 250
     bind_timeout_s: float = 30.0
-    poll_min_s: float = 0.005
-    poll_max_s: float = 0.1
+    poll_max_s: float = 10.0  # one long-poll answers as soon as the allocation is bound
     keep_nodes: bool = False
     http_timeout_s: float = 30.0
 
@@ -169,12 +168,10 @@ async def _cycle(api: _Api, s: BenchSettings, tally: _Tally) -> None:
     tally.submit_ms.append((time.perf_counter() - t0) * 1000)
     alloc_id = alloc["id"]
     deadline = time.monotonic() + s.bind_timeout_s
-    pause = s.poll_min_s
     try:
         while alloc.get("state") == PENDING and time.monotonic() < deadline:
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, s.poll_max_s)
-            alloc = await api.call("GET", f"/allocations/{alloc_id}")
+            wait = round(min(s.poll_max_s, max(0.0, deadline - time.monotonic())), 3)
+            alloc = await api.call("GET", f"/allocations/{alloc_id}?wait={wait}&state={PENDING}")
         state = alloc.get("state")
         if state == PENDING:
             tally.error(f"allocation {alloc_id} not bound within {s.bind_timeout_s:g} s")

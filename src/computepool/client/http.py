@@ -340,8 +340,11 @@ class PoolClient:
     ) -> list[JSON]:
         return self._items("/allocations", {"state": state, "tenant": tenant, "limit": limit})
 
-    def get_allocation(self, alloc_id: AllocId) -> JSON:
-        return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}"))
+    def get_allocation(self, alloc_id: AllocId, wait: float = 0.0, state: str | None = None) -> JSON:
+        """The allocation; with `wait`, the server answers once its state differs from `state`
+        (default: the state it has now) or after `wait` seconds."""
+        params: dict[str, Any] = {"wait": wait, "state": state} if wait > 0 else {}
+        return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}", params=params or None))
 
     def explain_allocation(self, alloc_id: AllocId) -> JSON:
         return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}/explain"))
@@ -363,21 +366,24 @@ class PoolClient:
         poll_s: float = 0.5,
         on_pending: Callable[[JSON], None] | None = None,
     ) -> JSON:
-        """Poll until the allocation leaves `pending` or `timeout` passes; returns its last state.
+        """Wait until the allocation leaves `pending` or `timeout` passes; returns its last state.
 
-        `on_pending` sees each pending answer (the CLI updates its spinner there).
+        Each call long-polls the server for up to `poll_s` (it answers as soon as the state
+        changes), so a binding is seen at once; `on_pending` sees each pending answer (the CLI
+        updates its spinner there).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        alloc = self.get_allocation(alloc_id)
         while True:
-            alloc = self.get_allocation(alloc_id)
             if alloc.get("state") != PENDING:
                 return alloc
             if on_pending is not None:
                 on_pending(alloc)
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return alloc
-            pause = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))
-            self._sleep(pause)
+            pause = poll_s if left is None else min(poll_s, left)
+            alloc = self.get_allocation(alloc_id, wait=pause, state=PENDING)
 
 
 def _seg(value: object) -> str:

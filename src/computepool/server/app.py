@@ -13,14 +13,17 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from starlette.datastructures import State
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from computepool.server import metrics
+from computepool.server.caches import Caches
 from computepool.server.errors import ApiError, install_handlers
 from computepool.server.hub import Hub
 from computepool.server.policy import Action
@@ -46,6 +49,52 @@ STARTUP_DB_WAIT_S = 30.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 log = logging.getLogger("computepool.server")
 _NO_WAKE = ("/heartbeat", "/logs")  # frequent telemetry; never changes a scheduling decision
+
+
+class RequestMiddleware:
+    """Request id, API latency histogram and scheduler wake-ups, as plain ASGI.
+
+    (Starlette's `BaseHTTPMiddleware` costs about a millisecond a request in extra tasks and
+    streams; this is on every call, so it stays at the ASGI level.)
+    """
+
+    def __init__(self, app: ASGIApp, app_state: State) -> None:
+        self.app = app
+        self.state = app_state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = ""
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                given = v.decode("latin-1")
+                break
+        rid = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", "unmatched")
+            method = scope["method"]
+            self.state.metrics.api_seconds.labels(method, template, str(status)).observe(
+                time.perf_counter() - started
+            )
+            if method != "GET" and status < 400 and not template.endswith(_NO_WAKE):
+                self.state.hub.wake_scheduler()  # joins, cordons, quotas, weights may change decisions
 
 
 def _prepare_data_dir(settings: ServerSettings) -> None:
@@ -97,26 +146,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.db = Database(settings.database_url)
     app.state.hub = Hub()
+    app.state.caches = Caches.create(settings.token_cache_s, settings.shape_cache_s)
     app.state.metrics = metrics.Metrics(app.state.db, settings)
     app.state.controller = Controller(
         app.state.db, settings, app.state.hub, observe=app.state.metrics.cycle_seconds.observe
     )
 
-    @app.middleware("http")
-    async def request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        given = request.headers.get("x-request-id", "")
-        request.state.request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-        started = time.perf_counter()
-        response = await call_next(request)
-        response.headers["X-Request-ID"] = request.state.request_id
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")
-        app.state.metrics.api_seconds.labels(request.method, template, str(response.status_code)).observe(
-            time.perf_counter() - started
-        )
-        if request.method != "GET" and response.status_code < 400 and not template.endswith(_NO_WAKE):
-            app.state.hub.wake_scheduler()  # joins, cordons, quotas, weights may change decisions
-        return response
+    app.add_middleware(RequestMiddleware, app_state=app.state)
 
     async def on_denied(request: Request, exc: ApiError) -> None:
         action = getattr(request.state, "action", None)

@@ -1,21 +1,34 @@
-"""Authentication: a bearer token → a Principal, or 401. Authorization is in `policy`."""
+"""Authentication: a bearer token → a Principal, or 401. Authorization is in `policy`.
+
+A token found valid is remembered for a second (`caches.TokenCache`), so most calls cost one
+SHA-256 and no query; the secret is checked against the stored hash every time.
+"""
 
 from __future__ import annotations
 
-from computepool.server.credentials import secret_matches, split_token
+from datetime import UTC, datetime
+
+from computepool.server.caches import TokenCache
+from computepool.server.credentials import hash_secret, secret_matches, split_token
 from computepool.server.errors import Unauthorized
 from computepool.server.policy import Principal, Role
 from computepool.store import tokens
 from computepool.store.db import Database, db_now
 
 
-def authenticate(db: Database, bearer: str | None) -> Principal:
+def authenticate(db: Database, bearer: str | None, cache: TokenCache | None = None) -> Principal:
     if not bearer:
         raise Unauthorized("missing bearer token (send 'Authorization: Bearer <id>.<secret>')")
     parts = split_token(bearer)
     if parts is None:
         raise Unauthorized("malformed token (expected '<id>.<secret>')")
     token_id, secret = parts
+    if cache is not None:
+        hit = cache.get(token_id)
+        if hit is not None and (hit.expires_at is None or hit.expires_at > datetime.now(UTC)):
+            if not secret_matches(secret, hit.secret_hash):
+                raise Unauthorized("invalid token")
+            return hit.principal
     with db.read() as s:
         tok = tokens.get(s, token_id)
         if tok is None or not secret_matches(secret, tok.secret_hash):
@@ -25,11 +38,15 @@ def authenticate(db: Database, bearer: str | None) -> Principal:
         if tok.expires_at is not None and tok.expires_at <= db_now(s):
             raise Unauthorized(f"token {token_id} has expired")
         if tok.node is not None:
-            return Principal(
+            principal = Principal(
                 name=tok.node.name, role=Role.NODE, tenant=None, token_id=tok.id, node=tok.node.name
             )
-        if tok.user is None:
+        elif tok.user is None:
             raise Unauthorized("invalid token")
-        return Principal(
-            name=tok.user.name, role=Role(tok.user.role), tenant=tok.user.tenant.name, token_id=tok.id
-        )
+        else:
+            principal = Principal(
+                name=tok.user.name, role=Role(tok.user.role), tenant=tok.user.tenant.name, token_id=tok.id
+            )
+        if cache is not None:
+            cache.put(token_id, hash_secret(secret), principal, tok.expires_at)
+        return principal

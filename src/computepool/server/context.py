@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from computepool.server.caches import Caches
 from computepool.server.policy import Action, Principal
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
@@ -16,6 +17,7 @@ class Ctx:
     action: Action
     request_id: str
     principal: Principal | None  # None only for node.join, which the join token authenticates
+    caches: Caches | None = None
 
     def caller(self) -> Principal:
         if self.principal is None:

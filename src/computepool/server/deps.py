@@ -11,6 +11,7 @@ the route; a test walks `app.routes` and fails on any /api/v1 route without such
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -18,8 +19,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from computepool.server.auth import authenticate
+from computepool.server.caches import TokenCache
 from computepool.server.context import Ctx
-from computepool.server.policy import Action, authorize
+from computepool.server.credentials import secret_matches, split_token
+from computepool.server.policy import Action, Principal, authorize
 
 ACTION_ATTR = "__cpool_action__"
 _bearer = HTTPBearer(auto_error=False, description="An API token `<id>.<secret>`.")
@@ -32,7 +35,21 @@ def _ctx(request: Request, action: Action) -> Ctx:
         action=action,
         request_id=request.state.request_id,
         principal=getattr(request.state, "principal", None),
+        caches=request.app.state.caches,
     )
+
+
+def _cached(cache: TokenCache, bearer: str | None) -> Principal | None:
+    """A principal straight from the cache, on the event loop (no thread hop); None to ask the DB."""
+    if not bearer:
+        return None
+    parts = split_token(bearer)
+    if parts is None:
+        return None
+    hit = cache.get(parts[0])
+    if hit is None or (hit.expires_at is not None and hit.expires_at <= datetime.now(UTC)):
+        return None
+    return hit.principal if secret_matches(parts[1], hit.secret_hash) else None
 
 
 def requires(action: Action) -> Callable[..., object]:
@@ -42,9 +59,13 @@ def requires(action: Action) -> Callable[..., object]:
         request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
     ) -> Ctx:
         request.state.action = action
-        principal = await run_in_threadpool(
-            authenticate, request.app.state.db, creds.credentials if creds else None
-        )
+        caches = request.app.state.caches
+        bearer = creds.credentials if creds else None
+        hit = _cached(caches.tokens, bearer)
+        if hit is not None:
+            principal = hit
+        else:
+            principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
         request.state.principal = principal
         authorize(principal, action)
         return _ctx(request, action)

@@ -28,6 +28,12 @@ class ServerSettings(BaseModel):
     )
     lost_after_s: float = Field(default=60.0, gt=0, description="Heartbeat age after which a node is lost.")
     retry_after_s: int = Field(default=2, ge=1, le=600, description="Retry-After sent with 503 answers.")
+    token_cache_s: float = Field(
+        default=1.0, ge=0, le=60, description="Seconds a checked token is trusted without a query (0: never)."
+    )
+    shape_cache_s: float = Field(
+        default=1.0, ge=0, le=60, description="How long nodes and quotas read for admission are reused."
+    )
     log_level: str = Field(default="info", description="uvicorn and server log level.")
 
     @model_validator(mode="after")

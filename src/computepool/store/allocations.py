@@ -42,16 +42,16 @@ def by_key(session: Session, owner: str, key: str) -> Allocation | None:
     return session.execute(stmt).scalar_one_or_none()
 
 
-def add(session: Session, alloc: Allocation, now: datetime) -> Allocation:
+def add(session: Session, alloc: Allocation, now: datetime) -> AllocationEvent:
+    """Insert a new allocation and its first event; returns that event."""
     session.add(alloc)
     session.flush()
-    session.add(
-        AllocationEvent(
-            allocation_id=alloc.id, at=now, state=alloc.state, reason=alloc.reason, attempt=1, term=0
-        )
+    event = AllocationEvent(
+        allocation_id=alloc.id, at=now, state=alloc.state, reason=alloc.reason, attempt=1, term=0
     )
+    session.add(event)
     session.flush()
-    return alloc
+    return event
 
 
 def query(session: Session, *, tenant: str | None, state: str | None, limit: int) -> Sequence[Allocation]:

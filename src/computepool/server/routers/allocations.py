@@ -71,11 +71,36 @@ def list_allocations(
     return allocations.list_all(ctx, state=state, tenant=tenant, limit=limit)
 
 
-@router.get("/allocations/{alloc_id}", summary="One allocation with its slices and history")
-def get_allocation(
-    alloc_id: int, ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_GET))]
+@router.get(
+    "/allocations/{alloc_id}",
+    summary="One allocation with its slices and history (long-poll for a state change with wait)",
+)
+async def get_allocation(
+    alloc_id: int,
+    ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_GET))],
+    hub: Annotated[Hub, Depends(get_hub)],
+    wait: Annotated[
+        float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait while the state is `state`.")
+    ] = 0,
+    state: Annotated[
+        AllocationState | None,
+        Query(description="With wait: answer once the state differs from this (default: the current one)."),
+    ] = None,
 ) -> AllocationOut:
-    return allocations.get(ctx, alloc_id)
+    deadline = time.monotonic() + wait
+    while True:
+        ev = hub.subscribe(f"alloc:{alloc_id}")
+        try:
+            out = await run_in_threadpool(allocations.get, ctx, alloc_id)
+            if state is None:
+                state = out.state
+            left = deadline - time.monotonic()
+            if out.state != state or left <= 0:
+                return out
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
+        finally:
+            hub.unsubscribe(f"alloc:{alloc_id}", ev)
 
 
 @router.get("/allocations/{alloc_id}/explain", summary="Why it is pending, where it runs, or why it ended")

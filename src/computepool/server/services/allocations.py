@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from computepool.core import InvalidInput
+from computepool.core import InvalidInput, Request
+from computepool.server.caches import Shape, ShapeCache
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Forbidden, Invalid, NotFound
 from computepool.server.hub import Hub
@@ -49,9 +51,8 @@ from computepool.server.services import scheduling
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
 from computepool.store import nodes as node_store
-from computepool.store import tenants as tenant_store
 from computepool.store.db import db_now
-from computepool.store.models import Allocation, AllocationEvent
+from computepool.store.models import Allocation, AllocationEvent, Tenant
 
 MAX_LOG_READ = 1 << 20
 
@@ -64,11 +65,11 @@ def _utc(t: datetime | None) -> datetime | None:
 
 
 # --- shaping ------------------------------------------------------------------------------------
-def _out(a: Allocation, events: Sequence[AllocationEvent]) -> AllocationOut:
+def _out(a: Allocation, events: Sequence[AllocationEvent], tenant: str | None = None) -> AllocationOut:
     return AllocationOut(
         id=a.id,
         name=a.name,
-        tenant=a.tenant.name,
+        tenant=tenant or a.tenant.name,
         owner=a.owner,
         request=RequestOut.model_validate(a.request),
         command=a.command,
@@ -140,6 +141,63 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
     }
 
 
+def _load_shape(ctx: Ctx) -> tuple[scheduling.Snapshot, dict[str, int]]:
+    with ctx.db.read() as s:
+        snap = scheduling.load_snapshot(s, ctx.settings, live=False)
+        ids = {name: tid for name, tid in s.execute(select(Tenant.name, Tenant.id)).all()}
+    return snap, ids
+
+
+def _fit_key(core: Request) -> tuple[Any, ...]:
+    return (
+        core.gpu_count,
+        core.gpu_milli,
+        core.gpu_memory_mib,
+        core.cpu_milli,
+        core.memory_mib,
+        core.models,
+        core.sharing,
+        core.gang_nodes,
+    )
+
+
+def _refusal(shape: Shape, core: Request, tenant: str) -> tuple[str, str] | None:
+    """(message, field) when the request alone breaks its tenant's limit or can never fit."""
+    quota = shape.snapshot.quotas.get(tenant, {})
+    too_big = scheduling.over_limit(Counter(), scheduling.estimate(core), quota)
+    if too_big is not None:
+        return f"the request alone exceeds tenant {tenant}'s {too_big}", "tenant"
+    key = _fit_key(core)
+    if key in shape.fits:
+        never = shape.fits[key]
+    else:
+        never = scheduling.never_fits(shape.snapshot, core)
+        ShapeCache.remember_fit(shape, key, never)
+    if never is not None:
+        return never, "gpus" if core.gpu_count else "cpu_milli"
+    return None
+
+
+def _admit(ctx: Ctx, core: Request, tenant: str) -> int:
+    """The tenant's id once the request passes admission; 404/422 otherwise.
+
+    Nodes and quotas come from the process's short-lived shape cache; anything it would refuse
+    is checked again against the database first, so a cache never refuses wrongly.
+    """
+    cache = ctx.caches.shape if ctx.caches is not None else ShapeCache(0.0)
+    shape = cache.get(lambda: _load_shape(ctx))
+    problem = _refusal(shape, core, tenant) if tenant in shape.tenant_ids else ("", "")
+    if problem is not None:
+        cache.invalidate()
+        shape = cache.get(lambda: _load_shape(ctx))
+        if tenant not in shape.tenant_ids:
+            raise NotFound(f"tenant '{tenant}' not found", "tenant")
+        problem = _refusal(shape, core, tenant)
+        if problem is not None:
+            raise Invalid(*problem)
+    return shape.tenant_ids[tenant]
+
+
 def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple[AllocationOut, bool]:
     """Store a pending allocation (201), or return the one this caller made with `key` (200)."""
     caller = ctx.caller()
@@ -151,48 +209,36 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
         core = scheduling.to_core(req)
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
+    if key is not None:
+        with ctx.db.read() as s:  # a retry answers with the first one, whatever the pool says now
+            found = store.by_key(s, caller.name, key)
+            if found is not None:
+                return _one(s, found), False
+    tenant_id = _admit(ctx, core, tenant_name)
     try:
         with ctx.db.write() as s:
-            if key is not None:
-                found = store.by_key(s, caller.name, key)
-                if found is not None:
-                    return _one(s, found), False
-            tenant = tenant_store.get(s, tenant_name)
-            if tenant is None:
-                raise NotFound(f"tenant '{tenant_name}' not found", "tenant")
-            snap = scheduling.load_snapshot(s, ctx.settings, live=False)
-            quota = snap.quotas.get(tenant_name, {})
-            too_big = scheduling.over_limit(Counter(), scheduling.estimate(core), quota)
-            if too_big is not None:
-                raise Invalid(f"the request alone exceeds tenant {tenant_name}'s {too_big}", "tenant")
-            never = scheduling.never_fits(snap, core)
-            if never is not None:
-                raise Invalid(never, "gpus" if core.gpu_count else "cpu_milli")
             now = db_now(s)
-            a = store.add(
-                s,
-                Allocation(
-                    name=body.name or "",
-                    tenant_id=tenant.id,
-                    owner=caller.name,
-                    idempotency_key=key,
-                    request=req,
-                    priority=body.priority,
-                    command=body.command,
-                    env=body.env,
-                    restartable=body.restartable,
-                    state="pending",
-                    reason="submitted",
-                    attempt=1,
-                    term=0,
-                    nodes=[],
-                    slices=[],
-                    created_at=now,
-                ),
-                now,
+            a = Allocation(
+                name=body.name or "",
+                tenant_id=tenant_id,
+                owner=caller.name,
+                idempotency_key=key,
+                request=req,
+                priority=body.priority,
+                command=body.command,
+                env=body.env,
+                restartable=body.restartable,
+                state="pending",
+                reason="submitted",
+                attempt=1,
+                term=0,
+                nodes=[],
+                slices=[],
+                created_at=now,
             )
-            record(s, ctx, f"allocation:{a.id}", tenant=tenant_name, detail={"request": _brief(req)})
-            out = _one(s, a)
+            event = store.add(s, a, now)
+            record(s, ctx, f"allocation:{a.id}", tenant=tenant_name, detail={"request": _brief(req)}, now=now)
+            out = _out(a, [event], tenant=tenant_name)
     except IntegrityError:
         if key is None:
             raise
@@ -311,7 +357,7 @@ def _end(ctx: Ctx, alloc_id: int, hub: Hub, *, state: str, allowed: tuple[str, .
         store.transition(s, a, state, f"{state} by {ctx.caller().actor}", db_now(s))
         record(s, ctx, f"allocation:{a.id}", tenant=a.tenant.name, detail={"nodes": nodes})
         out = _one(s, a)
-    hub.notify(*(f"node:{n}" for n in nodes), f"logs:{alloc_id}")
+    hub.notify(*(f"node:{n}" for n in nodes), f"logs:{alloc_id}", f"alloc:{alloc_id}")
     hub.wake_scheduler()
     return out
 
@@ -407,6 +453,7 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
             record(s, ctx, f"node:{name}", detail={"changes": changes})
     if changes:
         hub.notify(*(f"node:{n}" for n in touched), *(f"logs:{c['allocation']}" for c in changes))
+        hub.notify(*(f"alloc:{c['allocation']}" for c in changes))
         hub.wake_scheduler()
     return ReportsOut(accepted=accepted, stale=stale)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -28,6 +28,7 @@ def record(
     outcome: str = "ok",
     actor: str | None = None,
     detail: dict[str, Any] | None = None,
+    now: datetime | None = None,
 ) -> None:
     """Append to the chain inside the caller's transaction: the change and its record commit together."""
     who = actor or (ctx.principal.actor if ctx.principal else "anonymous")
@@ -40,7 +41,7 @@ def record(
         tenant=tenant,
         detail=detail or {},
     )
-    audit.append(session, event, db_now(session))
+    audit.append(session, event, now if now is not None else db_now(session))
 
 
 def record_refusal(

@@ -205,4 +205,7 @@ def delete(ctx: Ctx, name: str) -> NodeOut:
         out = _out(node, db_now(s), ctx.settings)
         nodes.delete(s, node)  # devices and the node's credentials go with it (ON DELETE CASCADE)
         record(s, ctx, f"node:{name}")
+    if ctx.caches is not None:
+        ctx.caches.tokens.forget()
+        ctx.caches.shape.invalidate()
         return out

@@ -718,6 +718,7 @@ class Controller:
                 self.observe(elapsed)
             self.hub.notify(*(f"node:{n}" for n in result.nodes))
             self.hub.notify(*(f"logs:{i}" for i in result.stopped))
+            self.hub.notify(*(f"alloc:{i}" for i in (*result.bound, *result.stopped)))
             pending = sum(1 for a in snap.live if a.state == "pending")
             return CycleReport(True, term, elapsed, t2 - t1, pending, result)
 

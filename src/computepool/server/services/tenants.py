@@ -70,7 +70,10 @@ def set_quota(ctx: Ctx, name: str, body: Quota) -> Quota:
         tenant = visible(s, ctx, name)
         quotas.replace(s, tenant, entries)
         record(s, ctx, f"quota:{name}", tenant=name, detail={"quota": body.model_dump(exclude_none=True)})
-        return _quota_of(s, tenant)
+        out = _quota_of(s, tenant)
+    if ctx.caches is not None:
+        ctx.caches.shape.invalidate()
+    return out
 
 
 def get_quota(ctx: Ctx, name: str) -> Quota:

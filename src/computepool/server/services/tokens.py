@@ -83,5 +83,7 @@ def revoke(ctx: Ctx, token_id: str) -> TokenOut:
             ),
         )
         tokens.revoke(s, tok, db_now(s))
+        if ctx.caches is not None:
+            ctx.caches.tokens.forget(tok.id)
         record(s, ctx, f"token:{tok.id}", tenant=owner.tenant.name, detail={"user": owner.name})
         return _out(tok)
