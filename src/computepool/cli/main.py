@@ -17,6 +17,7 @@ def _register() -> None:
         alloc_cmd,
         bench_api_cmd,
         bench_cmd,
+        bench_cycle_cmd,
         bench_pool_cmd,
         nodes_cmd,
         pool_cmd,
@@ -40,6 +41,7 @@ def _register() -> None:
     alloc_cmd.register(app)
     run_cmd.register(app)
     bench_api_cmd.register(bench_app)
+    bench_cycle_cmd.register(bench_app)
     bench_pool_cmd.register(bench_app)
 
 

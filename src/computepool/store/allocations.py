@@ -142,8 +142,18 @@ def needs_cycle(session: Session, lost_before: datetime) -> bool:
     return session.scalar(stranded) is not None
 
 
-def live_rows(session: Session) -> Sequence[Any]:
-    """Pending, bound and active allocations as plain rows (the scheduler's snapshot), by id."""
+def live_rows(session: Session, ids: Sequence[int] | None = None) -> Sequence[Any]:
+    """Pending, bound and active allocations as plain rows (the scheduler's snapshot), by id;
+    with `ids`, only those of them."""
+    if ids is not None:
+        out: list[Any] = []
+        for i in range(0, len(ids), 500):
+            out.extend(_live_rows(session, ids[i : i + 500]))
+        return out
+    return _live_rows(session, None)
+
+
+def _live_rows(session: Session, ids: Sequence[int] | None) -> Sequence[Any]:
     stmt = (
         select(
             Allocation.id,
@@ -163,6 +173,8 @@ def live_rows(session: Session) -> Sequence[Any]:
         .where(Allocation.state.in_(LIVE))
         .order_by(Allocation.id)
     )
+    if ids is not None:
+        stmt = stmt.where(Allocation.id.in_(ids))
     return session.execute(stmt).all()
 
 

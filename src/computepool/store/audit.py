@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from computepool.store.models import AuditHead, AuditRecord
@@ -47,25 +47,64 @@ def _iso(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+_HASHED = (
+    "seq",
+    "time",
+    "actor",
+    "tenant",
+    "action",
+    "target",
+    "outcome",
+    "request_id",
+    "detail",
+    "prev_hash",
+)
+
+
+def _canonical(row: dict[str, Any]) -> bytes:
+    doc = {k: row[k] for k in _HASHED}
+    doc["time"] = _iso(row["time"])
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def canonical_json(rec: AuditRecord) -> bytes:
     """The bytes that are hashed: sorted keys, no spaces, UTC time to the microsecond."""
-    doc = {
-        "seq": rec.seq,
-        "time": _iso(rec.time),
-        "actor": rec.actor,
-        "tenant": rec.tenant,
-        "action": rec.action,
-        "target": rec.target,
-        "outcome": rec.outcome,
-        "request_id": rec.request_id,
-        "detail": rec.detail,
-        "prev_hash": rec.prev_hash,
-    }
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _canonical({k: getattr(rec, k) for k in _HASHED})
 
 
 def record_hash(rec: AuditRecord) -> str:
     return hashlib.sha256(canonical_json(rec)).hexdigest()
+
+
+def append_many(session: Session, events: Sequence[AuditEvent], now: datetime) -> None:
+    """Add records at the end of the chain in one statement (a scheduling cycle's decisions):
+    the same chain as one `append` each, at a fraction of the cost."""
+    if not events:
+        return
+    head = session.execute(select(AuditHead).where(AuditHead.id == 1).with_for_update()).scalar_one()
+    seq, prev = head.seq, head.hash
+    at = now.astimezone(UTC)
+    rows: list[dict[str, Any]] = []
+    for ev in events:
+        seq += 1
+        row = {
+            "seq": seq,
+            "time": at,
+            "actor": ev.actor,
+            "tenant": ev.tenant,
+            "action": ev.action,
+            "target": ev.target[:256],
+            "outcome": ev.outcome[:64],
+            "request_id": ev.request_id[:64],
+            "detail": dict(ev.detail),
+            "prev_hash": prev,
+        }
+        row["hash"] = prev = hashlib.sha256(_canonical(row)).hexdigest()
+        rows.append(row)
+    for i in range(0, len(rows), 1000):
+        session.execute(insert(AuditRecord), rows[i : i + 1000])
+    head.seq, head.hash = seq, prev
+    session.flush()
 
 
 def append(session: Session, event: AuditEvent, now: datetime) -> AuditRecord:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from computepool.core import Device, InvalidInput, Node, Request, Sharing
@@ -50,7 +50,14 @@ from computepool.server.settings import ServerSettings
 from computepool.store import allocations as store
 from computepool.store import audit
 from computepool.store.db import Database, db_now
-from computepool.store.models import Allocation, QuotaEntry, Tenant
+from computepool.store.models import (
+    Allocation,
+    AllocationEvent,
+    AllocationNode,
+    QuotaEntry,
+    Tenant,
+)
+from computepool.store.models import Device as DeviceRow
 from computepool.store.models import Node as NodeRow
 
 log = logging.getLogger("computepool.server")
@@ -144,7 +151,13 @@ def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) ->
         )
         for n in s.scalars(select(NodeRow).order_by(NodeRow.name)).all()
     ]
-    weights = {t.name: t.weight for t in s.scalars(select(Tenant)).all()}
+    weights, quotas = _tenants_and_quotas(s)
+    allocs = [_live_of(r) for r in store.live_rows(s)] if live else []
+    return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=allocs)
+
+
+def _tenants_and_quotas(s: Session) -> tuple[dict[str, float], dict[str, QuotaMap]]:
+    weights = {name: w for name, w in s.execute(select(Tenant.name, Tenant.weight)).all()}
     quotas: dict[str, QuotaMap] = {t: {} for t in weights}
     rows = s.execute(
         select(
@@ -153,25 +166,110 @@ def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) ->
     ).all()
     for tenant, model, res, g, lim in rows:
         quotas[tenant][(model, res)] = (int(g), int(lim))
-    rows_live = store.live_rows(s) if live else []
-    allocs = [
-        Live(
-            id=r.id,
-            tenant=r.tenant,
-            state=r.state,
-            request=r.request,
-            priority=r.priority,
-            attempt=r.attempt,
-            restartable=r.restartable,
-            has_command=r.command is not None,
-            nodes=list(r.nodes),
-            slices=list(r.slices),
-            reason=r.reason,
-            bound_at=r.bound_at,
-        )
-        for r in rows_live
-    ]
-    return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=allocs)
+    return weights, quotas
+
+
+def _live_of(r: Any) -> Live:
+    return Live(
+        id=r.id,
+        tenant=r.tenant,
+        state=r.state,
+        request=r.request,
+        priority=r.priority,
+        attempt=r.attempt,
+        restartable=r.restartable,
+        has_command=r.command is not None,
+        nodes=list(r.nodes),
+        slices=list(r.slices),
+        reason=r.reason,
+        bound_at=r.bound_at,
+    )
+
+
+class SnapshotCache:
+    """The controller's memory of the last snapshot, so a cycle reads only what changed.
+
+    Devices never change after a node joins (a node that comes back with others joins anew), so
+    they are read once per node id. Live allocations are listed by (id, state, attempt) — no
+    JSON — and only new or changed ones are read whole: a request, its nodes and its slices
+    are fixed for an attempt in a state. Everything else (heartbeat ages, cordons, tenants,
+    quotas, pending reasons) is read every cycle. The result equals `load_snapshot`.
+    """
+
+    def __init__(self) -> None:
+        self._devices: dict[int, tuple[DevSnap, ...]] = {}
+        self._live: dict[int, Live] = {}
+
+    def load(self, s: Session, settings: ServerSettings) -> Snapshot:
+        now = db_now(s)
+        node_rows = s.execute(
+            select(
+                NodeRow.id,
+                NodeRow.name,
+                NodeRow.cpu_milli,
+                NodeRow.memory_mib,
+                NodeRow.last_heartbeat_at,
+                NodeRow.cordoned,
+            ).order_by(NodeRow.name)
+        ).all()
+        ids = {r[0] for r in node_rows}
+        missing = [i for i in ids if i not in self._devices]
+        if missing:
+            found: dict[int, list[DevSnap]] = {i: [] for i in missing}
+            for k in range(0, len(missing), 500):
+                stmt = (
+                    select(
+                        DeviceRow.node_id,
+                        DeviceRow.index,
+                        DeviceRow.model,
+                        DeviceRow.memory_mib,
+                        DeviceRow.compute_milli,
+                        DeviceRow.uuid,
+                    )
+                    .where(DeviceRow.node_id.in_(missing[k : k + 500]))
+                    .order_by(DeviceRow.node_id, DeviceRow.index)
+                )
+                for nid, *d in s.execute(stmt):
+                    found[nid].append(DevSnap(*d))
+            self._devices.update((i, tuple(v)) for i, v in found.items())
+        for gone in set(self._devices) - ids:
+            del self._devices[gone]
+        nodes = [
+            NodeSnap(
+                name=name,
+                cpu_milli=cpu,
+                memory_mib=mem,
+                devices=self._devices[nid],
+                state=node_state(max(0.0, (now - beat).total_seconds()), settings),
+                cordoned=cordoned,
+            )
+            for nid, name, cpu, mem, beat, cordoned in node_rows
+        ]
+        weights, quotas = _tenants_and_quotas(s)
+        heads = s.execute(
+            select(Allocation.id, Allocation.state, Allocation.attempt, Allocation.reason)
+            .where(Allocation.state.in_(store.LIVE))
+            .order_by(Allocation.id)
+        ).all()
+        stale = [
+            i
+            for i, st, att, _ in heads
+            if (c := self._live.get(i)) is None or c.state != st or c.attempt != att
+        ]
+        if stale:
+            for r in store.live_rows(s, stale):
+                self._live[r.id] = _live_of(r)
+        live: list[Live] = []
+        keep: dict[int, Live] = {}
+        for i, st, att, reason in heads:
+            a = self._live.get(i)
+            if a is None or a.state != st or a.attempt != att:
+                continue  # changed again between the two reads: the next cycle sees it
+            a.reason = reason
+            keep[i] = a
+            live.append(a)
+        self._live = keep
+        return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=live)
 
 
 # --- requests, usage and quotas -----------------------------------------------------------
@@ -611,18 +709,109 @@ def _load(s: Session, ids: list[int]) -> dict[int, Allocation]:
     return out
 
 
+def _bind_rows(s: Session, ids: list[int]) -> dict[int, tuple[str, int, str]]:
+    """id → (state, attempt, tenant) of the allocations to bind, locked (PostgreSQL) until commit."""
+    out: dict[int, tuple[str, int, str]] = {}
+    for i in range(0, len(ids), 500):
+        stmt = (
+            select(Allocation.id, Allocation.state, Allocation.attempt, Tenant.name)
+            .join(Tenant, Allocation.tenant_id == Tenant.id)
+            .where(Allocation.id.in_(ids[i : i + 500]))
+            .with_for_update(of=Allocation)
+        )
+        out.update((r[0], (r[1], r[2], r[3])) for r in s.execute(stmt))
+    return out
+
+
+def _write_binds(
+    s: Session,
+    binds: list[Bind],
+    rows: dict[int, tuple[str, int, str]],
+    term: int,
+    now: datetime,
+    names: set[str],
+) -> list[Bind]:
+    """Bind every still-pending allocation in a few statements: rows, node index, events, audit."""
+    done = [
+        b
+        for b in binds
+        if (r := rows.get(b.id)) is not None
+        and r[0] == "pending"
+        and r[1] == b.attempt
+        and set(b.nodes) <= names
+    ]
+    if not done:
+        return done
+    reasons = {b.id: (f"bound on {', '.join(b.nodes)}" if b.nodes else "bound")[:1024] for b in done}
+    upd = (
+        update(Allocation)
+        .where(Allocation.id == bindparam("b_id"))
+        .values(
+            state="bound",
+            reason=bindparam("b_reason"),
+            term=term,
+            bound_at=now,
+            nodes=bindparam("b_nodes"),
+            slices=bindparam("b_slices"),
+        )
+    )
+    s.connection().execute(
+        upd,
+        [
+            {"b_id": b.id, "b_reason": reasons[b.id], "b_nodes": list(b.nodes), "b_slices": list(b.slices)}
+            for b in done
+        ],
+    )
+    s.execute(
+        insert(AllocationNode),
+        [{"allocation_id": b.id, "node": n} for b in done for n in dict.fromkeys(b.nodes)],
+    )
+    s.execute(
+        insert(AllocationEvent),
+        [
+            {
+                "allocation_id": b.id,
+                "at": now,
+                "state": "bound",
+                "reason": reasons[b.id],
+                "attempt": b.attempt,
+                "term": term,
+            }
+            for b in done
+        ],
+    )
+    audit.append_many(
+        s,
+        [
+            audit.AuditEvent(
+                actor="scheduler",
+                action="allocation.bind",
+                target=f"allocation:{b.id}",
+                outcome="ok",
+                request_id=f"term:{term}",
+                tenant=rows[b.id][2],
+                detail={"term": term, "attempt": b.attempt, "nodes": b.nodes, "preempted": list(b.preempted)},
+            )
+            for b in done
+        ],
+        now,
+    )
+    return done
+
+
 def commit(db: Database, plan: Plan, holder: str, term: int) -> CommitResult:
     """Write the cycle's decisions in one transaction, fenced by the lease term.
 
     Raises LostLease (writing nothing) when another replica holds the lease or a newer term.
     Decisions about allocations that changed since the snapshot (cancelled, released) are skipped.
+    Binds, the bulk of a busy cycle, are written a few statements for all of them.
     """
     res = CommitResult()
     with db.write() as s:
         if not store.holds_lease(s, holder, term):
             raise LostLease(f"scheduler term {term} is no longer current")
         now = db_now(s)
-        rows = _load(s, [x.id for x in plan.stops] + [b.id for b in plan.binds])
+        rows = _load(s, [x.id for x in plan.stops])
         for st in plan.stops:
             a = rows.get(st.id)
             if a is None or a.attempt != st.attempt or a.state not in store.HOLDING:
@@ -640,19 +829,12 @@ def commit(db: Database, plan: Plan, holder: str, term: int) -> CommitResult:
                 store.transition(s, a, st.state, st.reason, now, term=term)
                 _audit(s, now, "allocation.fail", a, term, {"reason": st.reason})
             res.stopped.append(a.id)
-        names = set(s.scalars(select(NodeRow.name)).all())
-        for b in plan.binds:
-            a = rows.get(b.id)
-            if a is None or a.attempt != b.attempt or a.state != "pending":
-                continue
-            if not set(b.nodes) <= names:
-                continue
-            a.nodes, a.slices = list(b.nodes), list(b.slices)
-            reason = f"bound on {', '.join(b.nodes)}" if b.nodes else "bound"
-            store.transition(s, a, "bound", reason, now, term=term)
-            _audit(s, now, "allocation.bind", a, term, {"nodes": b.nodes, "preempted": list(b.preempted)})
-            res.bound.append(a.id)
-            res.nodes.update(b.nodes)
+        s.flush()
+        if plan.binds:
+            names = set(s.scalars(select(NodeRow.name)).all())
+            bound = _write_binds(s, plan.binds, _bind_rows(s, [b.id for b in plan.binds]), term, now, names)
+            res.bound.extend(b.id for b in bound)
+            res.nodes.update(n for b in bound for n in b.nodes)
         store.set_reasons(s, plan.reasons)
     return res
 
@@ -666,6 +848,8 @@ class CycleReport:
     decide_seconds: float = 0.0
     pending: int = 0
     result: CommitResult | None = None
+    snapshot_seconds: float = 0.0
+    commit_seconds: float = 0.0
 
 
 class Controller:
@@ -692,6 +876,7 @@ class Controller:
         self.auto = True  # tests turn the background loop off and call run_once
         self._lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._snapshots = SnapshotCache()
 
     def acquire(self) -> int | None:
         with self.db.write() as s:
@@ -708,19 +893,20 @@ class Controller:
                 lost_before = db_now(s) - timedelta(seconds=self.settings.lost_after_s)
                 if not store.needs_cycle(s, lost_before):  # idle pool: nothing pending, no node lost
                     return CycleReport(True, term, time.perf_counter() - t0, 0.0, 0, CommitResult())
-                snap = load_snapshot(s, self.settings)
+                snap = self._snapshots.load(s, self.settings)
             t1 = time.perf_counter()
             plan = decide(snap)
             t2 = time.perf_counter()
             result = commit(self.db, plan, self.holder, term)
-            elapsed = time.perf_counter() - t0
+            t3 = time.perf_counter()
+            elapsed = t3 - t0
             if self.observe is not None:
                 self.observe(elapsed)
             self.hub.notify(*(f"node:{n}" for n in result.nodes))
             self.hub.notify(*(f"logs:{i}" for i in result.stopped))
             self.hub.notify(*(f"alloc:{i}" for i in (*result.bound, *result.stopped)))
             pending = sum(1 for a in snap.live if a.state == "pending")
-            return CycleReport(True, term, elapsed, t2 - t1, pending, result)
+            return CycleReport(True, term, elapsed, t2 - t1, pending, result, t1 - t0, t3 - t2)
 
     async def _loop(self) -> None:
         while True:
