@@ -1,6 +1,6 @@
 """`cpool bench api`: end-to-end allocate → bound → release cycles against a live server.
 
-N asyncio clients share one httpx connection pool; each cycle submits a fractional allocation
+N asyncio clients share one aiohttp connection pool; each cycle submits a fractional allocation
 (timing the POST), long-polls until the scheduler binds it, and releases it. When the pool has no
 ready node, simulated nodes are joined through the ordinary join protocol (and kept alive with
 heartbeats for the run), so the scheduler sees a real inventory without any agent.
@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
+from computepool.client.aio import AioApi
 from computepool.client.errors import PoolError, ServerUnreachable
-from computepool.client.http import API, ENDED_STATES, PENDING, error_from_response, transport_cause
+from computepool.client.http import ENDED_STATES, PENDING
 
 DEVICES_PER_NODE = 8
 DEVICE_MEMORY_MIB = 80 * 1024
@@ -77,26 +76,6 @@ def percentile(values: Sequence[float], pct: float) -> float | None:
     return round(ordered[rank - 1], 3)
 
 
-class _Api:
-    """The few calls the bench makes, async, raising the same errors as `PoolClient`."""
-
-    def __init__(self, http: httpx.AsyncClient, server: str, timeout: float) -> None:
-        self.http = http
-        self.server = server
-        self.timeout = timeout
-
-    async def call(
-        self, method: str, path: str, json: object = None, headers: dict[str, str] | None = None
-    ) -> Any:
-        try:
-            r = await self.http.request(method, API + path, json=json, headers=headers)
-        except httpx.TransportError as e:
-            raise ServerUnreachable(self.server, transport_cause(e, self.timeout)) from None
-        if not r.is_success:
-            raise error_from_response(r)
-        return r.json() if r.content else None
-
-
 @dataclass
 class _SimNodes:
     names: list[str]
@@ -104,7 +83,7 @@ class _SimNodes:
     interval_s: float
 
 
-async def _ensure_nodes(api: _Api, count: int) -> _SimNodes | None:
+async def _ensure_nodes(api: AioApi, count: int) -> _SimNodes | None:
     """Join `count` simulated nodes unless a ready, schedulable node is there already."""
     nodes = (await api.call("GET", "/nodes"))["items"]
     if any(n.get("state") == "ready" and not n.get("cordoned") for n in nodes):
@@ -145,7 +124,7 @@ async def _ensure_nodes(api: _Api, count: int) -> _SimNodes | None:
     return _SimNodes([j[0] for j in joined], [j[1] for j in joined], min(j[2] for j in joined))
 
 
-async def _heartbeats(api: _Api, sim: _SimNodes, stop: asyncio.Event) -> None:
+async def _heartbeats(api: AioApi, sim: _SimNodes, stop: asyncio.Event) -> None:
     """Keep the simulated nodes `ready` for the whole run, as an agent would."""
     while not stop.is_set():
         for name, cred in zip(sim.names, sim.credentials, strict=True):
@@ -156,7 +135,7 @@ async def _heartbeats(api: _Api, sim: _SimNodes, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), timeout=sim.interval_s / 2)
 
 
-async def _cycle(api: _Api, s: BenchSettings, tally: _Tally) -> None:
+async def _cycle(api: AioApi, s: BenchSettings, tally: _Tally) -> None:
     """Submit, wait for the binding, release; a failure at any step counts one error."""
     body = {"name": "bench", "gpus": 1, "gpu_milli": s.gpu_milli}
     t0 = time.perf_counter()
@@ -171,7 +150,9 @@ async def _cycle(api: _Api, s: BenchSettings, tally: _Tally) -> None:
     try:
         while alloc.get("state") == PENDING and time.monotonic() < deadline:
             wait = round(min(s.poll_max_s, max(0.0, deadline - time.monotonic())), 3)
-            alloc = await api.call("GET", f"/allocations/{alloc_id}?wait={wait}&state={PENDING}")
+            alloc = await api.call(
+                "GET", f"/allocations/{alloc_id}", params={"wait": str(wait), "state": PENDING}
+            )
         state = alloc.get("state")
         if state == PENDING:
             tally.error(f"allocation {alloc_id} not bound within {s.bind_timeout_s:g} s")
@@ -187,7 +168,7 @@ async def _cycle(api: _Api, s: BenchSettings, tally: _Tally) -> None:
     tally.cycle_ms.append((time.perf_counter() - t0) * 1000)
 
 
-async def _client(api: _Api, s: BenchSettings, tally: _Tally, deadline: float) -> int:
+async def _client(api: AioApi, s: BenchSettings, tally: _Tally, deadline: float) -> int:
     done = 0
     while time.monotonic() < deadline and done < MAX_CYCLES_PER_CLIENT:
         await _cycle(api, s, tally)
@@ -197,12 +178,7 @@ async def _client(api: _Api, s: BenchSettings, tally: _Tally, deadline: float) -
 
 async def run_api_bench(s: BenchSettings) -> dict[str, Any]:
     """Run the benchmark; returns the figures `cpool bench api --json` prints."""
-    headers = {"Authorization": f"Bearer {s.token}", "User-Agent": "cpool-bench"}
-    limits = httpx.Limits(max_connections=s.clients + 4, max_keepalive_connections=s.clients + 4)
-    async with httpx.AsyncClient(
-        base_url=s.server, headers=headers, timeout=s.http_timeout_s, limits=limits
-    ) as http:
-        api = _Api(http, s.server, s.http_timeout_s)
+    async with AioApi(s.server, s.token, s.clients + 4, s.http_timeout_s) as api:
         sim = await _ensure_nodes(api, s.nodes)
         stop = asyncio.Event()
         beats = asyncio.create_task(_heartbeats(api, sim, stop)) if sim else None

@@ -32,7 +32,8 @@ from typing import Any
 import httpx
 import psutil
 
-from computepool.client.bench import _Api, percentile
+from computepool.client.aio import AioApi
+from computepool.client.bench import percentile
 from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.client.http import ENDED_STATES
 
@@ -154,12 +155,6 @@ class _Errors:
             self.samples.append(what)
 
 
-def _client(server: str, token: str, connections: int, timeout_s: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    headers = {"Authorization": f"Bearer {token}", "User-Agent": "cpool-bench"}
-    return httpx.AsyncClient(base_url=server, headers=headers, timeout=timeout_s, limits=limits)
-
-
 def _ts(value: object) -> datetime | None:
     if not isinstance(value, str) or not value:
         return None
@@ -180,13 +175,12 @@ class JobsSettings:
     concurrency: int = 10
     cpu_milli: int = 100
     job_timeout_s: float = 60.0
-    poll_min_s: float = 0.01
-    poll_max_s: float = 0.1
+    poll_max_s: float = 10.0  # each long-poll answers as soon as the state changes
     http_timeout_s: float = 30.0
 
 
 async def _one_job(
-    api: _Api, s: JobsSettings, start_ms: list[float], e2e_ms: list[float], err: _Errors
+    api: AioApi, s: JobsSettings, start_ms: list[float], e2e_ms: list[float], err: _Errors
 ) -> None:
     body = {
         "name": "bench-job",
@@ -202,12 +196,11 @@ async def _one_job(
         return
     alloc_id = alloc["id"]
     deadline = time.monotonic() + s.job_timeout_s
-    pause = s.poll_min_s
     try:
         while alloc.get("state") not in ENDED_STATES and time.monotonic() < deadline:
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, s.poll_max_s)
-            alloc = await api.call("GET", f"/allocations/{alloc_id}")
+            wait = round(min(s.poll_max_s, max(0.0, deadline - time.monotonic())), 3)
+            params = {"wait": str(wait), "state": str(alloc.get("state"))}  # answers on the next change
+            alloc = await api.call("GET", f"/allocations/{alloc_id}", params=params)
     except (PoolError, ServerUnreachable) as e:
         err.add(f"job {alloc_id}: {e}")
         return
@@ -236,8 +229,7 @@ async def run_jobs_bench(s: JobsSettings) -> dict[str, Any]:
     err = _Errors()
     sem = asyncio.Semaphore(s.concurrency)
 
-    async with _client(s.server, s.token, s.concurrency + 4, s.http_timeout_s) as http:
-        api = _Api(http, s.server, s.http_timeout_s)
+    async with AioApi(s.server, s.token, s.concurrency + 4, s.http_timeout_s) as api:
 
         async def slot() -> None:
             async with sem:
@@ -346,10 +338,7 @@ async def run_agents_bench(s: AgentsSettings) -> dict[str, Any]:
     ready_at_end = 0
     elapsed = 0.0
     cpu: float | None = None
-    async with _client(
-        s.server, s.token, max(s.connections, s.join_concurrency) + 4, s.http_timeout_s
-    ) as http:
-        api = _Api(http, s.server, s.http_timeout_s)
+    async with AioApi(s.server, s.token, max(s.connections, s.join_concurrency) + 4, s.http_timeout_s) as api:
         existing = {n["name"] for n in (await api.call("GET", "/nodes"))["items"]}
         clash = sorted(existing.intersection(names))
         if clash:

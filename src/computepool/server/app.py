@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from starlette.datastructures import State
@@ -126,6 +127,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     hub: Hub = app.state.hub
     controller: Controller = app.state.controller
     hub.attach(asyncio.get_running_loop())
+    # Sync routes run in worker threads. Forty of them (anyio's default) mostly contend for
+    # the GIL and the database's write lock; a few keep the CPU as busy with far less switching.
+    anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
     controller.start()
     log.info("control plane ready (database: %s)", db.dialect)
     try:

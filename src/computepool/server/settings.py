@@ -34,6 +34,9 @@ class ServerSettings(BaseModel):
     shape_cache_s: float = Field(
         default=1.0, ge=0, le=60, description="How long nodes and quotas read for admission are reused."
     )
+    worker_threads: int = Field(
+        default=3, ge=1, le=256, description="Threads that run database work for API calls."
+    )
     log_level: str = Field(default="info", description="uvicorn and server log level.")
 
     @model_validator(mode="after")

@@ -8,10 +8,11 @@ long-polls and node-loss handling read.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from computepool.store.models import (
@@ -52,6 +53,107 @@ def add(session: Session, alloc: Allocation, now: datetime) -> AllocationEvent:
     session.add(event)
     session.flush()
     return event
+
+
+_ALLOC = Allocation.__table__
+_EVENTS = AllocationEvent.__table__
+_NODES = AllocationNode.__table__
+# Plain Core statements on the tables, built once: the API's hot path runs them per request, and
+# the ORM's unit of work (or an ORM-enabled insert) costs several times more than the SQL itself.
+_INSERT_ALLOC = _ALLOC.insert().returning(_ALLOC.c.id)
+_INSERT_EVENT = _EVENTS.insert()
+_LOCK_HEAD = (
+    select(
+        _ALLOC.c.id, _ALLOC.c.state, Tenant.__table__.c.name, _ALLOC.c.nodes, _ALLOC.c.attempt, _ALLOC.c.term
+    )
+    .join(Tenant.__table__, _ALLOC.c.tenant_id == Tenant.__table__.c.id)
+    .where(_ALLOC.c.id == bindparam("alloc_id"))
+    .with_for_update(of=_ALLOC)
+)
+_END = (
+    _ALLOC.update()
+    .where(_ALLOC.c.id == bindparam("alloc_id"))
+    .values(state=bindparam("state"), reason=bindparam("reason"), ended_at=bindparam("ended_at"))
+)
+_UNINDEX = _NODES.delete().where(_NODES.c.allocation_id == bindparam("alloc_id"))
+
+
+def insert_pending(session: Session, values: dict[str, Any], now: datetime) -> int:
+    """Insert a new pending allocation and its first event in two statements; returns its id."""
+    conn = session.connection()
+    row = dict(
+        values, state="pending", reason="submitted", attempt=1, term=0, nodes=[], slices=[], created_at=now
+    )
+    alloc_id = int(conn.execute(_INSERT_ALLOC, row).scalar_one())
+    conn.execute(
+        _INSERT_EVENT,
+        {
+            "allocation_id": alloc_id,
+            "at": now,
+            "state": "pending",
+            "reason": "submitted",
+            "attempt": 1,
+            "term": 0,
+        },
+    )
+    return alloc_id
+
+
+_READ_ONE = (
+    select(*_ALLOC.c, Tenant.__table__.c.name.label("tenant_name"))
+    .join(Tenant.__table__, _ALLOC.c.tenant_id == Tenant.__table__.c.id)
+    .where(_ALLOC.c.id == bindparam("alloc_id"))
+)
+_READ_EVENTS = (
+    select(_EVENTS.c.at, _EVENTS.c.state, _EVENTS.c.reason)
+    .where(_EVENTS.c.allocation_id == bindparam("alloc_id"))
+    .order_by(_EVENTS.c.id)
+)
+
+
+def read_one(session: Session, alloc_id: int) -> tuple[Any, Sequence[Any]] | None:
+    """One allocation as a plain row (with `tenant_name`) and its events, in two Core queries."""
+    conn = session.connection()
+    row = conn.execute(_READ_ONE, {"alloc_id": alloc_id}).one_or_none()
+    if row is None:
+        return None
+    return row, conn.execute(_READ_EVENTS, {"alloc_id": alloc_id}).all()
+
+
+@dataclass(frozen=True)
+class Head:
+    """What ending an allocation needs to know of it, read under its row lock."""
+
+    id: int
+    state: str
+    tenant: str
+    nodes: list[str]
+    attempt: int
+    term: int
+
+
+def lock_head(session: Session, alloc_id: int) -> Head | None:
+    row = session.connection().execute(_LOCK_HEAD, {"alloc_id": alloc_id}).one_or_none()
+    return None if row is None else Head(row[0], row[1], row[2], list(row[3]), row[4], row[5])
+
+
+def end(session: Session, head: Head, state: str, reason: str, now: datetime) -> None:
+    """End a live allocation (released, cancelled …): row, node index and event, in three statements."""
+    conn = session.connection()
+    conn.execute(_END, {"alloc_id": head.id, "state": state, "reason": reason[:1024], "ended_at": now})
+    if head.state in HOLDING:
+        conn.execute(_UNINDEX, {"alloc_id": head.id})
+    conn.execute(
+        _INSERT_EVENT,
+        {
+            "allocation_id": head.id,
+            "at": now,
+            "state": state,
+            "reason": reason[:1024],
+            "attempt": head.attempt,
+            "term": head.term,
+        },
+    )
 
 
 def query(session: Session, *, tenant: str | None, state: str | None, limit: int) -> Sequence[Allocation]:
@@ -131,15 +233,20 @@ def needs_cycle(session: Session, lost_before: datetime) -> bool:
     """Whether a scheduling cycle has anything to do: a pending request, or held work on a node
     that is lost (no heartbeat since `lost_before`) or gone. Two indexed queries instead of a
     snapshot of every node, so an idle pool of many nodes costs the server next to nothing."""
-    if session.scalar(select(Allocation.id).where(Allocation.state == "pending").limit(1)) is not None:
+    conn = session.connection()
+    if conn.execute(_ANY_PENDING).first() is not None:
         return True
-    stranded = (
-        select(AllocationNode.allocation_id)
-        .outerjoin(Node, Node.name == AllocationNode.node)
-        .where((Node.id.is_(None)) | (Node.last_heartbeat_at < lost_before))
-        .limit(1)
-    )
-    return session.scalar(stranded) is not None
+    return conn.execute(_ANY_STRANDED, {"lost_before": lost_before}).first() is not None
+
+
+_ANY_PENDING = select(_ALLOC.c.id).where(_ALLOC.c.state == "pending").limit(1)
+_NODE_T = Node.__table__
+_ANY_STRANDED = (
+    select(_NODES.c.allocation_id)
+    .outerjoin(_NODE_T, _NODE_T.c.name == _NODES.c.node)
+    .where((_NODE_T.c.id.is_(None)) | (_NODE_T.c.last_heartbeat_at < bindparam("lost_before")))
+    .limit(1)
+)
 
 
 def live_rows(session: Session, ids: Sequence[int] | None = None) -> Sequence[Any]:

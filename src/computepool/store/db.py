@@ -24,18 +24,31 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_S = 15
+SQLITE_POOL_SIZE = 48
+PG_POOL_SIZE = 20
 PG_CONNECT_TIMEOUT_S = 3
 
 
 def _sqlite_engine(url: str) -> Engine:
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S})
+    # Every worker thread (the API's pool has 40) may hold a connection at once: a pool smaller
+    # than that makes requests queue for connections, and overflow ones are opened and closed
+    # per request.
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S},
+        pool_size=SQLITE_POOL_SIZE,
+        max_overflow=SQLITE_POOL_SIZE,
+    )
+    wal_set = threading.Event()
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         # Let SQLAlchemy, not the sqlite3 module, decide when transactions begin.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        if not wal_set.is_set():  # WAL is a property of the file: once per process is enough
+            cur.execute("PRAGMA journal_mode=WAL")
+            wal_set.set()
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
@@ -61,6 +74,8 @@ class Database:
                 url,
                 pool_pre_ping=True,
                 pool_recycle=1800,
+                pool_size=PG_POOL_SIZE,
+                max_overflow=PG_POOL_SIZE,
                 connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S},
             )
         self._writers = threading.Lock() if self.dialect == "sqlite" else None
@@ -92,9 +107,11 @@ class Database:
 
 
 def db_now(session: Session) -> datetime:
-    """The database's clock, so that every replica measures ages (heartbeats, expiry) alike."""
+    """The database's clock, so that every replica measures ages (heartbeats, expiry) alike.
+
+    SQLite is a file on this host: its clock is this process's clock, read without a query.
+    """
     if session.get_bind().dialect.name == "sqlite":
-        raw = session.execute(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")).scalar_one()
-        return datetime.fromisoformat(raw).replace(tzinfo=UTC)
+        return datetime.now(UTC)
     value = session.execute(text("SELECT clock_timestamp()")).scalar_one()
     return value.astimezone(UTC)

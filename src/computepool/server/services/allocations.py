@@ -218,27 +218,46 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
     try:
         with ctx.db.write() as s:
             now = db_now(s)
-            a = Allocation(
-                name=body.name or "",
-                tenant_id=tenant_id,
-                owner=caller.name,
-                idempotency_key=key,
-                request=req,
-                priority=body.priority,
-                command=body.command,
-                env=body.env,
-                restartable=body.restartable,
-                state="pending",
-                reason="submitted",
-                attempt=1,
-                term=0,
-                nodes=[],
-                slices=[],
-                created_at=now,
+            alloc_id = store.insert_pending(
+                s,
+                {
+                    "name": body.name or "",
+                    "tenant_id": tenant_id,
+                    "owner": caller.name,
+                    "idempotency_key": key,
+                    "request": req,
+                    "priority": body.priority,
+                    "command": body.command,
+                    "env": body.env,
+                    "restartable": body.restartable,
+                },
+                now,
             )
-            event = store.add(s, a, now)
-            record(s, ctx, f"allocation:{a.id}", tenant=tenant_name, detail={"request": _brief(req)}, now=now)
-            out = _out(a, [event], tenant=tenant_name)
+            record(
+                s, ctx, f"allocation:{alloc_id}", tenant=tenant_name, detail={"request": _brief(req)}, now=now
+            )
+        out = AllocationOut(
+            id=alloc_id,
+            name=body.name or "",
+            tenant=tenant_name,
+            owner=caller.name,
+            request=RequestOut.model_validate(req),
+            command=body.command,
+            env=body.env,
+            restartable=body.restartable,
+            state="pending",
+            reason="submitted",
+            attempt=1,
+            term=0,
+            nodes=[],
+            slices=[],
+            exit_code=None,
+            created_at=now,
+            bound_at=None,
+            started_at=None,
+            ended_at=None,
+            events=[EventOut(at=now, state="pending", reason="submitted")],
+        )
     except IntegrityError:
         if key is None:
             raise
@@ -269,8 +288,14 @@ def list_all(ctx: Ctx, *, state: str | None, tenant: str | None, limit: int) -> 
 
 
 def get(ctx: Ctx, alloc_id: int) -> AllocationOut:
+    """The read behind every client's wait: plain queries, no ORM objects."""
     with ctx.db.read() as s:
-        return _one(s, _visible(s, ctx, alloc_id))
+        found = store.read_one(s, alloc_id)
+    if found is None:
+        raise NotFound(f"allocation {alloc_id} not found")
+    row, events = found
+    authorize(ctx.caller(), ctx.action, Target("allocation", str(alloc_id), tenant=row.tenant_name))
+    return _out(row, events, tenant=row.tenant_name)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -348,18 +373,24 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
 
 # --- release / cancel ---------------------------------------------------------------------------
 def _end(ctx: Ctx, alloc_id: int, hub: Hub, *, state: str, allowed: tuple[str, ...]) -> AllocationOut:
-    with ctx.db.write() as s:
-        a = _visible(s, ctx, alloc_id, lock=True)
-        if a.state not in allowed:
+    caller = ctx.caller()
+    reason = f"{state} by {caller.actor}"
+    with ctx.db.write() as s:  # a few statements under the write lock; the answer is read after
+        head = store.lock_head(s, alloc_id)
+        if head is None:
+            raise NotFound(f"allocation {alloc_id} not found")
+        authorize(caller, ctx.action, Target("allocation", str(alloc_id), tenant=head.tenant))
+        if head.state not in allowed:
             verb = "released" if state == "released" else "cancelled"
-            raise Conflict(f"allocation {alloc_id} is {a.state}: only {'/'.join(allowed)} ones can be {verb}")
-        nodes = list(a.nodes)
-        store.transition(s, a, state, f"{state} by {ctx.caller().actor}", db_now(s))
-        record(s, ctx, f"allocation:{a.id}", tenant=a.tenant.name, detail={"nodes": nodes})
-        out = _one(s, a)
-    hub.notify(*(f"node:{n}" for n in nodes), f"logs:{alloc_id}", f"alloc:{alloc_id}")
+            raise Conflict(
+                f"allocation {alloc_id} is {head.state}: only {'/'.join(allowed)} ones can be {verb}"
+            )
+        now = db_now(s)
+        store.end(s, head, state, reason, now)
+        record(s, ctx, f"allocation:{alloc_id}", tenant=head.tenant, detail={"nodes": head.nodes}, now=now)
+    hub.notify(*(f"node:{n}" for n in head.nodes), f"logs:{alloc_id}", f"alloc:{alloc_id}")
     hub.wake_scheduler()
-    return out
+    return get(ctx, alloc_id)
 
 
 def release(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:

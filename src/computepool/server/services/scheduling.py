@@ -190,14 +190,15 @@ class SnapshotCache:
     """The controller's memory of the last snapshot, so a cycle reads only what changed.
 
     Devices never change after a node joins (a node that comes back with others joins anew), so
-    they are read once per node id. Live allocations are listed by (id, state, attempt) — no
-    JSON — and only new or changed ones are read whole: a request, its nodes and its slices
-    are fixed for an attempt in a state. Everything else (heartbeat ages, cordons, tenants,
-    quotas, pending reasons) is read every cycle. The result equals `load_snapshot`.
+    they are read once per joined node (id, name and join time: SQLite may reuse a deleted id).
+    Live allocations are listed by (id, state, attempt) — no JSON — and only new or changed
+    ones are read whole: a request, its nodes and its slices are fixed for an attempt in a state.
+    Everything else (heartbeat ages, cordons, tenants, quotas, pending reasons) is read every
+    cycle. The result equals `load_snapshot`.
     """
 
     def __init__(self) -> None:
-        self._devices: dict[int, tuple[DevSnap, ...]] = {}
+        self._devices: dict[tuple[int, str, datetime], tuple[DevSnap, ...]] = {}
         self._live: dict[int, Live] = {}
 
     def load(self, s: Session, settings: ServerSettings) -> Snapshot:
@@ -210,10 +211,11 @@ class SnapshotCache:
                 NodeRow.memory_mib,
                 NodeRow.last_heartbeat_at,
                 NodeRow.cordoned,
+                NodeRow.joined_at,
             ).order_by(NodeRow.name)
         ).all()
-        ids = {r[0] for r in node_rows}
-        missing = [i for i in ids if i not in self._devices]
+        keys = {(r[0], r[1], r[6]): r[0] for r in node_rows}
+        missing = [nid for k, nid in keys.items() if k not in self._devices]
         if missing:
             found: dict[int, list[DevSnap]] = {i: [] for i in missing}
             for k in range(0, len(missing), 500):
@@ -231,19 +233,19 @@ class SnapshotCache:
                 )
                 for nid, *d in s.execute(stmt):
                     found[nid].append(DevSnap(*d))
-            self._devices.update((i, tuple(v)) for i, v in found.items())
-        for gone in set(self._devices) - ids:
+            self._devices.update((k, tuple(found[nid])) for k, nid in keys.items() if nid in found)
+        for gone in set(self._devices) - set(keys):
             del self._devices[gone]
         nodes = [
             NodeSnap(
                 name=name,
                 cpu_milli=cpu,
                 memory_mib=mem,
-                devices=self._devices[nid],
+                devices=self._devices[(nid, name, joined)],
                 state=node_state(max(0.0, (now - beat).total_seconds()), settings),
                 cordoned=cordoned,
             )
-            for nid, name, cpu, mem, beat, cordoned in node_rows
+            for nid, name, cpu, mem, beat, cordoned, joined in node_rows
         ]
         weights, quotas = _tenants_and_quotas(s)
         heads = s.execute(
@@ -877,16 +879,29 @@ class Controller:
         self._lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
         self._snapshots = SnapshotCache()
+        self._term: int | None = None  # the lease term held, as of the last renewal
+        self._renewed = 0.0
 
     def acquire(self) -> int | None:
+        """Take or renew the lease in the database; the term, or None while another replica holds it."""
         with self.db.write() as s:
-            return store.acquire_lease(s, self.holder, db_now(s), self.lease_ttl_s)
+            term = store.acquire_lease(s, self.holder, db_now(s), self.lease_ttl_s)
+        self._term, self._renewed = term, time.monotonic()
+        return term
+
+    def _held_term(self) -> int | None:
+        """The term, renewing the lease only once a third of its time has passed: a busy pool
+        runs many cycles a second, and each renewal is a write. Commits stay fenced by the term
+        in the database, so a lease lost meanwhile writes nothing."""
+        if self._term is not None and time.monotonic() - self._renewed < self.lease_ttl_s / 3:
+            return self._term
+        return self.acquire()
 
     def run_once(self) -> CycleReport:
         """One cycle (thread-safe; cycles of one process never overlap)."""
         with self._lock:
             t0 = time.perf_counter()
-            term = self.acquire()
+            term = self._held_term()
             if term is None:
                 return CycleReport(leader=False)
             with self.db.read() as s:
@@ -897,7 +912,13 @@ class Controller:
             t1 = time.perf_counter()
             plan = decide(snap)
             t2 = time.perf_counter()
-            result = commit(self.db, plan, self.holder, term)
+            try:
+                result = commit(self.db, plan, self.holder, term)
+            except LostLease:
+                self._term = None
+                if self.acquire() != term:  # another replica schedules now
+                    return CycleReport(leader=False)
+                raise
             t3 = time.perf_counter()
             elapsed = t3 - t0
             if self.observe is not None:

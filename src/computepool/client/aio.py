@@ -1,0 +1,83 @@
+"""The async HTTP calls the benchmarks make, on aiohttp.
+
+The benchmarks drive hundreds of concurrent requests from the same small machine as the
+server; httpx's async client spent a whole core on ~250 requests/s there, so the load it
+generated measured the client, not the server. aiohttp's client costs several times less per
+request. Errors are the same as `PoolClient`'s: `PoolError` for an HTTP error answer,
+`ServerUnreachable` for no answer.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from typing import Any
+
+import aiohttp
+
+from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.client.http import API
+
+
+def _error(status: int, reason: str, text: str) -> PoolError:
+    """The server's `{"error", "field"}` when it sent one, else the status line and a bit of body."""
+    message, field = "", None
+    try:
+        body = jsonlib.loads(text) if text else None
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        message = body["error"]
+        field = body.get("field") if isinstance(body.get("field"), str) else None
+    else:
+        snippet = " ".join(text.split())[:200]
+        message = reason if snippet in ("", reason) else f"{reason}: {snippet}"
+    if status >= 500 and status != 503:
+        message += " (a server fault, not your input: the server's log has the details)"
+    return PoolError(status, message, field)
+
+
+class AioApi:
+    """One aiohttp session against `server` with a bearer token; `call` returns parsed JSON."""
+
+    def __init__(self, server: str, token: str, connections: int, timeout_s: float) -> None:
+        self.server = server.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {token}", "User-Agent": "cpool-bench"}
+        self._connections = connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> AioApi:
+        self._session = aiohttp.ClientSession(
+            headers=self._headers,
+            connector=aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        json: object = None,
+        headers: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        assert self._session is not None, "use `async with AioApi(...)`"
+        url = self.server + API + path
+        try:
+            async with self._session.request(method, url, json=json, headers=headers, params=params) as r:
+                text = await r.text()
+                if r.status >= 400:
+                    raise _error(r.status, r.reason or "error", text)
+        except TimeoutError:
+            raise ServerUnreachable(self.server, f"no answer within {self.timeout_s:g} s") from None
+        except aiohttp.ClientConnectionError as e:
+            raise ServerUnreachable(
+                self.server, f"connection failed: {e}" if str(e) else "connection refused"
+            ) from None
+        return jsonlib.loads(text) if text else None
