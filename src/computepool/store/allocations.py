@@ -261,6 +261,8 @@ def live_rows(session: Session, ids: Sequence[int] | None = None) -> Sequence[An
 
 
 def _live_rows(session: Session, ids: Sequence[int] | None) -> Sequence[Any]:
+    if ids is not None:
+        return session.connection().execute(_LIVE_BY_ID, {"ids": list(ids)}).all()
     stmt = (
         select(
             Allocation.id,
@@ -283,6 +285,37 @@ def _live_rows(session: Session, ids: Sequence[int] | None) -> Sequence[Any]:
     if ids is not None:
         stmt = stmt.where(Allocation.id.in_(ids))
     return session.execute(stmt).all()
+
+
+_LIVE_BY_ID = (
+    select(
+        _ALLOC.c.id,
+        Tenant.__table__.c.name.label("tenant"),
+        _ALLOC.c.state,
+        _ALLOC.c.request,
+        _ALLOC.c.priority,
+        _ALLOC.c.attempt,
+        _ALLOC.c.restartable,
+        _ALLOC.c.command,
+        _ALLOC.c.nodes,
+        _ALLOC.c.slices,
+        _ALLOC.c.reason,
+        _ALLOC.c.bound_at,
+    )
+    .join(Tenant.__table__, _ALLOC.c.tenant_id == Tenant.__table__.c.id)
+    .where(_ALLOC.c.state.in_(LIVE), _ALLOC.c.id.in_(bindparam("ids", expanding=True)))
+    .order_by(_ALLOC.c.id)
+)
+_LIVE_HEADS = (
+    select(_ALLOC.c.id, _ALLOC.c.state, _ALLOC.c.attempt, _ALLOC.c.reason)
+    .where(_ALLOC.c.state.in_(LIVE))
+    .order_by(_ALLOC.c.id)
+)
+
+
+def live_heads(session: Session) -> Sequence[Any]:
+    """(id, state, attempt, reason) of every pending, bound and active allocation, by id."""
+    return session.connection().execute(_LIVE_HEADS).all()
 
 
 def set_reasons(session: Session, reasons: dict[int, str]) -> None:
@@ -392,10 +425,14 @@ def acquire_lease(session: Session, holder: str, now: datetime, ttl_s: float) ->
     return row.term
 
 
+_LEASE_T = SchedulerLease.__table__
+_HOLDS = select(_LEASE_T.c.holder, _LEASE_T.c.term).where(_LEASE_T.c.id == LEASE_ID).with_for_update()
+
+
 def holds_lease(session: Session, holder: str, term: int) -> bool:
     """Inside a commit: does `holder` still hold the lease in `term`? (Locks the row on PostgreSQL.)"""
-    row = _lease_row(session)
-    return row is not None and row.holder == holder and row.term == term
+    row = session.connection().execute(_HOLDS).one_or_none()
+    return row is not None and row[0] == holder and row[1] == term
 
 
 def current_term(session: Session) -> int:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from computepool.core import Device, InvalidInput, Node, Request, Sharing
@@ -157,13 +157,10 @@ def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) ->
 
 
 def _tenants_and_quotas(s: Session) -> tuple[dict[str, float], dict[str, QuotaMap]]:
-    weights = {name: w for name, w in s.execute(select(Tenant.name, Tenant.weight)).all()}
+    conn = s.connection()
+    weights = {name: w for name, w in conn.execute(_WEIGHTS).all()}
     quotas: dict[str, QuotaMap] = {t: {} for t in weights}
-    rows = s.execute(
-        select(
-            Tenant.name, QuotaEntry.model, QuotaEntry.resource, QuotaEntry.guaranteed, QuotaEntry.limit_value
-        ).join(Tenant, QuotaEntry.tenant_id == Tenant.id)
-    ).all()
+    rows = conn.execute(_QUOTAS).all()
     for tenant, model, res, g, lim in rows:
         quotas[tenant][(model, res)] = (int(g), int(lim))
     return weights, quotas
@@ -186,6 +183,25 @@ def _live_of(r: Any) -> Live:
     )
 
 
+_NODE_T = NodeRow.__table__
+_NODE_ROWS = select(
+    _NODE_T.c.id,
+    _NODE_T.c.name,
+    _NODE_T.c.cpu_milli,
+    _NODE_T.c.memory_mib,
+    _NODE_T.c.last_heartbeat_at,
+    _NODE_T.c.cordoned,
+    _NODE_T.c.joined_at,
+).order_by(_NODE_T.c.name)
+_TENANT_T = Tenant.__table__
+_WEIGHTS = select(_TENANT_T.c.name, _TENANT_T.c.weight)
+_QUOTA_T = QuotaEntry.__table__
+_QUOTAS = select(
+    _TENANT_T.c.name, _QUOTA_T.c.model, _QUOTA_T.c.resource, _QUOTA_T.c.guaranteed, _QUOTA_T.c.limit_value
+).join(_TENANT_T, _QUOTA_T.c.tenant_id == _TENANT_T.c.id)
+_NODE_NAMES = select(_NODE_T.c.name)
+
+
 class SnapshotCache:
     """The controller's memory of the last snapshot, so a cycle reads only what changed.
 
@@ -203,17 +219,8 @@ class SnapshotCache:
 
     def load(self, s: Session, settings: ServerSettings) -> Snapshot:
         now = db_now(s)
-        node_rows = s.execute(
-            select(
-                NodeRow.id,
-                NodeRow.name,
-                NodeRow.cpu_milli,
-                NodeRow.memory_mib,
-                NodeRow.last_heartbeat_at,
-                NodeRow.cordoned,
-                NodeRow.joined_at,
-            ).order_by(NodeRow.name)
-        ).all()
+        conn = s.connection()
+        node_rows = conn.execute(_NODE_ROWS).all()
         keys = {(r[0], r[1], r[6]): r[0] for r in node_rows}
         missing = [nid for k, nid in keys.items() if k not in self._devices]
         if missing:
@@ -248,11 +255,7 @@ class SnapshotCache:
             for nid, name, cpu, mem, beat, cordoned, joined in node_rows
         ]
         weights, quotas = _tenants_and_quotas(s)
-        heads = s.execute(
-            select(Allocation.id, Allocation.state, Allocation.attempt, Allocation.reason)
-            .where(Allocation.state.in_(store.LIVE))
-            .order_by(Allocation.id)
-        ).all()
+        heads = store.live_heads(s)
         stale = [
             i
             for i, st, att, _ in heads
@@ -757,19 +760,20 @@ def _write_binds(
             slices=bindparam("b_slices"),
         )
     )
-    s.connection().execute(
+    conn = s.connection()
+    conn.execute(
         upd,
         [
             {"b_id": b.id, "b_reason": reasons[b.id], "b_nodes": list(b.nodes), "b_slices": list(b.slices)}
             for b in done
         ],
     )
-    s.execute(
-        insert(AllocationNode),
+    conn.execute(
+        AllocationNode.__table__.insert(),
         [{"allocation_id": b.id, "node": n} for b in done for n in dict.fromkeys(b.nodes)],
     )
-    s.execute(
-        insert(AllocationEvent),
+    conn.execute(
+        AllocationEvent.__table__.insert(),
         [
             {
                 "allocation_id": b.id,
@@ -833,7 +837,7 @@ def commit(db: Database, plan: Plan, holder: str, term: int) -> CommitResult:
             res.stopped.append(a.id)
         s.flush()
         if plan.binds:
-            names = set(s.scalars(select(NodeRow.name)).all())
+            names = set(s.connection().execute(_NODE_NAMES).scalars().all())
             bound = _write_binds(s, plan.binds, _bind_rows(s, [b.id for b in plan.binds]), term, now, names)
             res.bound.extend(b.id for b in bound)
             res.nodes.update(n for b in bound for n in b.nodes)
