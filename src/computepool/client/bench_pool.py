@@ -272,6 +272,10 @@ class AgentsSettings:
     http_timeout_s: float = 30.0
 
 
+# what an agent reports with each beat: its device's memory in use and utilisation
+_BEAT = {"devices_usage": [{"index": 0, "used_memory_mib": 1024, "utilization_pct": 50.0}]}
+
+
 def _node_body(join_token: str, name: str) -> dict[str, Any]:
     device = {
         "index": 0,
@@ -385,7 +389,7 @@ async def run_agents_bench(s: AgentsSettings) -> dict[str, Any]:
                                     1 for j in range(k, beats) if offset + j * s.interval_s < s.seconds
                                 )
                                 return
-                            await api.call("POST", f"/nodes/{name}/heartbeat", {"devices_usage": []}, headers)
+                            await api.call("POST", f"/nodes/{name}/heartbeat", _BEAT, headers)
                     except (PoolError, ServerUnreachable) as e:
                         err.add(f"heartbeat {name}: {e}")
                         continue

@@ -9,6 +9,7 @@ wake-up hub on `app.state.hub`, the Prometheus registry on `app.state.metrics`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -47,6 +48,7 @@ def _version() -> str:
 
 
 STARTUP_DB_WAIT_S = 30.0
+CHECKPOINT_EVERY_S = 1.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 log = logging.getLogger("computepool.server")
 _NO_WAKE = ("/heartbeat", "/logs")  # frequent telemetry; never changes a scheduling decision
@@ -118,6 +120,18 @@ def _migrate_and_bootstrap(db: Database, settings: ServerSettings) -> None:
     ensure_admin(db, settings.admin_token_path)
 
 
+async def _checkpoints(db: Database) -> None:
+    """SQLite's log is folded back into the file here, once a second, off the write path."""
+    if db.dialect != "sqlite":
+        return
+    while True:
+        await asyncio.sleep(CHECKPOINT_EVERY_S)
+        try:
+            await asyncio.to_thread(db.checkpoint)
+        except Exception as e:  # a busy or vanished file: the next round tries again
+            log.debug("checkpoint skipped: %s", e)
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ServerSettings = app.state.settings
@@ -131,10 +145,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # the GIL and the database's write lock; a few keep the CPU as busy with far less switching.
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
     controller.start()
+    checkpoints = asyncio.get_running_loop().create_task(_checkpoints(db), name="cpool-checkpoint")
     log.info("control plane ready (database: %s)", db.dialect)
     try:
         yield
     finally:
+        checkpoints.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checkpoints
         await controller.stop()
         db.dispose()
 

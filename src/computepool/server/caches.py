@@ -9,6 +9,7 @@ the database before it is answered. They live on `app.state.caches`, not in modu
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 from computepool.server.policy import Principal
 
 TOKEN_TTL_S = 1.0
+NODE_TOKEN_TTL_S = 30.0  # a node credential dies with its node: a stale hit still finds no node
 SHAPE_TTL_S = 1.0
 MAX_FIT_ENTRIES = 4096
 
@@ -32,10 +34,13 @@ class TokenEntry:
 
 
 class TokenCache:
-    """token id → what authentication found for it, for `ttl_s` seconds."""
+    """token id → what authentication found for it, for `ttl_s` seconds (`node_ttl_s` for the
+    credentials of nodes, which heartbeat every few seconds and are only ever revoked by
+    deleting their node: every node route then answers 404 whatever the cache says)."""
 
-    def __init__(self, ttl_s: float = TOKEN_TTL_S) -> None:
+    def __init__(self, ttl_s: float = TOKEN_TTL_S, node_ttl_s: float = NODE_TOKEN_TTL_S) -> None:
         self.ttl_s = ttl_s
+        self.node_ttl_s = node_ttl_s if ttl_s > 0 else 0.0
         self._entries: dict[str, TokenEntry] = {}
         self._lock = threading.Lock()
 
@@ -46,13 +51,15 @@ class TokenCache:
         return e
 
     def put(self, token_id: str, secret_hash: str, principal: Principal, expires_at: datetime | None) -> None:
-        if self.ttl_s <= 0:
+        ttl = self.node_ttl_s if principal.node is not None else self.ttl_s
+        if ttl <= 0:
             return
         with self._lock:
             if len(self._entries) > 10_000:  # many distinct tokens (agents): drop the stale ones
                 now = time.monotonic()
                 self._entries = {k: v for k, v in self._entries.items() if v.until >= now}
-            until = time.monotonic() + self.ttl_s
+            # spread the expiries: a thousand agents that joined together must not all miss at once
+            until = time.monotonic() + ttl * (0.5 + random.random() / 2)
             self._entries[token_id] = TokenEntry(secret_hash, principal, expires_at, until)
 
     def forget(self, token_id: str | None = None) -> None:

@@ -51,6 +51,10 @@ def _sqlite_engine(url: str) -> Engine:
             wal_set.set()
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA synchronous=NORMAL")
+        # No checkpoint at commit: it would run (with its fsync) while the committing request
+        # holds the write lock, stalling every writer behind it. `Database.checkpoint` runs
+        # them from a background task instead, beside the writers.
+        cur.execute("PRAGMA wal_autocheckpoint=0")
         cur.close()
 
     @event.listens_for(engine, "begin")
@@ -96,6 +100,14 @@ class Database:
         """A transaction committed when the block ends, rolled back if it raises."""
         with self._writers or nullcontext(), self._write() as session, session.begin():
             yield session
+
+    def checkpoint(self) -> None:
+        """Copy the SQLite write-ahead log back into the database file (PASSIVE: never waits
+        for, nor blocks, readers or writers). A no-op on PostgreSQL."""
+        if self.dialect != "sqlite":
+            return
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
 
     def ping(self) -> None:
         """Raise if the database cannot answer a trivial query."""

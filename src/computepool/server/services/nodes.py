@@ -147,23 +147,24 @@ def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
 
 def heartbeat(ctx: Ctx, name: str, body: Heartbeat) -> HeartbeatOut:
     authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
+    usage = [DeviceUsage(u.index, u.used_memory_mib, u.utilization_pct) for u in body.devices_usage]
     with ctx.db.write() as s:
-        node = nodes.get(s, name)
-        if node is None:
+        try:
+            got = nodes.beat(s, name, db_now(s), usage)
+        except KeyError as e:
+            i = int(e.args[0])
+            raise Invalid(
+                f"node '{name}' has no device {usage[i].index}", f"devices_usage[{i}].index"
+            ) from None
+        if got is None:
             raise NotFound(f"node '{name}' not found")
-        known = {d.index for d in node.devices}
-        for i, u in enumerate(body.devices_usage):
-            if u.index not in known:
-                raise Invalid(f"node '{name}' has no device {u.index}", f"devices_usage[{i}].index")
-        usage = [DeviceUsage(u.index, u.used_memory_mib, u.utilization_pct) for u in body.devices_usage]
-        nodes.heartbeat(s, node, db_now(s), usage)
-        return HeartbeatOut(
-            node=name,
-            state="ready",
-            cordoned=node.cordoned,
-            draining=node.draining,
-            heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
-        )
+    return HeartbeatOut(
+        node=name,
+        state="ready",
+        cordoned=got.cordoned,
+        draining=got.draining,
+        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+    )
 
 
 def list_all(ctx: Ctx) -> Items[NodeOut]:
