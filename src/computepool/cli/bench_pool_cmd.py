@@ -78,6 +78,12 @@ def register(bench_app: typer.Typer) -> None:
         job_timeout: Annotated[
             float, typer.Option("--job-timeout", min=1, max=3600, help="Seconds a job may take to end.")
         ] = 60.0,
+        hold: Annotated[
+            float,
+            typer.Option(
+                "--hold", min=0, max=3600, help="Seconds each job runs (sleeps); 0: `python -c pass`."
+            ),
+        ] = 0.0,
         start_pool: Annotated[
             bool,
             typer.Option(
@@ -93,7 +99,8 @@ def register(bench_app: typer.Typer) -> None:
         """Submit --count short CPU-only jobs (`python -c pass`, gpus=0), --concurrency in flight.
 
         start_latency_* is created_at → started_at on the server's clock; end_to_end_* is submit →
-        ended as the client saw it (polled); failed counts jobs that did not end `released`.
+        ended as the client saw it; failed counts jobs that did not end `released`; peak_running
+        is the most jobs whose recorded runs overlapped (with --hold, how many one agent ran at once).
         """
 
         def run(local: LocalProcess | None) -> dict[str, Any]:
@@ -104,7 +111,8 @@ def register(bench_app: typer.Typer) -> None:
                 count=count,
                 concurrency=concurrency,
                 cpu_milli=max(1, round(cpus * 1000)),
-                job_timeout_s=job_timeout,
+                job_timeout_s=max(job_timeout, hold + 30),
+                hold_s=hold,
             )
             if not json_out:
                 err_console.print(f"{count} jobs, {concurrency} in flight, against {url} …", highlight=False)

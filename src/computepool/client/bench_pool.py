@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,16 +178,39 @@ class JobsSettings:
     job_timeout_s: float = 60.0
     poll_max_s: float = 10.0  # each long-poll answers as soon as the state changes
     http_timeout_s: float = 30.0
+    hold_s: float = 0.0  # each job sleeps this long (0: it exits at once)
+
+
+def _job_command(hold_s: float) -> list[str]:
+    if hold_s <= 0:
+        return [sys.executable, "-c", "pass"]
+    sleep = shutil.which("sleep")  # far lighter than a Python per job when a hundred run at once
+    return [sleep, f"{hold_s:g}"] if sleep else [sys.executable, "-c", f"import time; time.sleep({hold_s!r})"]
+
+
+def peak_overlap(spans: list[tuple[datetime, datetime]]) -> int:
+    """The most spans open at one instant (an end at t closes before a start at t opens)."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    peak = cur = 0
+    for _, step in edges:
+        cur += step
+        peak = max(peak, cur)
+    return peak
 
 
 async def _one_job(
-    api: AioApi, s: JobsSettings, start_ms: list[float], e2e_ms: list[float], err: _Errors
+    api: AioApi,
+    s: JobsSettings,
+    start_ms: list[float],
+    e2e_ms: list[float],
+    err: _Errors,
+    spans: list[tuple[datetime, datetime]],
 ) -> None:
     body = {
         "name": "bench-job",
         "gpus": 0,
         "cpu_milli": s.cpu_milli,
-        "command": [sys.executable, "-c", "pass"],
+        "command": _job_command(s.hold_s),
     }
     t0 = time.perf_counter()
     try:
@@ -220,6 +244,9 @@ async def _one_job(
         return
     start_ms.append((started - created).total_seconds() * 1000)
     e2e_ms.append((ended - t0) * 1000)
+    finished = _ts(alloc.get("ended_at"))
+    if finished is not None:
+        spans.append((started, finished))
 
 
 async def run_jobs_bench(s: JobsSettings) -> dict[str, Any]:
@@ -227,13 +254,14 @@ async def run_jobs_bench(s: JobsSettings) -> dict[str, Any]:
     start_ms: list[float] = []
     e2e_ms: list[float] = []
     err = _Errors()
+    spans: list[tuple[datetime, datetime]] = []
     sem = asyncio.Semaphore(s.concurrency)
 
     async with AioApi(s.server, s.token, s.concurrency + 4, s.http_timeout_s) as api:
 
         async def slot() -> None:
             async with sem:
-                await _one_job(api, s, start_ms, e2e_ms, err)
+                await _one_job(api, s, start_ms, e2e_ms, err, spans)
 
         t0 = time.monotonic()
         await asyncio.gather(*(slot() for _ in range(s.count)))
@@ -247,6 +275,8 @@ async def run_jobs_bench(s: JobsSettings) -> dict[str, Any]:
         "completed": len(e2e_ms),
         "failed": err.count,
         "concurrency": s.concurrency,
+        "peak_running": peak_overlap(spans),
+        "hold_s": s.hold_s,
         "gpus_per_job": 0,
         "cpu_milli_per_job": s.cpu_milli,
         "elapsed_s": round(elapsed, 3),
