@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from e2e_helpers import HAVE_ALLOCATIONS, child_env, cpool
+
+from computepool.client.bench_pool import peak_overlap
 
 pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
@@ -50,6 +53,42 @@ def test_bench_jobs_on_a_pool_it_starts() -> None:
     assert out["completed"] == 10
     assert 0 <= out["start_latency_p50_ms"] <= out["start_latency_p99_ms"]
     assert out["end_to_end_p50_ms"] > 0
+
+
+def test_bench_jobs_hold_runs_them_side_by_side() -> None:
+    out = bench(
+        "jobs",
+        "--start-pool",
+        "--count",
+        "8",
+        "--concurrency",
+        "8",
+        "--hold",
+        "3",
+        "--cpus",
+        "0.01",
+        "--json",
+    )
+    assert out["completed"] == 8 and out["failed"] == 0, out
+    assert out["peak_running"] == 8, out  # one agent ran all eight at once
+    assert out["end_to_end_p50_ms"] >= 3000
+
+
+def test_peak_overlap_counts_spans_open_together() -> None:
+    t = [datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=s) for s in range(10)]
+    assert peak_overlap([]) == 0
+    assert peak_overlap([(t[0], t[2]), (t[2], t[4])]) == 1  # one ends as the next starts
+    assert peak_overlap([(t[0], t[5]), (t[1], t[3]), (t[2], t[4]), (t[6], t[7])]) == 3
+
+
+def test_bench_cycle_on_a_scratch_database() -> None:
+    out = bench("cycle", "--nodes", "20", "--pending", "200", "--cycles", "2", "--churn", "10", "--json")
+    assert out["database"] == "sqlite" and out["gpus"] == 160 and out["pending"] == 200
+    first = out["first"]
+    assert first["binds"] > 0 and first["pending"] == 200
+    assert first["seconds"] >= first["decide_s"] >= 0
+    assert [c["binds"] for c in out["steady"]] == [0, 0]  # nothing more fits until something ends
+    assert all(c["binds"] > 0 for c in out["churn"])
 
 
 def test_bench_agents_on_a_server_it_starts() -> None:
