@@ -209,12 +209,15 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
         core = scheduling.to_core(req)
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
-    if key is not None:
-        with ctx.db.read() as s:  # a retry answers with the first one, whatever the pool says now
-            found = store.by_key(s, caller.name, key)
-            if found is not None:
-                return _one(s, found), False
-    tenant_id = _admit(ctx, core, tenant_name)
+    try:
+        tenant_id = _admit(ctx, core, tenant_name)
+    except (Invalid, NotFound):
+        if key is not None:  # a retry answers with the first one, whatever the pool says now
+            with ctx.db.read() as s:
+                found = store.by_key(s, caller.name, key)
+                if found is not None:
+                    return _one(s, found), False
+        raise
     try:
         with ctx.db.write() as s:
             now = db_now(s)
