@@ -33,6 +33,14 @@ def register(app: typer.Typer) -> None:
         heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Node heartbeat interval.")] = 5.0,
         suspect_s: Annotated[float, typer.Option("--suspect-s", help="Heartbeat age → suspect.")] = 20.0,
         lost_s: Annotated[float, typer.Option("--lost-s", help="Heartbeat age → lost.")] = 60.0,
+        token_cache_s: Annotated[
+            float,
+            typer.Option(
+                "--token-cache-s",
+                help="Seconds a checked user token is trusted without a query (revocation on other "
+                "replicas takes this long); 0 disables the cache.",
+            ),
+        ] = 1.0,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
     ) -> None:
         """Start the control plane; the first start writes an admin token to DATA_DIR/admin-token."""
@@ -50,6 +58,7 @@ def register(app: typer.Typer) -> None:
                 heartbeat_interval_s=heartbeat_s,
                 suspect_after_s=suspect_s,
                 lost_after_s=lost_s,
+                token_cache_s=token_cache_s,
                 log_level=log_level.lower(),
             )
         except ValidationError as e:
