@@ -174,3 +174,24 @@ def test_decisions_are_a_function_of_the_snapshot(api: Api) -> None:
         snap = scheduling.load_snapshot(s, settings)
     first, second = scheduling.decide(snap), scheduling.decide(snap)
     assert first == second and first.binds
+
+
+def test_drain_moves_restartable_work_and_lets_the_rest_finish(api: Api) -> None:
+    manual(api)
+    join(api, "n1", devices=2)
+    job = {"command": ["sleep", "60"], "gpus": 1}
+    mobile = alloc(api, restartable=True, **job)
+    fixed = alloc(api, **job)
+    cycle(api)
+    assert get(api, mobile["id"])["nodes"] == ["n1"] and get(api, fixed["id"])["nodes"] == ["n1"]
+    join(api, "n2", devices=2)
+    api.ok("POST", "/api/v1/nodes/n1/drain")
+    rep = cycle(api)
+    assert rep.result.requeued == [mobile["id"]]
+    moved = get(api, mobile["id"])
+    assert moved["state"] == "pending" and moved["attempt"] == 2 and "node n1 drained" in moved["reason"]
+    assert get(api, fixed["id"])["state"] == "bound"  # cannot restart: finishes where it runs
+    cycle(api)
+    again = get(api, mobile["id"])
+    assert again["state"] == "bound" and again["nodes"] == ["n2"]
+    assert not cycle(api).result.requeued  # nothing left to move: the next cycles are quiet

@@ -230,17 +230,27 @@ def holding_on(session: Session, node: str) -> Sequence[Allocation]:
 
 
 def needs_cycle(session: Session, lost_before: datetime) -> bool:
-    """Whether a scheduling cycle has anything to do: a pending request, or held work on a node
-    that is lost (no heartbeat since `lost_before`) or gone. Two indexed queries instead of a
-    snapshot of every node, so an idle pool of many nodes costs the server next to nothing."""
+    """Whether a scheduling cycle has anything to do: a pending request, held work on a node that
+    is lost (no heartbeat since `lost_before`) or gone, or restartable work on a draining node.
+    A few indexed queries instead of a snapshot of every node, so an idle pool of many nodes
+    costs the server next to nothing."""
     conn = session.connection()
     if conn.execute(_ANY_PENDING).first() is not None:
+        return True
+    if conn.execute(_ANY_TO_MOVE).first() is not None:
         return True
     return conn.execute(_ANY_STRANDED, {"lost_before": lost_before}).first() is not None
 
 
 _ANY_PENDING = select(_ALLOC.c.id).where(_ALLOC.c.state == "pending").limit(1)
 _NODE_T = Node.__table__
+_ANY_TO_MOVE = (
+    select(_NODES.c.allocation_id)
+    .join(_NODE_T, _NODE_T.c.name == _NODES.c.node)
+    .join(_ALLOC, _ALLOC.c.id == _NODES.c.allocation_id)
+    .where(_NODE_T.c.draining.is_(True), _ALLOC.c.restartable.is_(True))
+    .limit(1)
+)
 _ANY_STRANDED = (
     select(_NODES.c.allocation_id)
     .outerjoin(_NODE_T, _NODE_T.c.name == _NODES.c.node)

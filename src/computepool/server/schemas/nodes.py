@@ -103,7 +103,9 @@ class NodeOut(Out):
     state: NodeState = Field(description="From the heartbeat age on the database clock.")
     heartbeat_age_s: float
     cordoned: bool = Field(description="No new work is placed here.")
-    draining: bool = Field(description="Cordoned, and running work is to be moved away.")
+    draining: bool = Field(
+        description="Cordoned; restartable work is requeued elsewhere, the rest finishes here."
+    )
     joined_at: datetime
     last_heartbeat_at: datetime
 

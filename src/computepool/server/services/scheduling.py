@@ -92,6 +92,7 @@ class NodeSnap:
     devices: tuple[DevSnap, ...]
     state: str  # ready | suspect | lost
     cordoned: bool
+    draining: bool = False
 
     @property
     def schedulable(self) -> bool:
@@ -148,6 +149,7 @@ def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) ->
             ),
             state=node_state(max(0.0, (now - n.last_heartbeat_at).total_seconds()), settings),
             cordoned=n.cordoned,
+            draining=n.draining,
         )
         for n in s.scalars(select(NodeRow).order_by(NodeRow.name)).all()
     ]
@@ -192,6 +194,7 @@ _NODE_ROWS = select(
     _NODE_T.c.last_heartbeat_at,
     _NODE_T.c.cordoned,
     _NODE_T.c.joined_at,
+    _NODE_T.c.draining,
 ).order_by(_NODE_T.c.name)
 _TENANT_T = Tenant.__table__
 _WEIGHTS = select(_TENANT_T.c.name, _TENANT_T.c.weight)
@@ -251,8 +254,9 @@ class SnapshotCache:
                 devices=self._devices[(nid, name, joined)],
                 state=node_state(max(0.0, (now - beat).total_seconds()), settings),
                 cordoned=cordoned,
+                draining=draining,
             )
-            for nid, name, cpu, mem, beat, cordoned, joined in node_rows
+            for nid, name, cpu, mem, beat, cordoned, joined, draining in node_rows
         ]
         weights, quotas = _tenants_and_quotas(s)
         heads = store.live_heads(s)
@@ -516,7 +520,8 @@ def new_scheduler(snap: Snapshot) -> Scheduler:
 
 
 def build_world(snap: Snapshot) -> tuple[World, list[Live], list[Stop]]:
-    """The state with every bound allocation held, except those on lost or removed nodes (stops)."""
+    """The state with every bound allocation held, except those on lost or removed nodes, and
+    restartable ones on draining nodes (stops; the restartable ones are requeued)."""
     world = World(snap)
     running: list[Live] = []
     stops: list[Stop] = []
@@ -529,7 +534,12 @@ def build_world(snap: Snapshot) -> tuple[World, list[Live], list[Stop]]:
             reason = f"node {gone[0]} {why}"
             stops.append(Stop(a.id, a.attempt, a.tenant, a.nodes, "failed", reason, requeue=a.restartable))
             continue
-        world.hold(a)
+        drained = next((n for n in a.nodes if world.by_name[n].draining), None)
+        if drained is not None and a.restartable:  # moved: requeued, placed elsewhere this cycle
+            reason = f"node {drained} drained"
+            stops.append(Stop(a.id, a.attempt, a.tenant, a.nodes, "failed", reason, requeue=True))
+            continue
+        world.hold(a)  # work that cannot restart finishes where it runs (as a Slurm drain)
         running.append(a)
     return world, running, stops
 
@@ -930,6 +940,8 @@ class Controller:
             self.hub.notify(*(f"node:{n}" for n in result.nodes))
             self.hub.notify(*(f"logs:{i}" for i in result.stopped))
             self.hub.notify(*(f"alloc:{i}" for i in (*result.bound, *result.stopped)))
+            if result.requeued:  # moved work waits in the queue: place it without waiting a second
+                self.hub.wake_scheduler()
             pending = sum(1 for a in snap.live if a.state == "pending")
             return CycleReport(True, term, elapsed, t2 - t1, pending, result, t1 - t0, t3 - t2)
 
