@@ -1,4 +1,4 @@
-"""Liveness (no database) and readiness (the database answers)."""
+"""Liveness (no database) and readiness (the database answers; and whether this replica schedules)."""
 
 from __future__ import annotations
 
@@ -23,4 +23,6 @@ def readyz(request: Request) -> JSONResponse:
             status_code=503,
             headers={"Retry-After": str(request.app.state.settings.retry_after_s)},
         )
-    return JSONResponse({"status": "ready"})
+    # which replica schedules (the others serve the API and stand by for the lease)
+    role = "leader" if request.app.state.controller.leader else "standby"
+    return JSONResponse({"status": "ready", "scheduler": role})

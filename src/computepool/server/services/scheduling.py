@@ -903,6 +903,11 @@ class Controller:
         self._term, self._renewed = term, time.monotonic()
         return term
 
+    @property
+    def leader(self) -> bool:
+        """Whether this process held the scheduling lease at its last renewal, within its TTL."""
+        return self._term is not None and time.monotonic() - self._renewed < self.lease_ttl_s
+
     def _held_term(self) -> int | None:
         """The term, renewing the lease only once a third of its time has passed: a busy pool
         runs many cycles a second, and each renewal is a write. Commits stay fenced by the term
