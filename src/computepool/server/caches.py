@@ -4,7 +4,9 @@ Both hold what changes rarely but is read on every call. They are hints with a b
 never the authority: a cached token stays valid for at most `ttl_s` after another replica
 revokes it (this process forgets it at once), and a cached shape is only trusted to *accept*
 a request — a refusal (422: can never fit, exceeds the tenant's limit) is re-checked against
-the database before it is answered. They live on `app.state.caches`, not in module globals.
+the database before it is answered. (A shape older than a change made on another replica may
+accept a request that can no longer fit: it waits `pending`, and `explain` says why.)
+They live on `app.state.caches`, not in module globals.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from computepool.server.policy import Principal
 
 TOKEN_TTL_S = 1.0
 NODE_TOKEN_TTL_S = 30.0  # a node credential dies with its node: a stale hit still finds no node
-SHAPE_TTL_S = 1.0
+SHAPE_TTL_S = 10.0
 MAX_FIT_ENTRIES = 4096
 
 

@@ -32,7 +32,7 @@ class ServerSettings(BaseModel):
         default=1.0, ge=0, le=60, description="Seconds a checked token is trusted without a query (0: never)."
     )
     shape_cache_s: float = Field(
-        default=1.0, ge=0, le=60, description="How long nodes and quotas read for admission are reused."
+        default=10.0, ge=0, le=600, description="How long nodes and quotas read for admission are reused."
     )
     worker_threads: int = Field(
         default=3, ge=1, le=256, description="Threads that run database work for API calls."

@@ -138,11 +138,14 @@ def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
             actor=f"join-token:{token_id}",
             detail={"devices": len(body.devices), "credential": cred.id},
         )
-        return NodeJoined(
+        joined = NodeJoined(
             node=_out(node, now, ctx.settings),
             credential=cred.token,
             heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         )
+    if ctx.caches is not None:
+        ctx.caches.shape.invalidate()  # admission sees the new capacity at once
+    return joined
 
 
 def heartbeat(ctx: Ctx, name: str, body: Heartbeat) -> HeartbeatOut:

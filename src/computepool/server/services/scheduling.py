@@ -205,6 +205,11 @@ _QUOTAS = select(
 _NODE_NAMES = select(_NODE_T.c.name)
 
 
+def load_capacity(s: Session, settings: ServerSettings) -> Snapshot:
+    """Nodes (with devices), tenants and quotas, without live allocations: what admission checks."""
+    return SnapshotCache().load(s, settings, live=False)
+
+
 class SnapshotCache:
     """The controller's memory of the last snapshot, so a cycle reads only what changed.
 
@@ -220,7 +225,7 @@ class SnapshotCache:
         self._devices: dict[tuple[int, str, datetime], tuple[DevSnap, ...]] = {}
         self._live: dict[int, Live] = {}
 
-    def load(self, s: Session, settings: ServerSettings) -> Snapshot:
+    def load(self, s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
         now = db_now(s)
         conn = s.connection()
         node_rows = conn.execute(_NODE_ROWS).all()
@@ -259,6 +264,8 @@ class SnapshotCache:
             for nid, name, cpu, mem, beat, cordoned, joined, draining in node_rows
         ]
         weights, quotas = _tenants_and_quotas(s)
+        if not live:
+            return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=[])
         heads = store.live_heads(s)
         stale = [
             i
