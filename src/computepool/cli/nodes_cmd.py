@@ -143,4 +143,6 @@ def register(app: typer.Typer) -> None:
 
     flag_command("cordon", "Place no new work on the node (admin).")
     flag_command("uncordon", "Let work be placed on the node again (admin).")
-    flag_command("drain", "Cordon the node and move its work away (admin).")
+    flag_command(
+        "drain", "Cordon the node; restartable work moves elsewhere, the rest finishes there (admin)."
+    )
