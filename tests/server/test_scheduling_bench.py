@@ -1,4 +1,5 @@
 """How long one scheduling cycle's decisions take on a large pool (printed, never asserted).
+(`cpool bench cycle` times whole cycles, database included.)
 
 `CPOOL_BENCH_FULL=1 python -m pytest tests/server/test_scheduling_bench.py -s` measures the
 target size: 1,000 nodes x 8 GPUs and 10,000 pending requests. By default a tenth of it runs,
@@ -11,6 +12,7 @@ import json
 import os
 import time
 
+from computepool.server.bench_cycle import request_doc
 from computepool.server.services.scheduling import DevSnap, Live, NodeSnap, Snapshot, decide
 
 
@@ -28,28 +30,10 @@ def make_snapshot(nodes: int, pending: int, tenants: int = 8) -> Snapshot:
         )
         for i in range(nodes)
     ]
-    shapes = [(1, 250), (1, 500), (1, 1000), (2, 1000), (4, 1000), (8, 1000), (0, 1000)]
     live = []
     for k in range(pending):
-        gpus, milli = shapes[(k * 7 + k // 13) % len(shapes)]
         tenant = f"t{k % tenants}"
-        req = {
-            "name": None,
-            "tenant": tenant,
-            "gpus": gpus,
-            "gpu_milli": milli,
-            "gpu_memory_mib": None,
-            "cpu_milli": 4000,
-            "memory_mib": 16384,
-            "models": None,
-            "exclusive": gpus > 0 and milli == 1000,
-            "isolation": "exclusive" if milli == 1000 else "timeslice",
-            "gang_nodes": 2 if k % 97 == 0 and gpus == 8 else 1,
-            "priority": k % 3,
-            "command": None,
-            "env": None,
-            "restartable": False,
-        }
+        req = request_doc(k, tenant)  # the mix `cpool bench cycle` submits
         live.append(Live(k + 1, tenant, "pending", req, k % 3, 1, False, False, [], [], "", None))
     weights = {f"t{i}": 1.0 + i % 3 for i in range(tenants)}
     return Snapshot(nodes=node_snaps, weights=weights, quotas={t: {} for t in weights}, live=live)

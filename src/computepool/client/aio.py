@@ -14,26 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from computepool.client.errors import PoolError, ServerUnreachable
-from computepool.client.http import API
-
-
-def _error(status: int, reason: str, text: str) -> PoolError:
-    """The server's `{"error", "field"}` when it sent one, else the status line and a bit of body."""
-    message, field = "", None
-    try:
-        body = jsonlib.loads(text) if text else None
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        message = body["error"]
-        field = body.get("field") if isinstance(body.get("field"), str) else None
-    else:
-        snippet = " ".join(text.split())[:200]
-        message = reason if snippet in ("", reason) else f"{reason}: {snippet}"
-    if status >= 500 and status != 503:
-        message += " (a server fault, not your input: the server's log has the details)"
-    return PoolError(status, message, field)
+from computepool.client.errors import ServerUnreachable
+from computepool.client.http import API, error_from_parts
 
 
 class AioApi:
@@ -73,7 +55,7 @@ class AioApi:
             async with self._session.request(method, url, json=json, headers=headers, params=params) as r:
                 text = await r.text()
                 if r.status >= 400:
-                    raise _error(r.status, r.reason or "error", text)
+                    raise error_from_parts(r.status, r.reason, text)
         except TimeoutError:
             raise ServerUnreachable(self.server, f"no answer within {self.timeout_s:g} s") from None
         except aiohttp.ClientConnectionError as e:

@@ -8,6 +8,7 @@ back as `PoolError` (the server's message and field) or `ServerUnreachable` (no 
 from __future__ import annotations
 
 import email.utils
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -73,21 +74,26 @@ class AllocationRequest:
 
 def error_from_response(r: httpx.Response) -> PoolError:
     """The server's `{"error", "field"}` when it sent one, else the status line and a bit of body."""
+    return error_from_parts(r.status_code, r.reason_phrase, r.text)
+
+
+def error_from_parts(status: int, reason: str | None, text: str) -> PoolError:
+    """`error_from_response` for any HTTP library: status, reason phrase and body text."""
     message, field = "", None
     try:
-        body = r.json()
+        body = json.loads(text) if text else None
     except ValueError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         message = body["error"]
         field = body.get("field") if isinstance(body.get("field"), str) else None
     else:
-        text = " ".join(r.text.split())[:200]
-        reason = r.reason_phrase or "error"
-        message = reason if text in ("", reason) else f"{reason}: {text}"
-    if r.status_code >= 500 and r.status_code != 503:
+        snippet = " ".join(text.split())[:200]
+        reason = reason or "error"
+        message = reason if snippet in ("", reason) else f"{reason}: {snippet}"
+    if status >= 500 and status != 503:
         message += " (a server fault, not your input: the server's log has the details)"
-    return PoolError(r.status_code, message, field)
+    return PoolError(status, message, field)
 
 
 def retry_after_s(r: httpx.Response, attempt: int) -> float:
