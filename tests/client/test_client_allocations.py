@@ -116,3 +116,17 @@ def test_bench_joins_simulated_nodes_when_the_pool_is_empty(cli: Cli, tmp_path: 
         out = json.loads(r.stdout)
         assert out["nodes_joined"] == 2 and out["errors"] == 0 and out["cycles"] > 0
         assert json.loads(cli("nodes", "--json", env=env).stdout) == []  # removed afterwards
+
+
+def test_bench_with_a_member_token_uses_the_pools_nodes(cli: Cli, tmp_path: Path) -> None:
+    with start_server(tmp_path) as s, PoolClient(s.url, s.token) as admin:
+        jt = admin.create_join_token(single_use=False)["token"]
+        dev = {"index": 0, "vendor": "nvidia", "model": "A100", "memory_mib": 40960, "uuid": "GPU-m0"}
+        admin.join_node(jt, "m1", cpu_milli=32000, memory_mib=131072, devices=[dev])
+        admin.create_user("mia", "default", "member")
+        member = admin.create_token(user="mia")["token"]
+        env = {"CPOOL_SERVER": s.url, "CPOOL_TOKEN": member}
+        r = cli("bench", "api", "--clients", "2", "--seconds", "1", "--json", env=env)
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        assert out["nodes_joined"] == 0 and out["errors"] == 0 and out["cycles"] > 0, out

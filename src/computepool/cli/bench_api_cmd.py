@@ -22,7 +22,7 @@ def register(bench_app: typer.Typer) -> None:
         clients: Annotated[int, typer.Option("--clients", min=1, max=1000, help="Concurrent clients.")] = 50,
         seconds: Annotated[float, typer.Option("--seconds", min=0.1, max=3600, help="Run time.")] = 30.0,
         nodes: Annotated[
-            int, typer.Option("--nodes", min=1, max=1000, help="Simulated nodes to join if none is ready.")
+            int, typer.Option("--nodes", min=1, max=1000, help="Simulated nodes to join for the run.")
         ] = 20,
         gpus: Annotated[
             float, typer.Option("--gpus", min=0.001, max=1.0, help="GPU share per cycle.")
@@ -40,7 +40,8 @@ def register(bench_app: typer.Typer) -> None:
         """Each cycle: submit a fractional allocation, wait until bound, release it.
 
         p50_ms/p99_ms time the submit (POST round trip); cycle_* the whole cycle; ops_per_s counts
-        completed cycles per second. Joins --nodes simulated nodes (admin token) if none is ready.
+        completed cycles per second. With an admin token it joins --nodes simulated nodes of its
+        own for the run; other tokens use the pool's ready nodes.
         """
         cfg = resolve_config(server, token)
         if not cfg.token:

@@ -84,13 +84,17 @@ class _SimNodes:
 
 
 async def _ensure_nodes(api: AioApi, count: int) -> _SimNodes | None:
-    """Join `count` simulated nodes unless a ready, schedulable node is there already."""
-    nodes = (await api.call("GET", "/nodes"))["items"]
-    if any(n.get("state") == "ready" and not n.get("cordoned") for n in nodes):
-        return None
+    """Join `count` simulated nodes of the bench's own, kept alive by it for the run, so that the
+    figures do not hang on what else the pool holds (a node that stops beating mid-run turns
+    suspect and takes no more work). A token that may not join nodes uses the pool's ready ones."""
     try:
         jt = await api.call("POST", "/join-tokens", {"expires_in_s": 3600, "single_use": False})
     except PoolError as e:
+        if e.status not in (401, 403, 404):
+            raise
+        nodes = (await api.call("GET", "/nodes"))["items"]
+        if any(n.get("state") == "ready" and not n.get("cordoned") for n in nodes):
+            return None
         raise PoolError(
             e.status, f"the pool has no ready node and this token cannot join simulated ones: {e.message}"
         ) from None
