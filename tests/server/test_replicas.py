@@ -3,7 +3,6 @@ is killed, the other takes the lease over (a new term) and scheduling goes on.""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -11,33 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import PgServer, free_port
-from test_server_process import _cpool
-
-import computepool
+from harness import PgServer
+from test_server_process import start_server_process, stop_server_process
 
 LEASE_TTL_S = 10.0  # services.scheduling.LEASE_TTL_S
 
 
 def _start(data_dir: Path, db_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [*_cpool(), "server", "--data-dir", str(data_dir), "--port", str(port), "--db", db_url]
-    cmd += ["--suspect-s", "120", "--lost-s", "240", "--log-level", "warning"]
-    src = str(Path(computepool.__file__).parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"server did not become ready:\n{log.read_text()}"
-        time.sleep(0.1)
+    return start_server_process(
+        data_dir, db_url, log, "--suspect-s", "120", "--lost-s", "240", "--log-level", "warning"
+    )
 
 
 def _lease(pg: PgServer, db_url: str) -> tuple[str, int] | None:
@@ -101,9 +83,5 @@ def test_the_other_replica_takes_over_scheduling(postgres: PgServer, tmp_path: P
             assert cb.get("/readyz").json()["scheduler"] == "leader"
     finally:
         for p in (first, second):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            if p is not None:
+                stop_server_process(p)

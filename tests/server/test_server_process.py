@@ -24,11 +24,12 @@ def _cpool() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "computepool.cli.main"]
 
 
-@contextmanager
-def running_server(data_dir: Path, db_url: str | None, log: Path) -> Iterator[str]:
-    """`cpool server` on a free loopback port; without `db_url`, the default SQLite in `data_dir`."""
+def start_server_process(
+    data_dir: Path, db_url: str | None, log: Path, *extra: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`cpool server` on a free loopback port, ready; without `db_url`, SQLite in `data_dir`."""
     port = free_port()
-    cmd = [*_cpool(), "server", "--data-dir", str(data_dir), "--port", str(port)]
+    cmd = [*_cpool(), "server", "--data-dir", str(data_dir), "--port", str(port), *extra]
     if db_url:
         cmd += ["--db", db_url]
     # the child runs the same code as the tests, whatever the environment's install points at
@@ -37,25 +38,35 @@ def running_server(data_dir: Path, db_url: str | None, log: Path) -> Iterator[st
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server did not become ready:\n{log.read_text()}"
-            time.sleep(0.1)
-        yield base
-    finally:
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not become ready:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+def stop_server_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def running_server(data_dir: Path, db_url: str | None, log: Path) -> Iterator[str]:
+    proc, base = start_server_process(data_dir, db_url, log)
+    try:
+        yield base
+    finally:
+        stop_server_process(proc)
 
 
 def test_real_server_restart_keeps_everything(backend: str, db_url: str, tmp_path: Path) -> None:

@@ -67,7 +67,8 @@ def request_doc(k: int, tenant: str) -> dict[str, Any]:
     }
 
 
-def _fill(db: Database, s: CycleBenchSettings) -> None:
+def _fill(db: Database, s: CycleBenchSettings) -> list[int]:
+    """The nodes, tenants and pending requests; returns the tenants' ids."""
     with db.write() as ses:
         now = db_now(ses)
         tenant_ids = [tenant_store.create(ses, f"t{i}", 1.0 + i % 3, now).id for i in range(s.tenants)]
@@ -87,6 +88,7 @@ def _fill(db: Database, s: CycleBenchSettings) -> None:
                 now=now,
             )
     _submit(db, range(s.pending), tenant_ids)
+    return tenant_ids
 
 
 def _submit(db: Database, ks: range, tenant_ids: list[int]) -> None:
@@ -187,26 +189,22 @@ def _scratch_database(settings: ServerSettings) -> Iterator[Database]:
 
 
 def run_cycle_bench(s: CycleBenchSettings) -> dict[str, Any]:
-    with (
-        tempfile.TemporaryDirectory(prefix="cpool-cycle-") as tmp,
-        _scratch_database(ServerSettings(data_dir=Path(tmp), db_url=s.db_url)) as db,
-    ):
+    with tempfile.TemporaryDirectory(prefix="cpool-cycle-") as tmp:
         settings = ServerSettings(data_dir=Path(tmp), db_url=s.db_url)
-        upgrade(db)
-        t0 = time.perf_counter()
-        _fill(db, s)
-        fill_s = time.perf_counter() - t0
-        with db.read() as ses:
-            tenant_ids = [tenant_store.get(ses, f"t{i}").id for i in range(s.tenants)]  # type: ignore[union-attr]
-        ctl = Controller(db, settings, Hub())
-        first = ctl.run_once()
-        steady = [ctl.run_once() for _ in range(s.steady_cycles)]
-        churn = []
-        next_k = s.pending
-        for _ in range(s.steady_cycles):
-            _churn(db, s.churn, next_k, tenant_ids)
-            next_k += s.churn
-            churn.append(ctl.run_once())
+        with _scratch_database(settings) as db:
+            upgrade(db)
+            t0 = time.perf_counter()
+            tenant_ids = _fill(db, s)
+            fill_s = time.perf_counter() - t0
+            ctl = Controller(db, settings, Hub())
+            first = ctl.run_once()
+            steady = [ctl.run_once() for _ in range(s.steady_cycles)]
+            churn = []
+            next_k = s.pending
+            for _ in range(s.steady_cycles):
+                _churn(db, s.churn, next_k, tenant_ids)
+                next_k += s.churn
+                churn.append(ctl.run_once())
     steady_s = sorted(r.seconds for r in steady)
     churn_s = sorted(r.seconds for r in churn)
     return {

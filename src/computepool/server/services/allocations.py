@@ -143,7 +143,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
 
 def _load_shape(ctx: Ctx) -> tuple[scheduling.Snapshot, dict[str, int]]:
     with ctx.db.read() as s:
-        snap = scheduling.load_capacity(s, ctx.settings)
+        snap = scheduling.load_snapshot(s, ctx.settings, live=False)
         ids = {name: tid for name, tid in s.execute(select(Tenant.name, Tenant.id)).all()}
     return snap, ids
 

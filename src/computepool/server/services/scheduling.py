@@ -138,24 +138,9 @@ def node_state(age_s: float, settings: ServerSettings) -> str:
 
 
 def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
-    now = db_now(s)
-    nodes = [
-        NodeSnap(
-            name=n.name,
-            cpu_milli=n.cpu_milli,
-            memory_mib=n.memory_mib,
-            devices=tuple(
-                DevSnap(d.index, d.model, d.memory_mib, d.compute_milli, d.uuid) for d in n.devices
-            ),
-            state=node_state(max(0.0, (now - n.last_heartbeat_at).total_seconds()), settings),
-            cordoned=n.cordoned,
-            draining=n.draining,
-        )
-        for n in s.scalars(select(NodeRow).order_by(NodeRow.name)).all()
-    ]
-    weights, quotas = _tenants_and_quotas(s)
-    allocs = [_live_of(r) for r in store.live_rows(s)] if live else []
-    return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=allocs)
+    """A whole snapshot read afresh (`live=False`: without allocations, what admission checks).
+    The controller keeps a `SnapshotCache` instead, which reads only what changed."""
+    return SnapshotCache().load(s, settings, live=live)
 
 
 def _tenants_and_quotas(s: Session) -> tuple[dict[str, float], dict[str, QuotaMap]]:
@@ -205,11 +190,6 @@ _QUOTAS = select(
 _NODE_NAMES = select(_NODE_T.c.name)
 
 
-def load_capacity(s: Session, settings: ServerSettings) -> Snapshot:
-    """Nodes (with devices), tenants and quotas, without live allocations: what admission checks."""
-    return SnapshotCache().load(s, settings, live=False)
-
-
 class SnapshotCache:
     """The controller's memory of the last snapshot, so a cycle reads only what changed.
 
@@ -218,7 +198,7 @@ class SnapshotCache:
     Live allocations are listed by (id, state, attempt) — no JSON — and only new or changed
     ones are read whole: a request, its nodes and its slices are fixed for an attempt in a state.
     Everything else (heartbeat ages, cordons, tenants, quotas, pending reasons) is read every
-    cycle. The result equals `load_snapshot`.
+    cycle. The result equals a fresh cache's (`load_snapshot`).
     """
 
     def __init__(self) -> None:
