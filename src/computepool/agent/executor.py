@@ -66,6 +66,10 @@ class JobSpec:
     user: str | None = None
     cwd: str | None = None
     uses_gpu: bool = False  # GPU runtimes reserve vast address space: no RLIMIT_AS for them
+    tenant: str = ""  # whose job: the sandbox runs it as that tenant's user
+    image: str | None = None  # None: a sandboxed process; else an OCI container through podman
+    ports: tuple[int, ...] = ()  # container ports to publish (containers have no network otherwise)
+    device_uuids: tuple[str, ...] = ()  # the slice's devices: a container sees only these
 
     @property
     def key(self) -> str:

@@ -108,6 +108,8 @@ class Assignment:
     cpu_milli: int
     memory_mib: int
     restartable: bool = False
+    image: str | None = None
+    ports: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
@@ -127,6 +129,8 @@ class Assignment:
             cpu_milli=int(d.get("cpu_milli") or 0),
             memory_mib=int(d.get("memory_mib") or 0),
             restartable=bool(d.get("restartable", False)),
+            image=str(d["image"]) if d.get("image") else None,
+            ports=tuple(int(p) for p in d.get("ports") or ()),
         )
 
 
@@ -576,6 +580,10 @@ class Agent:
                 cpu_milli=a.cpu_milli,
                 memory_mib=a.memory_mib,
                 uses_gpu=bool(resolved),
+                tenant=a.tenant,
+                image=a.image,
+                ports=a.ports,
+                device_uuids=tuple(s.device.uuid for s in resolved),
             )
             rec = self.executor.start(spec)
         except (InvalidInput, IsolationUnavailable, OSError, ValueError, KeyError) as e:
@@ -779,6 +787,8 @@ def _assignment_json(a: Assignment) -> dict[str, Any]:
         "cpu_milli": a.cpu_milli,
         "memory_mib": a.memory_mib,
         "restartable": a.restartable,
+        "image": a.image,
+        "ports": list(a.ports),
     }
 
 

@@ -27,7 +27,13 @@ from computepool.cli.pool_cmd import (
 from computepool.client import AllocationRequest, PoolClient, PoolError
 from computepool.client.http import ENDED_STATES, HOLDING_STATES, PENDING
 from computepool.core.errors import InvalidInput
-from computepool.core.quantities import format_mib, parse_cpu_milli, parse_gpu_milli, parse_memory_mib
+from computepool.core.quantities import (
+    format_mib,
+    parse_cpu_milli,
+    parse_duration_s,
+    parse_gpu_milli,
+    parse_memory_mib,
+)
 
 ISOLATIONS = ("timeslice", "mps", "mig", "exclusive")
 POLL_S = 0.5
@@ -43,6 +49,17 @@ ModelOpt = Annotated[
     list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
 ]
 IsolationOpt = Annotated[str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")]
+ImageOpt = Annotated[
+    str | None, typer.Option("--image", help="Run in this OCI image (podman), e.g. localhost/pybase:1.")
+]
+PortOpt = Annotated[list[int] | None, typer.Option("--port", help="Container port to publish (repeat).")]
+MigOpt = Annotated[str | None, typer.Option("--mig", help="A MIG instance of this profile, e.g. 1g.10gb.")]
+SelectorOpt = Annotated[
+    list[str] | None, typer.Option("--node-selector", help="Only nodes labelled KEY=VALUE (repeat).")
+]
+TimeLimitOpt = Annotated[
+    str | None, typer.Option("--time-limit", help="End it after this long, e.g. 90m or 2h.")
+]
 
 
 def request_text(req: dict[str, Any]) -> str:
@@ -76,6 +93,12 @@ def request_from_options(
     exclusive: bool,
     model: list[str] | None,
     isolation: str | None,
+    *,
+    image: str | None = None,
+    ports: list[int] | None = None,
+    mig: str | None = None,
+    node_selector: list[str] | None = None,
+    time_limit: str | None = None,
     **extra: Any,
 ) -> AllocationRequest:
     """The request body from the options `cpool alloc` and `cpool run` share (human units parsed here)."""
@@ -92,8 +115,24 @@ def request_from_options(
         models=models or None,
         exclusive=exclusive,
         isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
+        image=image,
+        ports=ports or None,
+        mig=mig,
+        node_selector=parse_selector(node_selector),
+        time_limit=parse_duration_s(time_limit, "--time-limit") if time_limit is not None else None,
         **extra,
     )
+
+
+def parse_selector(items: list[str] | None, field: str = "--node-selector") -> dict[str, str] | None:
+    """`["gpu=a100", "zone=b"]` → {"gpu": "a100", "zone": "b"}; each item must be KEY=VALUE."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InvalidInput(field, f"expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out or None
 
 
 def environment(alloc: dict[str, Any]) -> dict[str, dict[str, str]]:
@@ -203,6 +242,11 @@ def register(app: typer.Typer) -> None:
         exclusive: ExclusiveOpt = False,
         model: ModelOpt = None,
         isolation: IsolationOpt = None,
+        image: ImageOpt = None,
+        port: PortOpt = None,
+        mig: MigOpt = None,
+        node_selector: SelectorOpt = None,
+        time_limit: TimeLimitOpt = None,
         gang_nodes: Annotated[int, typer.Option("--gang-nodes", min=1, help="Nodes, all or none.")] = 1,
         priority: Annotated[int, typer.Option("--priority", help="Higher goes first.")] = 0,
         name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,
@@ -218,6 +262,7 @@ def register(app: typer.Typer) -> None:
         """Ask the pool for GPUs (whole or a slice), CPUs and memory; wait until bound; say how to use it."""
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
+            image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             gang_nodes=gang_nodes, priority=priority, name=name, tenant=tenant,
         )  # fmt: skip
         with open_client(server, token) as pool:

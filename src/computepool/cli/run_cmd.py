@@ -21,9 +21,14 @@ from computepool.cli.alloc_cmd import (
     ExclusiveOpt,
     GpuMemOpt,
     GpusOpt,
+    ImageOpt,
     IsolationOpt,
     MemOpt,
+    MigOpt,
     ModelOpt,
+    PortOpt,
+    SelectorOpt,
+    TimeLimitOpt,
     request_from_options,
     request_text,
     wait_for_binding,
@@ -85,6 +90,11 @@ def register(app: typer.Typer) -> None:
         exclusive: ExclusiveOpt = False,
         model: ModelOpt = None,
         isolation: IsolationOpt = None,
+        image: ImageOpt = None,
+        port: PortOpt = None,
+        mig: MigOpt = None,
+        node_selector: SelectorOpt = None,
+        time_limit: TimeLimitOpt = None,
         restartable: Annotated[
             bool, typer.Option("--restartable", help="Requeue (new attempt) if its node is lost.")
         ] = False,
@@ -103,6 +113,7 @@ def register(app: typer.Typer) -> None:
             )
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
+            image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             name=name, command=command, restartable=restartable,
         )  # fmt: skip
         with open_client(server, token, timeout=60.0) as pool:

@@ -61,6 +61,11 @@ class AllocationRequest:
     command: Sequence[str] | None = None
     env: Mapping[str, str] | None = None
     restartable: bool = False
+    image: str | None = None
+    ports: Sequence[int] | None = None
+    mig: str | None = None
+    node_selector: Mapping[str, str] | None = None
+    time_limit: int | str | None = None
 
     def body(self) -> JSON:
         """Only the fields that are set: unset optionals keep the server's defaults."""

@@ -99,3 +99,44 @@ def format_mib(mib: int) -> str:
     if mib >= 1024:
         return f"{mib / 1024:.1f}GiB"
     return f"{mib}MiB"
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(d|h|min|m|s|)")
+MAX_DURATION_S = 366 * 86400
+
+
+def parse_duration_s(text: str | int | float, field: str = "duration") -> int:
+    """`90`, `90s`, `15m`, `2h`, `1d`, `1h30m` → whole seconds (at least 1, at most a year)."""
+    if isinstance(text, bool):
+        raise InvalidInput(field, f"expected a duration such as 2h or 90m, got {text!r}")
+    if isinstance(text, int | float):
+        total = float(text)
+    else:
+        s = str(text).strip().lower()
+        pos, total = 0, 0.0
+        while pos < len(s):
+            m = _DURATION_PART.match(s, pos)
+            if not m or m.end() == pos:
+                raise InvalidInput(field, f"cannot read duration {text!r} (expected e.g. 90s, 15m, 2h, 1d)")
+            total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+            pos = m.end()
+            while pos < len(s) and s[pos] == " ":
+                pos += 1
+        if not s:
+            raise InvalidInput(field, "empty duration (expected e.g. 90s, 15m, 2h, 1d)")
+    if not math.isfinite(total) or total < 1:
+        raise InvalidInput(field, f"must be at least one second, got {text!r}")
+    if total > MAX_DURATION_S:
+        raise InvalidInput(field, f"{text!r} is more than a year")
+    return int(total)
+
+
+def format_duration(seconds: int) -> str:
+    """Seconds as the largest whole units: 7200 → 2h, 5400 → 1h30m, 45 → 45s."""
+    out, rest = [], int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if rest >= size:
+            out.append(f"{rest // size}{unit}")
+            rest %= size
+    return "".join(out) or "0s"

@@ -22,6 +22,21 @@ MAX_LOG_CHUNK = 1 << 20
 EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 EnvValue = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
 Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
+ImageRef = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}$"),
+    Field(description="An OCI image reference the node has or can pull, e.g. localhost/pybase:1."),
+]
+MigProfile = Annotated[
+    str,
+    StringConstraints(pattern=r"^[1-9][0-9]?g\.[1-9][0-9]{0,3}gb(\+me)?$"),
+    Field(description="A MIG instance profile, e.g. 1g.10gb or 3g.40gb."),
+]
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
+LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./-]{0,63}$")]
+Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+MAX_SELECTOR = 16
+MAX_PORTS = 16
 
 
 class AllocationCreate(In):
@@ -70,6 +85,24 @@ class AllocationCreate(In):
     restartable: bool = Field(
         default=False, strict=True, description="Requeue (attempt + 1) after preemption or node loss."
     )
+    image: ImageRef | None = Field(
+        default=None, description="Run the job in this OCI container image (podman); default a process."
+    )
+    ports: list[Port] | None = Field(
+        default=None,
+        max_length=MAX_PORTS,
+        description="Container ports to publish on the node; without them a container has no network.",
+    )
+    mig: MigProfile | None = Field(
+        default=None, description="A MIG instance of this profile (implies isolation mig, one device)."
+    )
+    node_selector: dict[LabelKey, LabelValue] | None = Field(
+        default=None, max_length=MAX_SELECTOR, description="Only nodes whose labels have all these values."
+    )
+    time_limit: int | str | None = Field(
+        default=None,
+        description="End the work after this long bound: seconds, or 90s, 15m, 2h, 1d.",
+    )
 
 
 class RequestOut(Out):
@@ -88,6 +121,11 @@ class RequestOut(Out):
     command: list[str] | None
     env: dict[str, str] | None
     restartable: bool
+    image: str | None = None
+    ports: list[int] | None = None
+    mig: str | None = None
+    node_selector: dict[str, str] | None = None
+    time_limit: int | None = Field(default=None, description="Seconds.")
 
 
 class SliceOut(Out):
@@ -155,6 +193,8 @@ class Assignment(Out):
     cpu_milli: int
     memory_mib: int
     restartable: bool
+    image: str | None = None
+    ports: list[int] | None = None
 
 
 class Assignments(Out):

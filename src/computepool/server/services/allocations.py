@@ -24,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from computepool.core import InvalidInput, Request
+from computepool.core.quantities import parse_duration_s
 from computepool.server.caches import Shape, ShapeCache
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Forbidden, Invalid, NotFound
@@ -110,8 +111,22 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         raise Invalid("gpu_milli: given without any device (gpus is 0)", "gpu_milli")
     if body.exclusive and body.isolation not in (None, "exclusive", "mig"):
         raise Invalid(f"isolation: '{body.isolation}' contradicts exclusive=true", "isolation")
+    if body.mig is not None and body.isolation not in (None, "mig"):
+        raise Invalid(f"isolation: '{body.isolation}' contradicts mig={body.mig!r}", "isolation")
+    if body.ports and body.image is None:
+        raise Invalid("ports: published ports need a container (give image)", "ports")
+    if body.ports and body.command is None:
+        raise Invalid("ports: published ports need a job (give command)", "ports")
+    if body.image is not None and body.command is None:
+        raise Invalid("image: a container needs a command to run in it", "image")
+    try:
+        time_limit = None if body.time_limit is None else parse_duration_s(body.time_limit, "time_limit")
+    except InvalidInput as e:
+        raise Invalid(f"{e.where}: {e.message}", e.where) from e
     fractional = body.gpus == 1 and body.gpu_milli < 1000
-    if body.isolation is not None:
+    if body.mig is not None:
+        isolation = "mig"
+    elif body.isolation is not None:
         isolation = body.isolation
     elif body.exclusive:
         isolation = "exclusive"
@@ -138,6 +153,11 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "command": body.command,
         "env": body.env,
         "restartable": body.restartable,
+        "image": body.image,
+        "ports": sorted(set(body.ports)) if body.ports else None,
+        "mig": body.mig,
+        "node_selector": dict(sorted(body.node_selector.items())) if body.node_selector else None,
+        "time_limit": time_limit,
     }
 
 
@@ -428,6 +448,8 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 cpu_milli=int(a.request["cpu_milli"]),
                 memory_mib=int(a.request["memory_mib"]),
                 restartable=a.restartable,
+                image=a.request.get("image"),
+                ports=a.request.get("ports"),
             )
             for a in store.holding_on(s, name)
             if a.command is not None
