@@ -17,8 +17,11 @@ test: setup
 test-fast: setup
 	$(PYTHON) -m pytest -q -m 'not slow'
 
+# The same three checks as CI (.ci/run): lint, formatting, types of the control plane.
 lint:
 	ruff check src tests
+	ruff format --check src tests
+	$(PYTHON) -m mypy
 
 report:
 	cpool sim report --out report

@@ -1,6 +1,6 @@
 """scheduler/: invariants under random clusters and request sequences, for every policy.
 
-The oracle here is written from the rules in DESIGN.md and the trace README, not from the
+The oracle here is written from the rules in docs/architecture.md and the trace README, not from the
 scheduler's code: a node fits a request when it is schedulable, host CPU and memory fit, and
 it has `gpu_count` allowed devices that are wholly idle (whole or exclusive requests) or that
 have the request's compute and GPU memory free (a fraction of one device).

@@ -137,6 +137,7 @@ def test_nvml_backend_reports_unavailable_without_raising() -> None:
 def test_nvml_name_helpers() -> None:
     assert normalize_model("NVIDIA A100-SXM4-80GB") == "A100-SXM4-80GB"
     assert normalize_model("NVIDIA A100-SXM4-40GB MIG 3g.20gb") == "A100-SXM4-40GB-MIG-3g.20gb"
+    assert normalize_model("NVIDIA A100-SXM4-80GB MIG 1g.10gb+me") == "A100-SXM4-80GB-MIG-1g.10gb-me"
     assert normalize_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
 
 
@@ -161,3 +162,49 @@ def test_discover_all() -> None:
         assert real.devices == [] and real.notes and real.notes[0].startswith("NVML")
     with pytest.raises(InvalidInput, match="simulate"):
         discover_all("bogus")
+
+
+def test_simulated_mig_instances_look_like_nvml_ones(tmp_path: Path) -> None:
+    devices = SimulatedBackend("1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb,1xA100-80GB", seed="n").discover()
+    got = [(d.index, d.model, d.memory_mib, d.compute_milli, d.physical_index) for d in devices]
+    assert got == [
+        (0, "A100-MIG-3g.40gb", 40960, 429, 0),
+        (1, "A100-MIG-2g.20gb", 20480, 286, 0),
+        (2, "A100-MIG-2g.20gb", 20480, 286, 0),
+        (3, "A100", 81920, 1000, 1),
+    ]
+    parent = devices[0].mig_parent_uuid
+    assert parent is not None and parent.startswith("GPU-") and devices[3].mig_parent_uuid is None
+    assert {d.mig_parent_uuid for d in devices[:3]} == {parent} and parent != devices[3].uuid
+    assert all(d.uuid.startswith("MIG-") for d in devices[:3]) and len({d.uuid for d in devices}) == 4
+    again = SimulatedBackend("1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb,1xA100-80GB", seed="n").discover()
+    assert [d.uuid for d in again] == [d.uuid for d in devices]  # stable across agent restarts
+    assert (devices[1].to_device().kind, devices[1].to_device().mig_profile) == ("mig", "2g.20gb")
+    assert devices[3].to_device().kind == "gpu"
+    f = tmp_path / "mig.json"
+    f.write_text(json.dumps([{"model": "H100", "memory_mib": 81920, "mig": ["4g.40gb", "3g.40gb"]}]))
+    assert [d.model for d in parse_and_discover(str(f))] == ["H100-MIG-4g.40gb", "H100-MIG-3g.40gb"]
+    plus = parse_and_discover("1xA100-80GB:mig=1g.10gb+me+1g.10gb")
+    assert [d.to_device().mig_profile for d in plus] == ["1g.10gb+me", "1g.10gb"]
+
+
+def parse_and_discover(spec: str) -> list:
+    return SimulatedBackend(spec, seed="x").discover()
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("1xA100-80GB:mig=4g.40gb+4g.40gb", "take 8 slices, more than the GPU's 7"),
+        ("1xA100-40GB:mig=3g.40gb+2g.20gb", "take 61440 MiB, more than the GPU's 40960 MiB"),
+        ("1xA100-80GB:mig=5g.50gb", "unknown MIG profile '5g.50gb'"),
+        ("1xA100-80GB:mig=3g", "unknown MIG profile '3g'"),
+        ("1xA100-80GB:mig=", "lists no instance"),
+        ("1xA100-80GB:slices=7", "unknown option 'slices=7'"),
+        ("10xA100-80GB:mig=" + "+".join(["1g.10gb"] * 7), "70 devices is more than a node holds"),
+    ],
+)
+def test_bad_mig_layouts_name_the_spec(spec: str, words: str) -> None:
+    with pytest.raises(InvalidInput) as e:
+        parse_spec(spec)
+    assert words in str(e.value) and (spec.split(",")[0] in str(e.value) or "devices" in words)

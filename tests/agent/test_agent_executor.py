@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from computepool.agent import cgroups
 from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, CgroupV2, Executor, JobSpec
 from computepool.agent.localstate import JobState
 
@@ -191,4 +192,4 @@ def test_cgroup_v2_limits_when_writable(tmp_path: Path) -> None:
         assert done.state is JobState.FAILED
         assert "out of memory" in done.reason
     finally:
-        CgroupV2.remove(base)
+        cgroups.remove([base])

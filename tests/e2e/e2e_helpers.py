@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,9 +17,21 @@ import httpx
 import psutil
 
 import computepool
+from computepool.core.tls import client_context
 
 SRC = Path(computepool.__file__).parent.parent
 HAVE_ALLOCATIONS = (SRC / "computepool" / "server" / "routers" / "allocations.py").exists()
+
+
+def _job_python() -> str:
+    """A python3 a tenant's user may run (this interpreter may live in a home only root can enter)."""
+    path = Path(sys.executable)
+    if all(os.stat(d).st_mode & 0o001 for d in path.parents):
+        return sys.executable
+    return shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+
+
+JOB_PYTHON = _job_python()
 
 
 def free_port() -> int:
@@ -36,6 +49,7 @@ def child_env() -> dict[str, str]:
     env["CPOOL_CGROUP_BASE"] = "none"
     for k in ("CPOOL_JOIN_TOKEN", "CPOOL_DATA_DIR", "CPOOL_AGENT_DIR", "CPOOL_SERVER", "CPOOL_TOKEN"):
         env.pop(k, None)
+    env.pop("CPOOL_CA", None)
     return env
 
 
@@ -78,18 +92,24 @@ def alive(pid: int) -> bool:
 
 
 class Pool:
-    """The API of a running control plane, as the admin."""
+    """The API of a running control plane, as the admin; over https it trusts `cpool up`'s certificate
+    (DATA_DIR/tls/cert.pem) unless given another CA."""
 
-    def __init__(self, url: str, data_dir: Path) -> None:
+    def __init__(self, url: str, data_dir: Path, ca: Path | None = None) -> None:
         self.url = url
         token = (data_dir / "admin-token").read_text().strip()
-        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        if ca is None and url.startswith("https://"):
+            ca = data_dir / "tls" / "cert.pem"
+        self.verify = client_context(ca)
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10, verify=self.verify
+        )
 
     def ready(self) -> bool:
-        return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+        return httpx.get(f"{self.url}/readyz", timeout=2, verify=self.verify).status_code == 200
 
     def job(self, code: str, **kw: Any) -> int:
-        body = {"command": [sys.executable, "-c", code], **kw}
+        body = {"command": [JOB_PYTHON, "-c", code], **kw}
         r = self.http.post("/api/v1/allocations", json=body)
         assert r.status_code == 201, r.text
         return int(r.json()["id"])
@@ -125,5 +145,19 @@ def sleeper(seconds: float, marker: str = "") -> str:
 
 
 def job_pid(agent_dir: Path, alloc_id: int, attempt: int = 1) -> int:
-    text = (agent_dir / "runs" / str(alloc_id) / str(attempt) / "job.pid").read_text().strip()
-    return int(text)
+    """The job's pid on the host. A sandboxed job writes into `work/` the pid it has in its own PID
+    namespace: the host's is the process whose NSpid ends with it and whose cwd is that dir."""
+    run = agent_dir / "runs" / str(alloc_id) / str(attempt)
+    work = run / "work"
+    if not work.is_dir():
+        return int((run / "job.pid").read_text().strip())
+    inner = int((work / "job.pid").read_text().strip())
+    for p in psutil.process_iter():
+        try:
+            status = Path(f"/proc/{p.pid}/status").read_text()
+            nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+            if len(nspid) > 1 and int(nspid[-1]) == inner and p.cwd() == str(work):
+                return p.pid
+        except (OSError, StopIteration, psutil.Error):
+            continue
+    raise ProcessLookupError(f"no process of job {alloc_id}#{attempt} with pid {inner} in its namespace")

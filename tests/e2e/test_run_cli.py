@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, Pool, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
 pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
@@ -25,11 +24,12 @@ def pool_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         )  # fmt: skip
     try:
         wait_for("cpool up", lambda: "ComputePool is up" in log.read_text(), 60, log.read_text)
-        pool = Pool(f"http://127.0.0.1:{port}", data)
+        pool = Pool(f"https://127.0.0.1:{port}", data)
         wait_for("the local node", lambda: [n["state"] for n in pool.nodes()] == ["ready"], 30)
         pool.close()
         env = child_env()
-        env["CPOOL_SERVER"] = f"http://127.0.0.1:{port}"
+        env["CPOOL_SERVER"] = f"https://127.0.0.1:{port}"
+        env["CPOOL_CA"] = str(data / "tls" / "cert.pem")
         env["CPOOL_TOKEN"] = (data / "admin-token").read_text().strip()
         yield env
     finally:
@@ -42,7 +42,7 @@ def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.Comp
 
 def test_run_streams_output_and_returns_the_exit_code(pool_env: dict[str, str]) -> None:
     code = "import os; print('hello', os.environ['CUDA_VISIBLE_DEVICES'][:4]); raise SystemExit(3)"
-    r = run(pool_env, "run", "--gpus", "0.5", "--", sys.executable, "-c", code)
+    r = run(pool_env, "run", "--gpus", "0.5", "--", JOB_PYTHON, "-c", code)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "hello GPU-" in r.stdout
     assert "Traceback" not in r.stderr
@@ -50,7 +50,7 @@ def test_run_streams_output_and_returns_the_exit_code(pool_env: dict[str, str]) 
 
 def test_run_success_is_zero_and_cpu_only_jobs_see_no_gpu(pool_env: dict[str, str]) -> None:
     code = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
-    r = run(pool_env, "run", "--cpus", "0.5", "--", sys.executable, "-c", code)
+    r = run(pool_env, "run", "--cpus", "0.5", "--", JOB_PYTHON, "-c", code)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "''" in r.stdout
 
@@ -71,7 +71,7 @@ def test_run_bad_input_is_one_line(pool_env: dict[str, str], tmp_path: Path) -> 
 
 
 def test_run_detach_then_logs(pool_env: dict[str, str]) -> None:
-    r = run(pool_env, "run", "--detach", "--", sys.executable, "-c", "print('detached hi')")
+    r = run(pool_env, "run", "--detach", "--", JOB_PYTHON, "-c", "print('detached hi')")
     assert r.returncode == 0, r.stderr
     job_id = r.stderr.split()[1]
     logs = run(pool_env, "logs", "--follow", job_id)

@@ -64,7 +64,8 @@ def test_refused_changes_are_recorded(api: Api) -> None:
         ("user:m", "tenant.create", "refused:403"),
         ("user:admin", "tenant.create", "refused:409"),
     ]
-    assert api.ok("GET", "/api/v1/audit/verify") == {"ok": True, "records": 6, "first_broken": None}
+    intact = {"ok": True, "records": 6, "first_broken": None, "cause": None}
+    assert api.ok("GET", "/api/v1/audit/verify") == intact
 
 
 def test_verify_finds_an_edited_row(api: Api) -> None:
@@ -74,7 +75,9 @@ def test_verify_finds_an_edited_row(api: Api) -> None:
     db: Database = api.app.state.db
     with db.write() as s:
         s.execute(text("UPDATE audit_records SET outcome = 'forged' WHERE seq = 4"))
-    assert api.ok("GET", "/api/v1/audit/verify") == {"ok": False, "records": 3, "first_broken": 4}
+    rep = api.ok("GET", "/api/v1/audit/verify")
+    assert (rep["ok"], rep["records"], rep["first_broken"]) == (False, 3, 4)
+    assert rep["cause"].startswith("broken at record 4: edited")
     # re-hashing the edited row moves the break to the next link
     with db.write() as s:
         rec = s.get(audit.AuditRecord, 4)

@@ -10,8 +10,8 @@ from typing import Any
 from harness import Api
 from test_allocations import A, alloc, cycle, get, join, manual
 
-from computepool.server.services import scheduling
-from computepool.server.services.scheduling import SnapshotCache
+from computepool.server import scheduling
+from computepool.server.scheduling import SnapshotCache
 
 
 def _shape(snap: scheduling.Snapshot) -> tuple[Any, ...]:

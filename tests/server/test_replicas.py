@@ -13,7 +13,7 @@ import httpx
 from harness import PgServer
 from test_server_process import start_server_process, stop_server_process
 
-LEASE_TTL_S = 10.0  # services.scheduling.LEASE_TTL_S
+LEASE_TTL_S = 10.0  # scheduling.LEASE_TTL_S
 
 
 def _start(data_dir: Path, db_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:

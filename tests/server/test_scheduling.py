@@ -8,9 +8,9 @@ from harness import Api
 from sqlalchemy import update
 from test_allocations import alloc, cycle, explain, get, join, manual
 
+from computepool.server import scheduling
 from computepool.server.hub import Hub
-from computepool.server.services import scheduling
-from computepool.server.services.scheduling import Controller, LostLease
+from computepool.server.scheduling import Controller, LostLease
 from computepool.store.db import db_now
 from computepool.store.models import SchedulerLease
 

@@ -13,7 +13,7 @@ import os
 import time
 
 from computepool.server.bench_cycle import request_doc
-from computepool.server.services.scheduling import DevSnap, Live, NodeSnap, Snapshot, decide
+from computepool.server.scheduling import DevSnap, Live, NodeSnap, Snapshot, decide
 
 
 def make_snapshot(nodes: int, pending: int, tenants: int = 8) -> Snapshot:

@@ -96,7 +96,8 @@ def test_real_server_restart_keeps_everything(backend: str, db_url: str, tmp_pat
             tenant = c.get("/api/v1/tenants/acme").json()
             assert tenant["weight"] == 3
             assert c.get("/api/v1/tenants/acme/quota").json()["gpu_milli"] == quota["gpu_milli"]
-            assert c.get("/api/v1/audit/verify").json() == {"ok": True, "records": 5, "first_broken": None}
+            intact = {"ok": True, "records": 5, "first_broken": None, "cause": None}
+            assert c.get("/api/v1/audit/verify").json() == intact
         me = httpx.get(f"{base}/api/v1/whoami", headers={"Authorization": f"Bearer {bob}"}, timeout=5)
         assert me.json()["name"] == "bob" and me.json()["tenant"] == "acme"
     assert "Traceback" not in log.read_text()

@@ -10,13 +10,25 @@ with backoff, workloads carry on) and `ApiError` (a 4xx: the server understood a
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import ssl
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from computepool.core.tls import (
+    TlsError,
+    client_context,
+    describe_tls_failure,
+    fetch_certificate,
+    fingerprint,
+    split_pin,
+)
 
 API = "/api/v1"
 CREDENTIAL_FILE = "node.json"
@@ -59,8 +71,9 @@ def load_credential(data_dir: Path) -> Credential | None:
 
 def save_credential(data_dir: Path, cred: Credential) -> Path:
     """Written 0600 through a temp file and rename: a crash never leaves half a credential."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(data_dir, 0o700)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # nobody else may list or read it; a sandboxing agent leaves others only the right to pass (0711)
+    os.chmod(data_dir, stat.S_IMODE(os.stat(data_dir).st_mode) & 0o711)
     path = data_dir / CREDENTIAL_FILE
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -82,13 +95,54 @@ def _error_text(r: httpx.Response) -> str:
     return r.text.strip()[:300]
 
 
+SERVER_CERT_FILE = "server-ca.pem"
+
+
+def server_verify(
+    server: str, data_dir: Path, ca: Path | None, join_token: str | None
+) -> ssl.SSLContext | bool:
+    """How this agent checks the control plane's certificate, in order of precedence:
+
+    `--ca FILE`; else the certificate it pinned at its first join (DATA_DIR/server-ca.pem); else,
+    on a first join with a token that carries a pin, the certificate the server presents — kept
+    only if its SHA-256 matches the pin, refused (TlsError) otherwise; else the system's CAs.
+    """
+    if ca is not None:
+        return client_context(ca)
+    saved = data_dir / SERVER_CERT_FILE
+    if saved.exists():
+        return client_context(saved, pinned=True)
+    pin = split_pin(join_token)[1] if join_token else None
+    if pin is None or not server.startswith("https://"):
+        return True
+    pem = fetch_certificate(server)
+    got = fingerprint(pem)
+    if not hmac.compare_digest(got, pin):
+        raise TlsError(
+            f"{server} presented a certificate with SHA-256 {got[:16]}…, but the join token pins "
+            f"{pin[:16]}…: not joining (another server, or a token for another pool)"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(pem)
+    return client_context(saved, pinned=True)
+
+
 class AgentApi:
     """One node's calls to the control plane. Thread-safe: httpx.Client may be shared by threads."""
 
-    def __init__(self, server: str, *, timeout_s: float = 10.0, transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        server: str,
+        *,
+        timeout_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ):
         self.server = server.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.server, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(base_url=self.server, timeout=timeout_s, transport=transport, verify=verify)
         self._headers: dict[str, str] = {}
         self.name = ""
 
@@ -111,6 +165,9 @@ class AgentApi:
                 **kw,
             )
         except httpx.HTTPError as e:
+            tls = describe_tls_failure(e)
+            if tls is not None:  # retried like an outage (jobs carry on), but said plainly
+                raise Unreachable(f"{self.server}: {tls}") from None
             raise Unreachable(f"{self.server}: {type(e).__name__}: {e}".rstrip(": ")) from None
         if r.status_code >= 500:
             raise Unreachable(f"{self.server}: HTTP {r.status_code}: {_error_text(r)}")

@@ -8,6 +8,7 @@ that ended while it, or the control plane, was away.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable
@@ -88,8 +89,11 @@ class LocalState:
     """Job records keyed by `allocation#attempt`; safe to share between the agent's threads."""
 
     def __init__(self, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = data_dir / "agent-state.db"
+        # created 0600 before SQLite opens it: its -wal and -shm files take the same mode
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        os.chmod(self.path, 0o600)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()

@@ -25,6 +25,7 @@ import random
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from computepool.agent import fencing
 from computepool.agent.api import (
     CREDENTIAL_FILE,
     AgentApi,
@@ -42,10 +44,18 @@ from computepool.agent.api import (
     Unreachable,
     load_credential,
     save_credential,
+    server_verify,
 )
 from computepool.agent.devices import DeviceInfo, NodeInventory, SimulatedBackend, discover_all
 from computepool.agent.devices.simulated import SIM_MEMORY_FILE_ENV, SIM_MEMORY_FILE_NAME
-from computepool.agent.executor import DEFAULT_CGROUP_BASE, STDERR_LOG, STDOUT_LOG, Executor, JobSpec
+from computepool.agent.executor import (
+    DEFAULT_CGROUP_BASE,
+    STDERR_LOG,
+    STDOUT_LOG,
+    Executor,
+    JobSpec,
+    SandboxConfig,
+)
 from computepool.agent.isolation import (
     IsolationUnavailable,
     MemoryWatchdog,
@@ -57,6 +67,7 @@ from computepool.agent.isolation import (
 from computepool.agent.localstate import JobRecord, JobState, job_key
 from computepool.core.allocation import Isolation, Slice
 from computepool.core.errors import InvalidInput
+from computepool.core.tls import TlsError
 
 log = logging.getLogger("computepool.agent")
 
@@ -81,6 +92,7 @@ class AgentConfig:
     server: str
     data_dir: Path
     join_token: str | None = None
+    ca: Path | None = None  # the control plane's CA (PEM); else a pinned or the system's (api.server_verify)
     name: str | None = None
     simulate: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -91,6 +103,8 @@ class AgentConfig:
     max_backoff_s: float = 5.0
     log_chunk_bytes: int = 256 * 1024
     watchdog_interval_s: float = 2.0
+    fence_s: float | None = None  # None: as long as the control plane's lost-node timeout allows
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # users, namespaces (sandbox.py)
 
 
 @dataclass(frozen=True)
@@ -299,8 +313,18 @@ class Agent:
         self.cred = cred
         self.name = cred.name
         self.executor = Executor(
-            config.data_dir, cgroup_base=config.cgroup_base, kill_grace_s=config.kill_grace_s
+            config.data_dir,
+            cgroup_base=config.cgroup_base,
+            kill_grace_s=config.kill_grace_s,
+            sandbox=config.sandbox,
         )
+        if os.geteuid() != 0:
+            log.warning(
+                "the agent is not root: jobs run as its own user, with no isolation between them; %s",
+                "it accepts every tenant (--single-tenant)"
+                if config.sandbox.single_tenant
+                else "it refuses the jobs of a second tenant (start it with --single-tenant to allow them)",
+            )
         self.state = self.executor.state
         backend = inventory.backend
         self.watchdog = (
@@ -322,6 +346,8 @@ class Agent:
         self._call_backoff = Backoff(max_s=config.max_backoff_s)
         self._next_call = 0.0
         self._outage: dict[str, bool] = {}
+        self.contact = fencing.Contact(config.data_dir, config.kill_grace_s, config.fence_s)
+        self._supervisors: dict[str, subprocess.Popen[bytes]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -370,7 +396,11 @@ class Agent:
             if a is not None:
                 with contextlib.suppress(Exception):
                     self._attach(rec, self._resolve(a), Path(rec.run_dir))
+        for rec in found.adopted:
+            if rec.extra.get("restartable") == "1" and not rec.stop_reason:
+                self._supervise(rec)
         for rec in found.ended:
+            self._fenced(rec)
             log.info("%s ended while the agent was away: %s", rec.key, rec.reason or rec.state.value)
         for rec in self.state.jobs():
             if rec.key not in self._tails:
@@ -428,8 +458,10 @@ class Agent:
         while not self._stop.is_set():
             interval = self.cred.heartbeat_interval_s
             try:
+                sent = fencing.now_s()
                 answer = self.api.heartbeat(self._usage())
                 interval = float(answer.get("heartbeat_interval_s") or interval)
+                self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
                 backoff.reset()
             except Unreachable as e:
@@ -438,6 +470,42 @@ class Agent:
             except ApiError as e:
                 self._refused("heartbeat", e)
             self._stop.wait(interval)
+
+    def _contact(self, sent: float, answer: Mapping[str, Any]) -> None:
+        """A heartbeat was answered: the fence's deadline moves on (see agent/fencing.py)."""
+        try:
+            self.contact.learn(answer.get("lost_after_s"), answer.get("heartbeat_interval_s"))
+        except fencing.FenceConfigError as e:
+            self._fail_fatal(AgentFatal(str(e)))
+            return
+        self.contact.touch(sent)
+
+    # ---- fencing: one copy of a job, ever ----------------------------------------------------
+
+    def _fence(self) -> None:
+        """Out of contact for the fence time: stop restartable work before the pool restarts it
+        elsewhere (the per-job supervisors do the same should this agent be dead)."""
+        for key, proc in list(self._supervisors.items()):
+            if proc.poll() is not None:
+                del self._supervisors[key]
+        if not self.contact.overdue():
+            return
+        for rec in self.executor.running():
+            if rec.extra.get("restartable") == "1" and not rec.stop_reason:
+                reason = self.contact.reason()
+                fencing.mark_fenced(self.config.data_dir, rec.key, reason)
+                log.warning("%s %s", rec.key, reason)
+                self.executor.stop(rec.key, reason, self.contact.grace_s)
+
+    def _supervise(self, rec: JobRecord) -> None:
+        """Start the fence supervisor of a restartable job (once per attempt while it runs)."""
+        if rec.key in self._supervisors or fencing.supervised(self.config.data_dir, rec.key):
+            return
+        target = fencing.target_of(rec, self.executor.launcher.container_engine)
+        try:
+            self._supervisors[rec.key] = fencing.spawn(self.config.data_dir, target, self.contact.grace_s)
+        except OSError as e:
+            log.error("%s: no fence supervisor (%s); only this agent fences it", rec.key, e)
 
     # ---- assignments -------------------------------------------------------------------------
 
@@ -490,6 +558,7 @@ class Agent:
         for rec in self.executor.poll():
             self._ended(rec)
         if not final:
+            self._fence()
             self._reconcile()
         if time.monotonic() < self._next_call:
             return
@@ -505,12 +574,22 @@ class Agent:
 
     def _ended(self, rec: JobRecord) -> None:
         self._running_unreported.discard(rec.key)
+        self._fenced(rec)
         if self.watchdog is not None:
             self.watchdog.unwatch(rec.key)
         backend = self.inventory.backend
         if isinstance(backend, SimulatedBackend) and rec.pid:
             backend.detach(rec.pid)
         log.info("%s ended: %s%s", rec.key, rec.state.value, f" ({rec.reason})" if rec.reason else "")
+
+    def _fenced(self, rec: JobRecord) -> None:
+        """A fenced attempt is reported `lost` with the fence as its reason: the pool requeues it."""
+        reason = fencing.fenced_reason(self.config.data_dir, rec.key)
+        fencing.forget(self.config.data_dir, rec.key)
+        if reason is not None and rec.state is not JobState.SUCCEEDED:
+            rec.state, rec.reason = JobState.LOST, reason
+            self.state.put(rec)
+        fencing.forget_marker(self.config.data_dir, rec.key)
 
     def _reconcile(self) -> None:
         """Make what runs match what is assigned: start the new attempts, stop the unassigned."""
@@ -527,9 +606,12 @@ class Agent:
                 self.executor.stop(key, "stopped: the control plane no longer assigns this attempt (stale)")
             elif key not in desired:
                 self.executor.stop(key, "stopped: no longer assigned to this node by the control plane")
+        overdue = self.contact.overdue()
         for key, a in desired.items():
             if key in live or key in stale or self.state.get(key) is not None:
                 continue  # running, or already ran here: an attempt is never started twice
+            if overdue and a.restartable:
+                continue  # the pool may have moved it already: never start a second copy
             self._start(a)
 
     def _resolve(self, a: Assignment) -> list[SliceAssignment]:
@@ -566,11 +648,14 @@ class Agent:
         try:
             resolved = self._resolve(a)
             run_dir.mkdir(parents=True, exist_ok=True)
+            work_dir = self.executor.work_dir(a.allocation_id, a.attempt)  # the job's; run_dir is ours
+            work_dir.mkdir(parents=True, exist_ok=True)
             env = slice_env(
-                a.allocation_id, a.attempt, resolved, run_dir, mps=self._mps_daemons(resolved), user_env=a.env
-            )
+                a.allocation_id, a.attempt, resolved, work_dir, mps=self._mps_daemons(resolved),
+                user_env=a.env,
+            )  # fmt: skip
             if isinstance(self.inventory.backend, SimulatedBackend):
-                env[SIM_MEMORY_FILE_ENV] = str(run_dir / SIM_MEMORY_FILE_NAME)
+                env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
             (run_dir / ASSIGNMENT_FILE).write_text(json.dumps(_assignment_json(a)))
             spec = JobSpec(
                 a.allocation_id,
@@ -592,6 +677,10 @@ class Agent:
         self._track_logs(rec)
         if rec.state is JobState.RUNNING:
             self._running_unreported.add(rec.key)
+            if a.restartable:
+                rec.extra["restartable"] = "1"
+                self.state.put(rec)
+                self._supervise(rec)
             self._attach(rec, resolved, run_dir)
             log.info("%s started (pid %d) on %s", rec.key, rec.pid,
                      ", ".join(f"GPU {s.device.index}" for s in resolved) or "CPU")  # fmt: skip
@@ -623,7 +712,7 @@ class Agent:
                     s.device.index,
                     s.memory_mib,
                     s.compute_milli,
-                    memory_file=run_dir / SIM_MEMORY_FILE_NAME,
+                    memory_file=self.executor.work_dir(rec.allocation_id, rec.attempt) / SIM_MEMORY_FILE_NAME,
                 )
         if self.watchdog is not None and resolved and resolved[0].isolation is Isolation.TIMESLICE:
             self.watchdog.watch_slices(rec.key, resolved)
@@ -799,8 +888,12 @@ def check_credential(
     token was given (the pool was reset, the node removed), else it is fatal. An unreachable
     server is no reason to wait: the jobs this node runs carry on and the loop retries."""
     try:
-        api.heartbeat([])
+        answer = api.heartbeat([])
+        contact = fencing.Contact(config.data_dir, config.kill_grace_s, config.fence_s)
+        contact.learn(answer.get("lost_after_s"), answer.get("heartbeat_interval_s"))
         return cred
+    except fencing.FenceConfigError as e:
+        raise AgentFatal(str(e)) from None
     except Unreachable as e:
         log.warning("control plane unreachable at start (%s); running on, retrying", e)
         return cred
@@ -832,7 +925,12 @@ def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
     inventory = discover_all(config.simulate, seed=name)  # simulated uuids differ from node to node
     for note in inventory.notes:
         log.info("%s", note)
-    api = api or AgentApi(config.server)
+    if api is None:
+        try:
+            verify = server_verify(config.server, config.data_dir, config.ca, config.join_token)
+        except TlsError as e:
+            raise AgentFatal(str(e)) from None
+        api = AgentApi(config.server, verify=verify)
     previous: dict[signal.Signals, Any] = {}
     try:
         cred = check_credential(config, inventory, api, connect(config, inventory, api))

@@ -43,10 +43,21 @@ def register(app: typer.Typer) -> None:
                 help="Join token (first start only; the node credential is kept in DATA_DIR).",
             ),
         ] = None,
+        ca: Annotated[
+            Path | None,
+            typer.Option(
+                "--ca",
+                envvar="CPOOL_CA",
+                help="PEM file the server's https certificate must chain to. Without it, a join token "
+                "from an https server pins that server's certificate (kept as DATA_DIR/server-ca.pem).",
+            ),
+        ] = None,
         simulate: Annotated[
             str | None,
             typer.Option(
-                "--simulate", help="Simulated devices instead of real ones, e.g. 2xA100-80GB,1xT4-16GB."
+                "--simulate",
+                help="Simulated devices instead of real ones, e.g. 2xA100-80GB,1xT4-16GB; "
+                "1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb splits a GPU into MIG instances.",
             ),
         ] = None,
         data_dir: Annotated[
@@ -73,28 +84,66 @@ def register(app: typer.Typer) -> None:
         kill_grace_s: Annotated[
             float, typer.Option("--kill-grace-s", min=0.0, max=3600.0, help="SIGTERM → SIGKILL grace.")
         ] = 10.0,
+        fence_s: Annotated[
+            float | None,
+            typer.Option(
+                "--fence-s",
+                min=0.1,
+                help="Stop restartable work after this long without a heartbeat answered (default: as long "
+                "as the control plane's lost-node timeout allows, less the kill grace and a margin).",
+            ),
+        ] = None,
+        single_tenant: Annotated[
+            bool,
+            typer.Option(
+                "--single-tenant",
+                help="For an agent that is not root: accept every tenant's jobs, with NO isolation "
+                "between them (all run as the agent's user). Without it such an agent serves one tenant.",
+            ),
+        ] = False,
+        uid_range: Annotated[
+            str,
+            typer.Option(
+                "--uid-range", help="uids (and gids) for the tenants' users cpool-<tenant>, FIRST-LAST."
+            ),
+        ] = "61000-61999",
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
+        import os
+
         from computepool.agent.loop import AgentConfig, AgentFatal, run_agent
+        from computepool.agent.sandbox import SandboxConfig
+        from computepool.agent.tenants import parse_uid_range
         from computepool.core.errors import InvalidInput
+
+        os.umask(0o077)  # whatever the agent writes is its own: credential, records, logs
+        try:
+            sandbox = SandboxConfig(uid_range=parse_uid_range(uid_range), single_tenant=single_tenant)
+        except InvalidInput as e:
+            raise fail(f"--uid-range: {e.message}") from None
 
         if log_level.lower() not in LOG_LEVELS:
             raise fail(f"--log-level: unknown level {log_level!r}")
         if not server.startswith(("http://", "https://")):
             raise fail(f"--server: expected an http:// or https:// URL, got {server!r}")
+        if ca is not None and not ca.expanduser().is_file():
+            raise fail(f"--ca: no such file {ca}")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         config = AgentConfig(
             server=server,
             data_dir=data_dir.expanduser(),
             join_token=join_token or None,
+            ca=ca.expanduser().absolute() if ca else None,
             name=name,
             simulate=simulate,
             labels=_labels(label),
             cgroup_base=_cgroup_base(cgroup_base),
             kill_grace_s=kill_grace_s,
             poll_wait_s=poll_wait_s,
+            fence_s=fence_s,
+            sandbox=sandbox,
         )
         try:
             run_agent(config)

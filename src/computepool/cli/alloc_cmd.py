@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -25,9 +26,11 @@ from computepool.cli.pool_cmd import (
     table,
 )
 from computepool.client import AllocationRequest, PoolClient, PoolError
-from computepool.client.http import ENDED_STATES, HOLDING_STATES, PENDING
+from computepool.client.http import ENDED_STATES
+from computepool.core.allocation import HOLDING, ISOLATIONS, LIVE, PENDING
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import (
+    format_duration,
     format_mib,
     parse_cpu_milli,
     parse_duration_s,
@@ -35,9 +38,22 @@ from computepool.core.quantities import (
     parse_memory_mib,
 )
 
-ISOLATIONS = ("timeslice", "mps", "mig", "exclusive")
 POLL_S = 0.5
 EXPLAIN_EVERY_S = 2.0
+
+
+def state_text(a: dict[str, Any]) -> str:
+    """The state, with the time left for a bound or active allocation that has a time limit."""
+    limit = (a.get("request") or {}).get("time_limit")
+    if not limit or a.get("state") not in HOLDING or not a.get("bound_at"):
+        return str(a.get("state"))
+    try:
+        bound = datetime.fromisoformat(str(a["bound_at"]))
+    except ValueError:
+        return str(a.get("state"))
+    left = int(limit) - (datetime.now(UTC) - bound.astimezone(UTC)).total_seconds()
+    return f"{a['state']} ({format_duration(max(0, round(left)))} left)"
+
 
 # The request options `cpool alloc` and `cpool run` share (parsed by `request_from_options`).
 GpusOpt = Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")]
@@ -56,6 +72,10 @@ PortOpt = Annotated[list[int] | None, typer.Option("--port", help="Container por
 MigOpt = Annotated[str | None, typer.Option("--mig", help="A MIG instance of this profile, e.g. 1g.10gb.")]
 SelectorOpt = Annotated[
     list[str] | None, typer.Option("--node-selector", help="Only nodes labelled KEY=VALUE (repeat).")
+]
+TolerationOpt = Annotated[
+    list[str] | None,
+    typer.Option("--toleration", help="May go on nodes tainted KEY=VALUE, or KEY with any value (repeat)."),
 ]
 TimeLimitOpt = Annotated[
     str | None, typer.Option("--time-limit", help="End it after this long, e.g. 90m or 2h.")
@@ -99,10 +119,13 @@ def request_from_options(
     mig: str | None = None,
     node_selector: list[str] | None = None,
     time_limit: str | None = None,
+    tolerations: list[str] | None = None,
     **extra: Any,
 ) -> AllocationRequest:
     """The request body from the options `cpool alloc` and `cpool run` share (human units parsed here)."""
     count, milli = parse_gpu_milli(gpus, "--gpus")
+    if count == 0 and (mig is not None or isolation == "mig"):
+        count, milli = 1, 1000  # a MIG instance is one device
     models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
     if isolation is not None and isolation not in ISOLATIONS:
         raise InvalidInput("--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})")
@@ -119,6 +142,7 @@ def request_from_options(
         ports=ports or None,
         mig=mig,
         node_selector=parse_selector(node_selector),
+        tolerations=parse_tolerations(tolerations),
         time_limit=parse_duration_s(time_limit, "--time-limit") if time_limit is not None else None,
         **extra,
     )
@@ -132,6 +156,18 @@ def parse_selector(items: list[str] | None, field: str = "--node-selector") -> d
         if not sep or not key.strip():
             raise InvalidInput(field, f"expected KEY=VALUE, got {item!r}")
         out[key.strip()] = value.strip()
+    return out or None
+
+
+def parse_tolerations(items: list[str] | None, field: str = "--toleration") -> list[str] | None:
+    """`["gpu=reserved", "maintenance"]`: KEY=VALUE, or a bare KEY for any value (the server checks
+    the characters and names the item it refuses)."""
+    out = []
+    for item in items or []:
+        key, sep, value = item.strip().partition("=")
+        if not key.strip():
+            raise InvalidInput(field, f"expected KEY=VALUE or KEY, got {item!r}")
+        out.append(f"{key.strip()}={value.strip()}" if sep else key.strip())
     return out or None
 
 
@@ -246,6 +282,7 @@ def register(app: typer.Typer) -> None:
         port: PortOpt = None,
         mig: MigOpt = None,
         node_selector: SelectorOpt = None,
+        toleration: TolerationOpt = None,
         time_limit: TimeLimitOpt = None,
         gang_nodes: Annotated[int, typer.Option("--gang-nodes", min=1, help="Nodes, all or none.")] = 1,
         priority: Annotated[int, typer.Option("--priority", help="Higher goes first.")] = 0,
@@ -263,7 +300,7 @@ def register(app: typer.Typer) -> None:
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
-            gang_nodes=gang_nodes, priority=priority, name=name, tenant=tenant,
+            tolerations=toleration, gang_nodes=gang_nodes, priority=priority, name=name, tenant=tenant,
         )  # fmt: skip
         with open_client(server, token) as pool:
             out = pool.create_allocation(req)
@@ -302,8 +339,17 @@ def register(app: typer.Typer) -> None:
             else:
                 say(f"allocation {out['id']}: {out['state']}")
 
-    ender("release", "Give a bound allocation's devices back to the pool.")
-    ender("cancel", "Withdraw an allocation (pending or bound).")
+    ender(
+        "release",
+        "Give a bound or running allocation's devices back (state released). A running job is stopped "
+        "by its agent: SIGTERM, then SIGKILL after the agent's --kill-grace-s.",
+    )
+    ender(
+        "cancel",
+        "Withdraw an allocation in any live state — pending, bound or running (state cancelled). A "
+        "running job is stopped as by release; a cancelled allocation is never requeued, restartable "
+        "or not.",
+    )
 
     @app.command("ps")
     @pool_command
@@ -320,7 +366,7 @@ def register(app: typer.Typer) -> None:
             if all_:
                 items = pool.list_allocations(tenant=tenant, limit=limit)
             else:
-                items = [a for s in HOLDING_STATES for a in pool.list_allocations(s, tenant, limit)]
+                items = [a for s in LIVE for a in pool.list_allocations(s, tenant, limit)]
         items.sort(key=lambda a: str(a.get("created_at") or ""))
         if json_out:
             print_json(items)
@@ -335,7 +381,7 @@ def register(app: typer.Typer) -> None:
                 escape(a.get("name") or ""),
                 a.get("tenant") or "",
                 a.get("owner") or "",
-                a["state"],
+                state_text(a),
                 escape(request_text(a.get("request") or {})),
                 escape(",".join(map(str, a.get("nodes") or []))),
                 short_time(a.get("created_at")),

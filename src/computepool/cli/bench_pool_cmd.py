@@ -91,16 +91,26 @@ def register(bench_app: typer.Typer) -> None:
                 help="Run against a fresh `cpool up --simulate 1xA100-80GB` (temp dir, free port).",
             ),
         ] = False,
+        image: Annotated[
+            str | None,
+            typer.Option(
+                "--image",
+                help="Run each job in a container of this image (on the node already; needs python3).",
+            ),
+        ] = None,
         allow_remote: AllowRemote = False,
         server: ServerOpt = None,
         token: TokenOpt = None,
         json_out: JsonOut = False,
     ) -> None:
-        """Submit --count short CPU-only jobs (`python -c pass`, gpus=0), --concurrency in flight.
+        """Submit --count short CPU-only jobs (python printing the time, gpus=0), --concurrency in flight.
 
-        start_latency_* is created_at → started_at on the server's clock; end_to_end_* is submit →
-        ended as the client saw it; failed counts jobs that did not end `released`; peak_running
-        is the most jobs whose recorded runs overlapped (with --hold, how many one agent ran at once).
+        start_latency_* is created_at → started_at on the server's clock (when the agent launched
+        the job); workload_start_* is created_at → the time the job printed (its first instruction
+        ran: for --image, after podman made the container); end_to_end_* is submit → ended as the
+        client saw it; failed counts jobs that did not end `released`; peak_running is the most
+        jobs whose recorded runs overlapped (with --hold, how many one agent ran at once).
+        `executor` says which sandbox ran the jobs: process, or container (--image).
         """
 
         def run(local: LocalProcess | None) -> dict[str, Any]:
@@ -113,6 +123,7 @@ def register(bench_app: typer.Typer) -> None:
                 cpu_milli=max(1, round(cpus * 1000)),
                 job_timeout_s=max(job_timeout, hold + 30),
                 hold_s=hold,
+                image=image or None,
             )
             if not json_out:
                 err_console.print(f"{count} jobs, {concurrency} in flight, against {url} …", highlight=False)

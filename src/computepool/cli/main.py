@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="ComputePool: one pool of GPUs and CPUs.")
@@ -9,6 +13,22 @@ sim_app = typer.Typer(no_args_is_help=True, help="Replay real cluster traces thr
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print JSON figures.")
 app.add_typer(sim_app, name="sim")
 app.add_typer(bench_app, name="bench")
+
+
+@app.callback()
+def _root(
+    ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca",
+            envvar="CPOOL_CA",
+            help="PEM file an https server's certificate must chain to (else what `cpool login` saved).",
+        ),
+    ] = None,
+) -> None:
+    """ComputePool: one pool of GPUs and CPUs."""
+    if ca is not None:
+        os.environ["CPOOL_CA"] = str(ca.expanduser().absolute())  # read by every client this run makes
 
 
 def _register() -> None:

@@ -1,4 +1,5 @@
-"""`cpool nodes`: the inventory, one row per device with a bar of its allocated share; cordon/drain."""
+"""`cpool nodes`: the inventory, one row per device with a bar of its allocated share; cordon/drain;
+placement rules (labels, taints, dedication to a tenant)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from computepool.cli.pool_cmd import (
     table,
 )
 from computepool.client import PoolClient, PoolError
+from computepool.core.allocation import HOLDING
+from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_mib
 
 BAR_WIDTH = 10
@@ -48,7 +51,7 @@ def allocated_by_device(pool: PoolClient, nodes: list[dict[str, Any]]) -> Usage 
     if usage:
         return usage
     try:
-        allocs = [a for state in ("bound", "active") for a in pool.list_allocations(state=state)]
+        allocs = [a for state in HOLDING for a in pool.list_allocations(state=state)]
     except PoolError as e:
         if e.status in (404, 405):  # a server without the allocations API
             return None
@@ -67,20 +70,58 @@ def _state(n: dict[str, Any]) -> str:
     return f"[{colour}]{n['state']}[/{colour}]{flags}"
 
 
+def rules_text(n: dict[str, Any]) -> str:
+    """`gpu=a100; taint team=ml; dedicated to ml (no lending)`: what steers work to or off a node."""
+    parts = [",".join(f"{k}={v}" for k, v in sorted((n.get("labels") or {}).items()))]
+    taints = n.get("taints") or {}
+    if taints:
+        parts.append("taint " + ",".join(f"{k}={v}" if v else k for k, v in sorted(taints.items())))
+    if n.get("dedicated"):
+        owner = n.get("dedicated_to") or "another tenant"
+        parts.append(f"dedicated to {owner}" + ("" if n.get("lending", True) else " (no lending)"))
+    return "; ".join(p for p in parts if p)
+
+
+def parse_changes(items: list[str], field: str) -> dict[str, str | None]:
+    """`["gpu=a100", "zone-"]` → {"gpu": "a100", "zone": None}: KEY=VALUE sets, KEY- removes."""
+    out: dict[str, str | None] = {}
+    for item in items:
+        if "=" in item:
+            key, _, value = item.partition("=")
+            out[key.strip()] = value.strip()
+        elif item.endswith("-") and len(item) > 1:
+            out[item[:-1].strip()] = None
+        else:
+            raise InvalidInput(field, f"expected KEY=VALUE to set or KEY- to remove, got {item!r}")
+        if not list(out)[-1]:
+            raise InvalidInput(field, f"empty key in {item!r}")
+    return out
+
+
 def show_nodes(nodes: list[dict[str, Any]], usage: Usage | None) -> None:
     if not nodes:
         say("no nodes: join one with `cpool join-token` and an agent")
         return
-    cols = ["node", "state", "cpu / mem", "dev", "model", "memory"]
+    with_rules = any(rules_text(n) for n in nodes)
+    cols = [
+        "node",
+        "state",
+        *(["labels / rules"] if with_rules else []),
+        "cpu / mem",
+        "dev",
+        "model",
+        "memory",
+    ]
     cols += ["allocated compute", "allocated memory"] if usage is not None else ["uuid"]
     t = table(None, *cols)
     for n in nodes:
-        head = [escape(n["name"]), _state(n), f"{cpus_text(n['cpu_milli'])} / {format_mib(n['memory_mib'])}"]
+        head = [escape(n["name"]), _state(n), *([escape(rules_text(n))] if with_rules else [])]
+        head.append(f"{cpus_text(n['cpu_milli'])} / {format_mib(n['memory_mib'])}")
         devices = n.get("devices") or []
         if not devices:
-            t.add_row(*head, "-", "cpu only", "", *([""] * (len(cols) - 6)))
+            t.add_row(*head, "-", "cpu only", "", *([""] * (len(cols) - len(head) - 3)))
         for i, d in enumerate(devices):
-            row = [*(head if i == 0 else ["", "", ""]), str(d["index"]), escape(d["model"])]
+            row = [*(head if i == 0 else [""] * len(head)), str(d["index"]), escape(d["model"])]
             row.append(format_mib(d["memory_mib"]))
             if usage is not None:
                 milli, mem = usage.get((n["name"], d["index"]), (0, 0))
@@ -95,7 +136,9 @@ def show_nodes(nodes: list[dict[str, Any]], usage: Usage | None) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    nodes = typer.Typer(help="Nodes of the pool: list (the default), cordon, uncordon, drain.")
+    nodes = typer.Typer(
+        help="Nodes of the pool: list (the default), cordon, uncordon, drain, label, taint, dedicate."
+    )
     app.add_typer(nodes, name="nodes")
 
     def list_nodes(server: str | None, token: str | None, json_out: bool) -> None:
@@ -146,3 +189,78 @@ def register(app: typer.Typer) -> None:
     flag_command(
         "drain", "Cordon the node; restartable work moves elsewhere, the rest finishes there (admin)."
     )
+
+    def rules_command(verb: str, doc: str, build: Any) -> None:
+        """A command that PATCHes the node's rules and says what they are now."""
+
+        @nodes.command(verb, help=doc)
+        @pool_command
+        def change(
+            name: Annotated[str, typer.Argument(help="Node name.")],
+            items: Annotated[list[str], typer.Argument(help="KEY=VALUE to set, KEY- to remove.")],
+            server: ServerOpt = None,
+            token: TokenOpt = None,
+            json_out: JsonOpt = False,
+        ) -> None:
+            patch = build(items)
+            with open_client(server, token) as pool:
+                out = pool.update_node(name, **patch)
+            if json_out:
+                print_json(out)
+                return
+            say(f"node {out['name']}: {rules_text(out) or 'no labels, taints or dedication'}")
+
+    rules_command(
+        "label",
+        "Set (KEY=VALUE) or remove (KEY-) node labels; requests select them with --node-selector (admin).",
+        lambda items: {"labels": parse_changes(items, "labels")},
+    )
+    rules_command(
+        "taint",
+        "Keep work off the node unless it tolerates KEY=VALUE (--toleration); KEY- removes (admin).",
+        lambda items: {"taints": parse_changes(items, "taints")},
+    )
+
+    @nodes.command("dedicate")
+    @pool_command
+    def dedicate(
+        name: Annotated[str, typer.Argument(help="Node name.")],
+        tenant: Annotated[str, typer.Option("--tenant", help="The tenant the node is set aside for.")],
+        lending: Annotated[
+            bool,
+            typer.Option(
+                "--lending/--no-lending",
+                help="Let other tenants borrow it as preemptible work (default), or keep them off.",
+            ),
+        ] = True,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Set the node aside for one tenant; others borrow it preemptibly, or never (admin).
+
+        The tenant's work goes there first and takes it back from borrowers (restartable ones
+        are requeued); with --no-lending nobody else is placed there.
+        """
+        with open_client(server, token) as pool:
+            out = pool.update_node(name, dedicated_to=tenant, lending=lending)
+        if json_out:
+            print_json(out)
+            return
+        say(f"node {out['name']}: {rules_text(out)}")
+
+    @nodes.command("undedicate")
+    @pool_command
+    def undedicate(
+        name: Annotated[str, typer.Argument(help="Node name.")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Share the node with every tenant again (admin)."""
+        with open_client(server, token) as pool:
+            out = pool.update_node(name, dedicated_to=None, lending=True)
+        if json_out:
+            print_json(out)
+            return
+        say(f"node {out['name']}: shared ({rules_text(out) or 'no labels, taints or dedication'})")

@@ -29,7 +29,7 @@ from computepool.client import (
 )
 from computepool.client.config import load_config, normalise_server
 from computepool.core.errors import InvalidInput
-from computepool.core.quantities import format_mib, parse_cpu_milli, parse_memory_mib
+from computepool.core.quantities import format_duration, format_mib, parse_cpu_milli, parse_memory_mib
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -213,17 +213,27 @@ def _register_login(app: typer.Typer) -> None:
         token_file: Annotated[
             Path | None, typer.Option("--token-file", help="Read the token from this file ('-': stdin).")
         ] = None,
+        ca: Annotated[
+            Path | None,
+            typer.Option(
+                "--ca",
+                help="PEM file an https server's certificate must chain to (e.g. DATA_DIR/tls/cert.pem "
+                "of `cpool up`); saved with the server.",
+            ),
+        ] = None,
     ) -> None:
-        """Check a token with the server and save server + token (mode 0600) for later commands."""
+        """Check a token with the server and save server + token (+ CA) (mode 0600) for later commands."""
         if token and token_file:
             raise InvalidInput("--token-file", "give either --token or --token-file, not both")
         if token_file is not None:
             token = _read_token_file(token_file)
-        cfg = resolve_config(server, token)
+        if ca is not None and not ca.expanduser().is_file():
+            raise InvalidInput("--ca", f"no such file {ca}")
+        cfg = resolve_config(server, token, ca=str(ca) if ca else None)
         if not cfg.token:
             if not sys.stdin.isatty():
                 raise InvalidInput("--token", "no token given (use --token, --token-file or $CPOOL_TOKEN)")
-            cfg = ClientConfig(cfg.server, typer.prompt("API token", hide_input=True).strip())
+            cfg = ClientConfig(cfg.server, typer.prompt("API token", hide_input=True).strip(), cfg.ca)
         with PoolClient.from_config(cfg) as pool:
             me = pool.whoami()
         path = save_config(cfg)
@@ -240,7 +250,8 @@ def _register_login(app: typer.Typer) -> None:
         if not saved:
             say("not logged in")
             return
-        save_config(ClientConfig(normalise_server(saved.get("server", "http://127.0.0.1:8470")), None))
+        server = normalise_server(saved.get("server", "http://127.0.0.1:8470"))
+        save_config(ClientConfig(server, None, saved.get("ca")))
         say(f"token removed from {path}")
 
 
@@ -280,6 +291,46 @@ def _register_tenants(app: typer.Typer) -> None:
             print_json(out)
         else:
             say(f"tenant {out['name']} created (weight {out['weight']:g})")
+
+    @tenants.command("reclaim")
+    @pool_command
+    def reclaim(
+        name: Annotated[str, typer.Argument(help="The tenant.")],
+        idle: Annotated[
+            str | None,
+            typer.Option("--idle", help="Release allocations whose devices show no use this long, e.g. 30m."),
+        ] = None,
+        warn: Annotated[
+            str, typer.Option("--warn", help="Warn this long before (event, cpool ps, metric), e.g. 10m.")
+        ] = "0",
+        off: Annotated[
+            bool, typer.Option("--off", help="Never reclaim this tenant's idle allocations.")
+        ] = False,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """A tenant's idle reclaim (admin to change): show it, set it with --idle, or turn it --off."""
+        if off and idle is not None:
+            raise fail("--off and --idle: give one of them")
+        if warn != "0" and idle is None:
+            raise fail("--warn needs --idle")
+        with open_client(server, token) as pool:
+            if off:
+                out = pool.delete_reclaim(name)
+            elif idle is not None:
+                out = pool.set_reclaim(name, idle, warn)
+            else:
+                out = pool.get_reclaim(name)
+        if json_out:
+            print_json(out)
+        elif not out.get("enabled"):
+            say(f"tenant {name}: idle reclaim off")
+        else:
+            say(
+                f"tenant {name}: allocations idle for {format_duration(out['idle_s'])} are released, "
+                f"warned {format_duration(out['warn_s'])} before"
+            )
 
 
 def _register_users(app: typer.Typer) -> None:
@@ -533,7 +584,8 @@ def _register_audit(app: typer.Typer) -> None:
     @audit.command("verify")
     @pool_command
     def verify(server: ServerOpt = None, token: TokenOpt = None, json_out: JsonOpt = False) -> None:
-        """Recompute the hash chain; exit 1 and name the first broken record if it does not hold."""
+        """Recompute the hash chain and hold its end against the server's sealed head and anchor;
+        exit 1 naming the cause (a record edited, records cut from the end, a rewritten tail)."""
         with open_client(server, token) as pool:
             rep = pool.verify_audit()
         if json_out:
@@ -541,7 +593,5 @@ def _register_audit(app: typer.Typer) -> None:
         elif rep["ok"]:
             say(f"audit chain intact: {rep['records']} records")
         if not rep["ok"]:
-            raise fail(
-                f"audit chain broken at record {rep['first_broken']} ({rep['records']} records checked)",
-                code=1,
-            )
+            cause = rep.get("cause") or f"broken at record {rep['first_broken']}"
+            raise fail(f"audit chain not intact: {cause} ({rep['records']} records checked)", code=1)

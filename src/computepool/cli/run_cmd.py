@@ -29,6 +29,7 @@ from computepool.cli.alloc_cmd import (
     PortOpt,
     SelectorOpt,
     TimeLimitOpt,
+    TolerationOpt,
     request_from_options,
     request_text,
     wait_for_binding,
@@ -37,6 +38,7 @@ from computepool.cli.common import err_console, fail
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, gpus_text, open_client, pool_command, table
 from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
+from computepool.core.allocation import LIVE
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_mib
 
@@ -94,9 +96,18 @@ def register(app: typer.Typer) -> None:
         port: PortOpt = None,
         mig: MigOpt = None,
         node_selector: SelectorOpt = None,
+        toleration: TolerationOpt = None,
         time_limit: TimeLimitOpt = None,
         restartable: Annotated[
-            bool, typer.Option("--restartable", help="Requeue (new attempt) if its node is lost.")
+            bool,
+            typer.Option(
+                "--restartable",
+                help="Start it again from the beginning (a new attempt, queued again) when it is "
+                "preempted, its node is lost, drained or removed, or the agent loses its process; "
+                "its node also stops it when cut off from the control plane, so only one copy ever "
+                "runs. Without it, preemption or node loss ends the job (preempted/failed) and a "
+                "drained node lets it finish. A failing exit or a time limit is never retried.",
+            ),
         ] = False,
         name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,
         detach: Annotated[
@@ -114,7 +125,7 @@ def register(app: typer.Typer) -> None:
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
-            name=name, command=command, restartable=restartable,
+            tolerations=toleration, name=name, command=command, restartable=restartable,
         )  # fmt: skip
         with open_client(server, token, timeout=60.0) as pool:
             job = pool.create_allocation(req)
@@ -183,7 +194,7 @@ def _top_view(pool: PoolClient) -> Any:
     from rich.console import Group
 
     nodes = pool.list_nodes()
-    allocs = [a for s in ("pending", "bound", "active") for a in pool.list_allocations(s)]
+    allocs = [a for s in LIVE for a in pool.list_allocations(s)]
     used: dict[tuple[str, int], list[int]] = {}
     for a in allocs:
         if a.get("state") == "pending":

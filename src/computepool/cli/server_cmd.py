@@ -42,6 +42,31 @@ def register(app: typer.Typer) -> None:
             ),
         ] = 1.0,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+        max_body_bytes: Annotated[
+            int,
+            typer.Option(
+                "--max-body-bytes", help="Larger request bodies are refused with 413 (default 1 MiB)."
+            ),
+        ] = 1 << 20,
+        tls_cert: Annotated[
+            Path | None,
+            typer.Option(
+                "--tls-cert", envvar="CPOOL_TLS_CERT", help="PEM certificate: serve HTTPS (with --tls-key)."
+            ),
+        ] = None,
+        tls_key: Annotated[
+            Path | None,
+            typer.Option("--tls-key", envvar="CPOOL_TLS_KEY", help="PEM private key of --tls-cert."),
+        ] = None,
+        audit_key_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--audit-key-file",
+                envvar="CPOOL_AUDIT_KEY_FILE",
+                help="Key that seals the audit log's head (default DATA_DIR/audit-key, made on first start). "
+                "Replicas sharing one PostgreSQL database must all use the same key.",
+            ),
+        ] = None,
     ) -> None:
         """Start the control plane; the first start writes an admin token to DATA_DIR/admin-token."""
         from computepool.server.run import serve
@@ -60,11 +85,25 @@ def register(app: typer.Typer) -> None:
                 lost_after_s=lost_s,
                 token_cache_s=token_cache_s,
                 log_level=log_level.lower(),
+                max_body_bytes=max_body_bytes,
+                tls_cert=tls_cert.expanduser() if tls_cert else None,
+                tls_key=tls_key.expanduser() if tls_key else None,
+                audit_key_file=audit_key_file.expanduser() if audit_key_file else None,
             )
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "settings"
-            raise fail(f"{where}: {first['msg']}") from None
+            raise fail(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
         if settings.db_url and not settings.db_url.startswith(("sqlite", "postgres")):
             raise fail(f"--db: expected a sqlite:/// or postgresql+psycopg:// URL, got {settings.db_url!r}")
+        for opt, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
+            if path is not None and not path.is_file():
+                raise fail(f"{opt}: no such file {path}")
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            from computepool.core.tls import TlsError, check_pair
+
+            try:
+                check_pair(settings.tls_cert, settings.tls_key)
+            except TlsError as e:
+                raise fail(str(e)) from None
         serve(settings)

@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import httpx
 import typer
 
 from computepool.cli.common import fail
+from computepool.core.tls import client_context, generate_self_signed
 
 EXIT_FATAL = 2  # the agent's "only the operator can fix this" (computepool.agent.loop.EXIT_FATAL)
 EXIT_CREDENTIAL_REFUSED = 3  # the agent's credential was refused: it needs a fresh join token
@@ -123,14 +125,15 @@ def _cpool(*args: str) -> list[str]:
     return [sys.executable, "-m", "computepool.cli.main", *args]
 
 
-def _wait_ready(server: Child, url: str, token_file: Path) -> None:
+def _wait_ready(server: Child, url: str, token_file: Path, verify: ssl.SSLContext | bool = True) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         rc = server.exited()
         if rc is not None:
             raise fail(f"the control plane did not start (exit code {rc}): {_last_line(server.log_path)}", 1)
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and token_file.exists():
+            ready = httpx.get(f"{url}/readyz", timeout=2, verify=verify).status_code == 200
+            if ready and token_file.exists():
                 return
         except httpx.HTTPError:
             pass
@@ -141,13 +144,14 @@ def _wait_ready(server: Child, url: str, token_file: Path) -> None:
         time.sleep(0.2)
 
 
-def _join_token(url: str, token_file: Path) -> str:
+def _join_token(url: str, token_file: Path, verify: ssl.SSLContext | bool = True) -> str:
     admin = token_file.read_text().strip()
     r = httpx.post(
         f"{url}/api/v1/join-tokens",
         json={"expires_in_s": 600, "single_use": True},
         headers={"Authorization": f"Bearer {admin}"},
         timeout=10,
+        verify=verify,
     )
     if r.status_code != 201:
         raise RuntimeError(
@@ -156,12 +160,31 @@ def _join_token(url: str, token_file: Path) -> str:
     return str(r.json()["token"])
 
 
-def _agent_env(agent: Child, url: str, token_file: Path, agent_dir: Path, *, refused: bool = False) -> None:
+def _agent_env(
+    agent: Child,
+    url: str,
+    token_file: Path,
+    agent_dir: Path,
+    *,
+    refused: bool = False,
+    verify: ssl.SSLContext | bool = True,
+) -> None:
     """A fresh join token only when the agent needs one: no credential yet, or its credential refused."""
     if refused or not (agent_dir / "node.json").exists():
-        agent.env["CPOOL_JOIN_TOKEN"] = _join_token(url, token_file)
+        agent.env["CPOOL_JOIN_TOKEN"] = _join_token(url, token_file, verify)
     else:
         agent.env.pop("CPOOL_JOIN_TOKEN", None)
+
+
+def _ensure_certificate(cert: Path, key: Path, host: str) -> bool:
+    """Make the self-signed pair on first start (True); later starts reuse it, so clients keep trusting it."""
+    if cert.exists() and key.exists():
+        return False
+    hosts = ["localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()]
+    if host not in ("0.0.0.0", "", "::"):
+        hosts.append(host)
+    generate_self_signed(cert, key, hosts)
+    return True
 
 
 def register(app: typer.Typer) -> None:
@@ -178,13 +201,25 @@ def register(app: typer.Typer) -> None:
         simulate: Annotated[
             str | None,
             typer.Option(
-                "--simulate", help="Add simulated devices, e.g. 2xA100-80GB (NVIDIA GPUs need no flag)."
+                "--simulate",
+                help="Simulated devices instead of real ones, e.g. 2xA100-80GB or "
+                "1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb (a GPU split into MIG instances).",
             ),
         ] = None,
+        tls: Annotated[
+            bool,
+            typer.Option(
+                "--tls/--no-tls",
+                help="Serve HTTPS with a self-signed certificate made on first start (DATA_DIR/tls/cert.pem; "
+                "clients give it with --ca or CPOOL_CA).",
+            ),
+        ] = True,
     ) -> None:
         """Start the control plane and a local agent; stay in the foreground until Ctrl-C."""
         from computepool.agent.devices import parse_spec
         from computepool.core.errors import InvalidInput
+
+        os.umask(0o077)  # its logs, keys and the children's files are readable by the pool alone
 
         if simulate is not None:
             try:
@@ -198,7 +233,15 @@ def register(app: typer.Typer) -> None:
             data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise fail(f"--data-dir: cannot create {data_dir}: {e.strerror}") from None
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        cert, key = data_dir / "tls" / "cert.pem", data_dir / "tls" / "key.pem"
+        verify: ssl.SSLContext | bool = True
+        if tls:
+            made = _ensure_certificate(cert, key, host)
+            if made:
+                print(f"made a self-signed TLS certificate: {cert} (key {key}, mode 0600)", flush=True)
+            verify = client_context(cert)
+        local = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        url = f"{'https' if tls else 'http'}://{f'[{local}]' if ':' in local else local}:{port}"
         token_file = data_dir / "admin-token"
         agent_dir = data_dir / "agent"
         logs = data_dir / "logs"
@@ -213,17 +256,20 @@ def register(app: typer.Typer) -> None:
 
         server = Child(
             "control plane",
-            _cpool("server", "--data-dir", str(data_dir), "--host", host, "--port", str(port)),
+            _cpool("server", "--data-dir", str(data_dir), "--host", host, "--port", str(port))
+            + (["--tls-cert", str(cert), "--tls-key", str(key)] if tls else []),
             logs / "server.log",
         )
         agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))
+        if tls:
+            agent_argv += ["--ca", str(cert)]
         if simulate:
             agent_argv += ["--simulate", simulate]
         agent = Child("agent", agent_argv, logs / "agent.log")
         server.start()
         try:
-            _wait_ready(server, url, token_file)
-            _agent_env(agent, url, token_file, agent_dir)
+            _wait_ready(server, url, token_file, verify)
+            _agent_env(agent, url, token_file, agent_dir, verify=verify)
             agent.start()
         except (RuntimeError, OSError, httpx.HTTPError) as e:
             server.stop(15)
@@ -231,11 +277,12 @@ def register(app: typer.Typer) -> None:
 
         print(f"ComputePool is up: API {url}", flush=True)
         print(f"admin token in {token_file}", flush=True)
-        print(f"  export CPOOL_SERVER={url} CPOOL_TOKEN=$(cat {token_file})", flush=True)
+        ca_env = f" CPOOL_CA={cert}" if tls else ""
+        print(f"  export CPOOL_SERVER={url}{ca_env} CPOOL_TOKEN=$(cat {token_file})", flush=True)
         print(f"logs in {logs}/ (server.log, agent.log); Ctrl-C stops both (running jobs keep running "
               "and are re-adopted by the next `cpool up`)", flush=True)  # fmt: skip
 
-        code = _supervise(stop, server, agent, url, token_file, agent_dir)
+        code = _supervise(stop, server, agent, url, token_file, agent_dir, verify)
         agent.stop(15)
         server.stop(20, nudge_after_s=3)
         print("ComputePool stopped", flush=True)
@@ -244,7 +291,13 @@ def register(app: typer.Typer) -> None:
 
 
 def _supervise(
-    stop: threading.Event, server: Child, agent: Child, url: str, token_file: Path, agent_dir: Path
+    stop: threading.Event,
+    server: Child,
+    agent: Child,
+    url: str,
+    token_file: Path,
+    agent_dir: Path,
+    verify: ssl.SSLContext | bool = True,
 ) -> int:
     """Restart what crashed, with backoff; 0 on a requested stop, non-zero on a fatal agent error."""
     refused = False
@@ -254,7 +307,7 @@ def _supervise(
                 if time.monotonic() >= child.next_start:
                     if child is agent:
                         try:
-                            _agent_env(agent, url, token_file, agent_dir, refused=refused)
+                            _agent_env(agent, url, token_file, agent_dir, refused=refused, verify=verify)
                         except (RuntimeError, OSError, httpx.HTTPError) as e:
                             delay = agent.schedule_restart()
                             print(f"agent not restarted yet ({e}); trying again in {delay:.0f} s", flush=True)

@@ -10,20 +10,30 @@ request. Errors are the same as `PoolClient`'s: `PoolError` for an HTTP error an
 from __future__ import annotations
 
 import json as jsonlib
+import os
+import ssl
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from computepool.client.config import ENV_CA
 from computepool.client.errors import ServerUnreachable
 from computepool.client.http import API, error_from_parts
+from computepool.core.tls import client_context, describe_tls_failure
 
 
 class AioApi:
     """One aiohttp session against `server` with a bearer token; `call` returns parsed JSON."""
 
-    def __init__(self, server: str, token: str, connections: int, timeout_s: float) -> None:
+    def __init__(
+        self, server: str, token: str, connections: int, timeout_s: float, ca: str | None = None
+    ) -> None:
+        """`ca`: the PEM file an https server's certificate must chain to (default: $CPOOL_CA)."""
         self.server = server.rstrip("/")
         self.timeout_s = timeout_s
+        ca = ca or os.environ.get(ENV_CA)
+        self._ssl: ssl.SSLContext | bool = client_context(Path(ca)) if ca else True
         self._headers = {"Authorization": f"Bearer {token}", "User-Agent": "cpool-bench"}
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
@@ -31,7 +41,9 @@ class AioApi:
     async def __aenter__(self) -> AioApi:
         self._session = aiohttp.ClientSession(
             headers=self._headers,
-            connector=aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections),
+            connector=aiohttp.TCPConnector(
+                limit=self._connections, limit_per_host=self._connections, ssl=self._ssl
+            ),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
         )
         return self
@@ -59,6 +71,9 @@ class AioApi:
         except TimeoutError:
             raise ServerUnreachable(self.server, f"no answer within {self.timeout_s:g} s") from None
         except aiohttp.ClientConnectionError as e:
+            tls = describe_tls_failure(e)
+            if tls is not None:
+                raise ServerUnreachable(self.server, tls, tls=True) from None
             raise ServerUnreachable(
                 self.server, f"connection failed: {e}" if str(e) else "connection refused"
             ) from None

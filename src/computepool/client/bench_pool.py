@@ -2,7 +2,10 @@
 
 `run_jobs_bench` submits short CPU-only jobs (gpus=0, so they never queue behind GPU capacity),
 at most `concurrency` in flight, and times each from submit to `started_at` (server clock:
-`created_at` → `started_at`) and from submit to ended (client clock, polled).
+`created_at` → `started_at`) and from submit to ended (client clock, polled). With an image the
+jobs are containers; since the agent reports a job started when it has launched it, not when the
+workload's first instruction runs, each job also prints the time it began and
+`workload_start_*` is `created_at` → that time (one clock when the pool runs on this machine).
 
 `run_agents_bench` joins `count` simulated nodes (one device each) and heartbeats each of them
 every `interval_s`, the nodes spread evenly over the interval, timing how late every beat is. No beat
@@ -64,7 +67,7 @@ class LocalProcess:
         self.kind = kind
         args = ["--data-dir", str(self.data_dir), "--host", "127.0.0.1", "--port", str(self.port)]
         if kind == "up":
-            args += ["--simulate", simulate]
+            args += ["--simulate", simulate, "--no-tls"]  # plain http on loopback: figures stay comparable
         self.argv = [sys.executable, "-m", "computepool.cli.main", kind, *args]
         self.log_path = self.data_dir / f"bench-{kind}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -179,13 +182,15 @@ class JobsSettings:
     poll_max_s: float = 10.0  # each long-poll answers as soon as the state changes
     http_timeout_s: float = 30.0
     hold_s: float = 0.0  # each job sleeps this long (0: it exits at once)
+    image: str | None = None  # run each job in a container of this image (it needs python3 and sh)
 
 
-def _job_command(hold_s: float) -> list[str]:
+def _job_command(hold_s: float, image: str | None = None) -> list[str]:
+    """Print the wall-clock time the workload began, then end (or sleep `hold_s`)."""
     if hold_s <= 0:
-        return [sys.executable, "-c", "pass"]
-    sleep = shutil.which("sleep")  # far lighter than a Python per job when a hundred run at once
-    return [sleep, f"{hold_s:g}"] if sleep else [sys.executable, "-c", f"import time; time.sleep({hold_s!r})"]
+        return ["python3" if image else sys.executable, "-c", "import time; print(time.time())"]
+    # far lighter than a Python per job when a hundred run at once
+    return ["sh" if image else shutil.which("sh") or "/bin/sh", "-c", f"date +%s.%N; exec sleep {hold_s:g}"]
 
 
 def peak_overlap(spans: list[tuple[datetime, datetime]]) -> int:
@@ -205,13 +210,16 @@ async def _one_job(
     e2e_ms: list[float],
     err: _Errors,
     spans: list[tuple[datetime, datetime]],
+    began: list[tuple[str, datetime]],
 ) -> None:
-    body = {
+    body: dict[str, Any] = {
         "name": "bench-job",
         "gpus": 0,
         "cpu_milli": s.cpu_milli,
-        "command": _job_command(s.hold_s),
+        "command": _job_command(s.hold_s, s.image),
     }
+    if s.image:
+        body["image"] = s.image
     t0 = time.perf_counter()
     try:
         alloc = await api.call("POST", "/allocations", body, {"Idempotency-Key": uuid.uuid4().hex})
@@ -244,9 +252,32 @@ async def _one_job(
         return
     start_ms.append((started - created).total_seconds() * 1000)
     e2e_ms.append((ended - t0) * 1000)
+    began.append((str(alloc_id), created))
     finished = _ts(alloc.get("ended_at"))
     if finished is not None:
         spans.append((started, finished))
+
+
+async def _workload_starts(
+    api: AioApi, began: list[tuple[str, datetime]], sem: asyncio.Semaphore
+) -> list[float]:
+    """created_at → the time each job printed as its first line (read after the timed run)."""
+
+    async def one(alloc_id: str, created: datetime) -> float | None:
+        async with sem:
+            for _ in range(3):  # the last output may still be on its way from the agent
+                with contextlib.suppress(PoolError, ServerUnreachable):
+                    out = await api.call(
+                        "GET", f"/allocations/{alloc_id}/logs", params={"offset": "0", "wait": "2"}
+                    )
+                    first = str(out.get("data") or "").split("\n", 1)[0].strip()
+                    with contextlib.suppress(ValueError):
+                        return (float(first) - created.timestamp()) * 1000
+                await asyncio.sleep(0.5)
+        return None
+
+    got = await asyncio.gather(*(one(a, c) for a, c in began))
+    return [ms for ms in got if ms is not None]
 
 
 async def run_jobs_bench(s: JobsSettings) -> dict[str, Any]:
@@ -255,20 +286,26 @@ async def run_jobs_bench(s: JobsSettings) -> dict[str, Any]:
     e2e_ms: list[float] = []
     err = _Errors()
     spans: list[tuple[datetime, datetime]] = []
+    began: list[tuple[str, datetime]] = []
     sem = asyncio.Semaphore(s.concurrency)
 
     async with AioApi(s.server, s.token, s.concurrency + 4, s.http_timeout_s) as api:
 
         async def slot() -> None:
             async with sem:
-                await _one_job(api, s, start_ms, e2e_ms, err, spans)
+                await _one_job(api, s, start_ms, e2e_ms, err, spans, began)
 
         t0 = time.monotonic()
         await asyncio.gather(*(slot() for _ in range(s.count)))
         elapsed = time.monotonic() - t0
+        workload_ms = await _workload_starts(api, began, sem)
     return {
+        "executor": "container" if s.image else "process",
+        "image": s.image,
         "start_latency_p50_ms": percentile(start_ms, 50),
         "start_latency_p99_ms": percentile(start_ms, 99),
+        "workload_start_p50_ms": percentile(workload_ms, 50),
+        "workload_start_p99_ms": percentile(workload_ms, 99),
         "end_to_end_p50_ms": percentile(e2e_ms, 50),
         "end_to_end_p99_ms": percentile(e2e_ms, 99),
         "jobs": s.count,

@@ -1,4 +1,4 @@
-"""Where the client finds its server and token: flags > environment > the file `cpool login` writes."""
+"""Where the client finds its server, token and CA: flags > environment > the file `cpool login` writes."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ DEFAULT_SERVER = "http://127.0.0.1:8470"
 ENV_SERVER = "CPOOL_SERVER"
 ENV_TOKEN = "CPOOL_TOKEN"
 ENV_CONFIG = "CPOOL_CONFIG"
+ENV_CA = "CPOOL_CA"
+_SAVED = ("server", "token", "ca")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     server: str
     token: str | None
+    ca: str | None = None  # PEM file of the CA (or the self-signed certificate) an https server must match
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:
@@ -55,20 +58,38 @@ def load_config(path: Path) -> dict[str, str]:
         ) from None
     if not isinstance(data, dict):
         raise InvalidInput(str(path), "expected a JSON object; run `cpool login`")
-    return {k: v for k, v in data.items() if k in ("server", "token") and isinstance(v, str)}
+    return {k: v for k, v in data.items() if k in _SAVED and isinstance(v, str)}
 
 
 def resolve_config(
-    server: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
+    server: str | None = None,
+    token: str | None = None,
+    env: Mapping[str, str] | None = None,
+    ca: str | None = None,
 ) -> ClientConfig:
-    """Each setting from the first place that has it: the argument, the environment, the file."""
+    """Each setting from the first place that has it: the argument, the environment, the file.
+
+    The saved CA only goes with the saved server: a server named elsewhere needs its own CA.
+    """
     env = os.environ if env is None else env
     saved: dict[str, str] = {}
-    if not (server or env.get(ENV_SERVER)) or not (token or env.get(ENV_TOKEN)):
+    if (
+        not (server or env.get(ENV_SERVER))
+        or not (token or env.get(ENV_TOKEN))
+        or not (ca or env.get(ENV_CA))
+    ):
         saved = load_config(config_path(env))
-    chosen_server = server or env.get(ENV_SERVER) or saved.get("server") or DEFAULT_SERVER
+    chosen_server = normalise_server(server or env.get(ENV_SERVER) or saved.get("server") or DEFAULT_SERVER)
     chosen_token = token or env.get(ENV_TOKEN) or saved.get("token") or None
-    return ClientConfig(server=normalise_server(chosen_server), token=chosen_token)
+    saved_ca = (
+        saved.get("ca")
+        if saved.get("server") and normalise_server(saved["server"]) == chosen_server
+        else None
+    )
+    chosen_ca = ca or env.get(ENV_CA) or saved_ca or None
+    if chosen_ca is not None:
+        chosen_ca = str(Path(chosen_ca).expanduser().absolute())
+    return ClientConfig(server=chosen_server, token=chosen_token, ca=chosen_ca)
 
 
 def save_config(cfg: ClientConfig, env: Mapping[str, str] | None = None) -> Path:
@@ -84,7 +105,10 @@ def save_config(cfg: ClientConfig, env: Mapping[str, str] | None = None) -> Path
     try:
         with os.fdopen(fd, "w") as f:
             os.fchmod(f.fileno(), 0o600)  # an existing tmp file keeps its mode otherwise
-            json.dump({"server": cfg.server, "token": cfg.token}, f, indent=2)
+            doc = {"server": cfg.server, "token": cfg.token}
+            if cfg.ca:
+                doc["ca"] = cfg.ca
+            json.dump(doc, f, indent=2)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:

@@ -20,10 +20,10 @@ class PoolError(Exception):
 class ServerUnreachable(Exception):
     """No answer at all (refused, DNS, timeout): says which address was tried and how to fix it."""
 
-    def __init__(self, server: str, cause: str) -> None:
-        super().__init__(
-            f"cannot reach the pool server at {server} ({cause}); "
-            "is `cpool server` running? set --server, CPOOL_SERVER or `cpool login --server`"
+    def __init__(self, server: str, cause: str, *, tls: bool = False) -> None:
+        hint = (
+            "" if tls else "; is `cpool server` running? set --server, CPOOL_SERVER or `cpool login --server`"
         )
+        super().__init__(f"cannot reach the pool server at {server} ({cause}){hint}")
         self.server = server
         self.cause = cause

@@ -14,22 +14,22 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
 from computepool.client.config import ClientConfig, normalise_server
 from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.core.allocation import ENDED, PENDING, IsolationName
+from computepool.core.tls import client_context, describe_tls_failure
 
 API = "/api/v1"
 JSON = dict[str, Any]
 AllocId = int | str
-Isolation = Literal["timeslice", "mps", "mig", "exclusive"]
-PENDING = "pending"
-ENDED_STATES = frozenset({"released", "preempted", "failed", "cancelled"})
-HOLDING_STATES = ("pending", "bound", "active")
+ENDED_STATES = frozenset(ENDED)  # for membership tests; the states are core's
 MAX_RETRY_WAIT_S = 10.0
 
 
@@ -53,7 +53,7 @@ class AllocationRequest:
     memory_mib: int = 0
     models: Sequence[str] | None = None
     exclusive: bool = False
-    isolation: Isolation | None = None
+    isolation: IsolationName | None = None
     gang_nodes: int = 1
     priority: int = 0
     name: str | None = None
@@ -65,6 +65,7 @@ class AllocationRequest:
     ports: Sequence[int] | None = None
     mig: str | None = None
     node_selector: Mapping[str, str] | None = None
+    tolerations: Sequence[str] | None = None
     time_limit: int | str | None = None
 
     def body(self) -> JSON:
@@ -118,6 +119,9 @@ def retry_after_s(r: httpx.Response, attempt: int) -> float:
 
 
 def transport_cause(e: httpx.TransportError, timeout: float) -> str:
+    tls = describe_tls_failure(e)
+    if tls is not None:
+        return tls
     if isinstance(e, httpx.TimeoutException):
         return f"no answer within {timeout:g} s"
     if isinstance(e, httpx.ConnectError):
@@ -139,7 +143,9 @@ class PoolClient:
         timeout: float = 30.0,
         retries: int = 3,
         sleep: Callable[[float], None] = time.sleep,
+        ca: str | None = None,
     ) -> None:
+        """`ca`: a PEM file the server's certificate must chain to (else the system's CAs)."""
         self.server = normalise_server(server)
         self.token = token
         self.timeout = timeout
@@ -148,11 +154,12 @@ class PoolClient:
         headers = {"User-Agent": f"cpool/{_version()}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
+        verify = client_context(Path(ca)) if ca else True
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout, verify=verify)
 
     @classmethod
     def from_config(cls, cfg: ClientConfig, timeout: float = 30.0) -> PoolClient:
-        return cls(cfg.server, cfg.token, timeout=timeout)
+        return cls(cfg.server, cfg.token, timeout=timeout, ca=cfg.ca)
 
     def close(self) -> None:
         self._http.close()
@@ -193,7 +200,8 @@ class PoolClient:
                     continue
                 raise ServerUnreachable(self.server, transport_cause(e, self.timeout)) from None
             except httpx.TransportError as e:
-                raise ServerUnreachable(self.server, transport_cause(e, self.timeout)) from None
+                cause = transport_cause(e, self.timeout)
+                raise ServerUnreachable(self.server, cause, tls=describe_tls_failure(e) is not None) from None
             if r.status_code == 503 and attempt < self.retries:
                 self._sleep(retry_after_s(r, attempt))
                 attempt += 1
@@ -263,6 +271,17 @@ class PoolClient:
         """Replaces the tenant's whole quota (resources left out have none)."""
         return dict(self.request("PUT", f"/tenants/{_seg(tenant)}/quota", json=dict(quota)))
 
+    def get_reclaim(self, tenant: str) -> JSON:
+        return dict(self.request("GET", f"/tenants/{_seg(tenant)}/reclaim"))
+
+    def set_reclaim(self, tenant: str, idle: int | str, warn: int | str = 0) -> JSON:
+        """Release the tenant's allocations whose devices show no use for `idle`, warning `warn` before."""
+        body = {"idle": idle, "warn": warn}
+        return dict(self.request("PUT", f"/tenants/{_seg(tenant)}/reclaim", json=body))
+
+    def delete_reclaim(self, tenant: str) -> JSON:
+        return dict(self.request("DELETE", f"/tenants/{_seg(tenant)}/reclaim"))
+
     # -- nodes ----------------------------------------------------------------------------
 
     def create_join_token(self, expires_in_s: int = 3600, single_use: bool = True) -> JSON:
@@ -311,6 +330,11 @@ class PoolClient:
 
     def delete_node(self, name: str) -> JSON:
         return dict(self.request("DELETE", f"/nodes/{_seg(name)}"))
+
+    def update_node(self, name: str, **changes: Any) -> JSON:
+        """PATCH the node's placement rules: `labels`/`taints` (a None value removes the key),
+        `dedicated_to` (a tenant, or None to share the node again) and `lending`."""
+        return dict(self.request("PATCH", f"/nodes/{_seg(name)}", json=changes))
 
     # -- audit ----------------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
+from computepool.core.allocation import Isolation
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import MILLI_PER_DEVICE
+from computepool.core.resources import MIG_PROFILE
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 MAX_DEVICES_PER_NODE = 64
@@ -39,6 +41,11 @@ class Request:
 
     `gpu_count` and the host quantities are per node; a gang asks for `gang_nodes` such nodes,
     bound all-or-nothing. `gpu_memory_mib=None` means "in proportion to the compute share".
+
+    `isolation` is the tier its slices get (None: exclusive for whole devices, timeslice for a
+    fraction); a device holds slices of one tier at a time. A `mig` request takes one whole MIG
+    instance: of profile `mig_profile`, or else the smallest holding `gpu_memory_mib` and, for a
+    fraction, at least `gpu_milli` of its GPU.
     """
 
     gpu_count: int = 0
@@ -52,6 +59,14 @@ class Request:
     priority: int = 0
     tenant: str = ""
     name: str = ""
+    # node-level rules (scheduler/constraints.py): labels the node must carry, taints tolerated
+    node_selector: tuple[tuple[str, str], ...] = ()
+    tolerations: frozenset[str] = frozenset()
+    isolation: Isolation | None = None
+    mig_profile: str | None = None
+    # derived in __post_init__ (read for every request the scheduler places)
+    _tier: Isolation | None = field(init=False, repr=False, compare=False, default=None)
+    _whole: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         for fname in ("gpu_count", "gpu_milli", "cpu_milli", "memory_mib", "gang_nodes"):
@@ -88,19 +103,69 @@ class Request:
             )
         if self.gang_nodes > 1 and self.gpu_count > 0 and self.gpu_milli < MILLI_PER_DEVICE:
             raise InvalidInput("gpu_milli", "a gang over several nodes takes whole devices")
+        if self.isolation is not None and not isinstance(self.isolation, Isolation):
+            try:
+                object.__setattr__(self, "isolation", Isolation(self.isolation))
+            except ValueError:
+                raise InvalidInput("isolation", f"unknown isolation {self.isolation!r}") from None
+        object.__setattr__(self, "_tier", self._resolve_tier())
+        whole = self.gpu_milli >= MILLI_PER_DEVICE or self.sharing == Sharing.EXCLUSIVE
+        object.__setattr__(self, "_whole", whole or self._tier in (Isolation.EXCLUSIVE, Isolation.MIG))
+        self._check_tier()
         if self.sharing == Sharing.EXCLUSIVE:
             if self.gpu_count == 0:
                 raise InvalidInput("sharing", "exclusive needs at least one device")
-            if self.gpu_milli != MILLI_PER_DEVICE:
+            if self.gpu_milli != MILLI_PER_DEVICE and self.tier != Isolation.MIG:
                 raise InvalidInput("sharing", "exclusive takes whole devices (gpu_milli must be 1000)")
         if self.models is not None:
             for m in self.models:
                 if not _MODEL_NAME.match(m):
                     raise InvalidInput("models", f"bad model name {m!r}")
 
+    def _check_tier(self) -> None:
+        if self.mig_profile is not None:
+            if not isinstance(self.mig_profile, str) or not MIG_PROFILE.match(self.mig_profile):
+                raise InvalidInput(
+                    "mig", f"bad MIG profile {self.mig_profile!r} (expected e.g. 1g.10gb, 3g.40gb)"
+                )
+            if self.isolation not in (None, Isolation.MIG):
+                raise InvalidInput("isolation", f"{self.isolation} contradicts mig={self.mig_profile!r}")
+        where = "mig" if self.mig_profile is not None else "isolation"
+        if self.tier == Isolation.MIG and self.gpu_count != 1:
+            raise InvalidInput(where, f"a MIG instance is one device: ask for 1, not {self.gpu_count}")
+        if self.isolation == Isolation.MPS and self.gpu_count != 1:
+            raise InvalidInput(
+                "isolation",
+                f"mps shares one device (one MPS server per GPU): ask for 1 device, not {self.gpu_count}",
+            )
+        if self.isolation == Isolation.EXCLUSIVE and self.gpu_count and self.gpu_milli < MILLI_PER_DEVICE:
+            raise InvalidInput("isolation", "exclusive takes whole devices (gpu_milli must be 1000)")
+
+    def _resolve_tier(self) -> Isolation | None:
+        if self.mig_profile is not None:
+            return Isolation.MIG
+        if self.gpu_count == 0:
+            return None
+        if self.isolation is not None:
+            return self.isolation
+        if self.sharing == Sharing.EXCLUSIVE or self.gpu_milli >= MILLI_PER_DEVICE:
+            return Isolation.EXCLUSIVE
+        return Isolation.TIMESLICE
+
+    @property
+    def tier(self) -> Isolation | None:
+        """The isolation tier of this request's slices (None for CPU-only work)."""
+        return self._tier
+
+    @property
+    def whole_devices(self) -> bool:
+        """Takes each device whole (all its compute and memory) rather than a share of it."""
+        return self._whole
+
     @property
     def fractional(self) -> bool:
-        return self.gpu_count == 1 and self.gpu_milli < MILLI_PER_DEVICE
+        """A share of one device (a MIG instance is taken whole, whatever share it asks for)."""
+        return self.gpu_count == 1 and not self._whole
 
     @property
     def total_gpu_milli(self) -> int:
@@ -118,4 +183,6 @@ class Request:
             self.cpu_milli,
             self.models,
             self.sharing,
+            self.tier,
+            self.mig_profile,
         )

@@ -2,18 +2,34 @@
 
 Filters run per node class (see state.py), vectorised over classes and devices. Each filter
 that rejects a node names its reason; counted over the pool they answer "why is it pending".
+
+Tier rules: a device holds slices of one tier at a time (timeslice with timeslice, mps with
+mps, an exclusive slice alone); `mig` requests go only to MIG instances, each taken whole, and
+every other request only to whole GPUs. A device taken whole gives at least the memory asked.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from computepool.core.allocation import Isolation
 from computepool.core.quantities import MILLI_PER_DEVICE, format_mib
 from computepool.core.request import Request, Sharing
-from computepool.scheduler.state import ClusterState, View, any_per_row
+from computepool.core.resources import mig_base_model
+from computepool.scheduler.constraints import LABELS, OK, NodeConstraints, NodeRules
+from computepool.scheduler.state import (
+    TIER_NAME,
+    TIER_NONE,
+    TIER_TIMESLICE,
+    ClusterState,
+    View,
+    any_per_row,
+    tier_code,
+)
 
 
 @dataclass
@@ -22,35 +38,58 @@ class DeviceNeed:
 
     milli: np.ndarray  # (B, G)
     memory: np.ndarray  # (B, G)
-    allowed: np.ndarray  # (B, G) model allowed and device present
+    allowed: np.ndarray  # (B, G) device present, of the right kind (MIG or not), model allowed
     usable: np.ndarray  # (B, G) allowed and enough free compute and memory
 
 
 def allowed_models_mask(state: ClusterState, view: View, req: Request) -> np.ndarray:
+    """Devices present and of an allowed model (a MIG instance also by its GPU's model)."""
     present = view.gpu_model >= 0
     if req.models is None:
         return present
-    ids = np.array([state.model_id(m) for m in req.models], dtype=np.int64)
-    return present & np.isin(view.gpu_model, ids)
+    ids = [state.model_id(m) for m in req.models]
+    if req.tier == Isolation.MIG:
+        ids += [i for i, m in enumerate(state.models) if mig_base_model(m) in req.models]
+    return present & np.isin(view.gpu_model, np.array(ids, dtype=np.int64))
+
+
+def kind_mask(state: ClusterState, view: View, req: Request) -> np.ndarray:
+    """`mig` requests: MIG instances (of their profile, if named); any other: whole GPUs only."""
+    if req.tier != Isolation.MIG:
+        return view.gpu_profile < 0
+    if req.mig_profile is None:
+        return view.gpu_profile >= 0
+    return view.gpu_profile == state.profile_id(req.mig_profile)
+
+
+def whole_fit(view: View, req: Request) -> np.ndarray:
+    """Devices big enough to be taken whole by `req`: the memory it asks, and the share for `mig`."""
+    ok = view.gpu_cap > 0
+    if req.gpu_memory_mib:
+        ok = ok & (view.gpu_mem_cap >= req.gpu_memory_mib)
+    if req.gpu_milli < MILLI_PER_DEVICE:  # a `mig` request for an instance of at least this share
+        ok = ok & (view.gpu_cap >= req.gpu_milli)
+    return ok
 
 
 def device_need(state: ClusterState, view: View, req: Request) -> DeviceNeed:
-    allowed = allowed_models_mask(state, view, req)
+    allowed = allowed_models_mask(state, view, req) & kind_mask(state, view, req)
     cap = view.gpu_cap
     mem_cap = view.gpu_mem_cap
-    if req.gpu_milli >= MILLI_PER_DEVICE:
+    if req.whole_devices:
         milli = cap
         memory = mem_cap
-        usable = allowed & (view.gpu_free == cap) & (view.gpu_mem_free == mem_cap) & (cap > 0)
+        idle = (view.gpu_free == cap) & (view.gpu_mem_free == mem_cap) & (view.gpu_tier == TIER_NONE)
+        usable = allowed & idle & whole_fit(view, req)
     else:
         milli = np.full_like(cap, req.gpu_milli)
         if req.gpu_memory_mib is None:
             memory = (mem_cap * req.gpu_milli) // MILLI_PER_DEVICE
         else:
             memory = np.full_like(cap, req.gpu_memory_mib)
-        usable = allowed & (view.gpu_free >= milli) & (view.gpu_mem_free >= memory)
-    if req.sharing == Sharing.EXCLUSIVE:
-        usable &= (view.gpu_free == cap) & (view.gpu_mem_free == mem_cap)
+        tier = view.gpu_tier
+        same_tier = (tier == TIER_NONE) | (tier == tier_code(req))
+        usable = allowed & (view.gpu_free >= milli) & (view.gpu_mem_free >= memory) & same_tier
     return DeviceNeed(milli=milli, memory=memory, allowed=allowed, usable=usable)
 
 
@@ -79,18 +118,21 @@ def feasible(
 
 def node_feasible(state: ClusterState, req: Request) -> np.ndarray:
     """Which nodes can hold `req`, with as few array operations as the request allows."""
-    ok = (state.cpu_free >= req.cpu_milli) & (state.mem_free >= req.memory_mib) & state.schedulable
+    ok = (state.cpu_free >= req.cpu_milli) & (state.mem_free >= req.memory_mib) & state.eligible(req)
     k = req.gpu_count
     if k == 0:
         return ok
-    if req.models is None and (req.gpu_milli >= MILLI_PER_DEVICE or req.sharing == Sharing.EXCLUSIVE):
-        return ok & (state.idle_devices >= k)
+    if req.models is None and req.whole_devices and req.tier != Isolation.MIG and not req.gpu_memory_mib:
+        return ok & (state.idle_devices >= k)  # idle whole GPUs
     if req.models is None and req.fractional:
+        mem: np.ndarray | int
         if req.gpu_memory_mib is None:
             mem = (state.gpu_mem_cap * req.gpu_milli) // MILLI_PER_DEVICE
         else:
             mem = req.gpu_memory_mib
         dev = (state.gpu_free >= req.gpu_milli) & (state.gpu_mem_free >= mem)
+        t, lock = tier_code(req), state.gpu_lock  # a whole GPU free of other tiers
+        dev &= (lock <= t) if t == TIER_TIMESLICE else ((lock == TIER_NONE) | (lock == t))
         return ok & any_per_row(dev)
     need = device_need(state, state.node_view(), req)
     return ok & (need.usable.sum(axis=1) >= k)
@@ -110,28 +152,60 @@ def feasibility(state: ClusterState, view: View, req: Request) -> Feasibility:
             reason[hit] = len(labels) - 1
 
     k = req.gpu_count
+    mig = req.tier == Isolation.MIG
     if k > 0:
+        models_ok = allowed_models_mask(state, view, req)
         if req.models is not None:
-            reject(need.allowed.sum(axis=1) == 0, "model not allowed")
+            reject(models_ok.sum(axis=1) == 0, "model not allowed")
+        if mig:
+            reject(need.allowed.sum(axis=1) < k, f"no MIG instance {req.mig_profile or ''}".rstrip())
+        else:
+            on_mig = (models_ok & (view.gpu_profile >= 0)).sum(axis=1) > 0
+            reject(on_mig & (need.allowed.sum(axis=1) < k), "GPUs split into MIG instances (ask with mig)")
         reject(need.allowed.sum(axis=1) < k, f"fewer than {k} GPUs")
     reject(view.cpu_free < req.cpu_milli, "CPU")
     reject(view.mem_free < req.memory_mib, "host memory")
     if k > 0:
-        count = need.usable.sum(axis=1)
-        if req.fractional:
-            compute_ok = need.allowed & (view.gpu_free >= need.milli)
-            reject(compute_ok.sum(axis=1) == 0, f"no GPU with {req.gpu_milli}m free")
-            mem_label = (
-                f"no GPU with {format_mib(req.gpu_memory_mib)} GPU memory free"
-                if req.gpu_memory_mib
-                else "no GPU with enough GPU memory free"
-            )
-            reject(count == 0, mem_label)
-        else:
-            what = "exclusive " if req.sharing == Sharing.EXCLUSIVE else ""
-            noun = "GPU" if k == 1 else "GPUs"
-            reject(count < k, f"no {k} {what}idle {noun}" if k > 1 else f"no {what}idle GPU")
+        _reject_devices(view, req, need, reject)
     return Feasibility(ok=reason < 0, reason=reason, labels=labels, need=need)
+
+
+def _reject_devices(
+    view: View, req: Request, need: DeviceNeed, reject: Callable[[np.ndarray, str], None]
+) -> None:
+    """The device filters: size, free capacity, then the tier the devices hold."""
+    k = req.gpu_count
+    count = need.usable.sum(axis=1)
+    noun = "MIG instance" if req.tier == Isolation.MIG else "GPU"
+    if req.whole_devices:
+        big = need.allowed & whole_fit(view, req)
+        if req.gpu_memory_mib:
+            reject(big.sum(axis=1) < k, f"no {noun} with {format_mib(req.gpu_memory_mib)} GPU memory")
+        if req.gpu_milli < MILLI_PER_DEVICE:
+            reject(big.sum(axis=1) < k, f"no {noun} with {req.gpu_milli}m compute")
+        what = "exclusive " if req.sharing == Sharing.EXCLUSIVE and req.tier != Isolation.MIG else ""
+        plural = noun + ("s" if k > 1 else "")
+        reject(count < k, f"no {k} {what}idle {plural}" if k > 1 else f"no {what}idle {noun}")
+        return
+    compute_ok = need.allowed & (view.gpu_free >= need.milli)
+    reject(compute_ok.sum(axis=1) == 0, f"no GPU with {req.gpu_milli}m free")
+    fits = compute_ok & (view.gpu_mem_free >= need.memory)
+    mem_label = (
+        f"no GPU with {format_mib(req.gpu_memory_mib)} GPU memory free"
+        if req.gpu_memory_mib
+        else "no GPU with enough GPU memory free"
+    )
+    reject(fits.sum(axis=1) == 0, mem_label)
+    # room enough, but every such device holds slices of another tier: name the first one
+    blocked = fits & ~need.usable
+    rows = np.flatnonzero((count == 0) & blocked.any(axis=1))
+    if len(rows):
+        first = np.argmax(blocked[rows], axis=1)
+        tiers = view.gpu_tier[rows, first]
+        for j, t in sorted(set(zip(first.tolist(), tiers.tolist(), strict=True))):
+            hit = np.zeros(len(count), dtype=bool)
+            hit[rows[(first == j) & (tiers == t)]] = True
+            reject(hit, f"device {j} holds {TIER_NAME.get(t, 'other')} slices")
 
 
 @dataclass
@@ -166,6 +240,18 @@ def explain(state: ClusterState, req: Request, extra: Counter[str] | None = None
     n_off = int((~sched).sum())
     if n_off:
         counts["not schedulable"] = n_off
+    notes: list[str] = []
+    rules = state.rules
+    if rules is None and req.node_selector:
+        rules = NodeConstraints([NodeRules()] * state.n_nodes)
+    if rules is not None:  # node rules next: selector, taints, dedication (constraints.py)
+        code = rules.rejections(req)
+        for c, label in LABELS.items():
+            n_rule = int((sched & (code == c)).sum())
+            if n_rule:
+                counts[label] = n_rule
+        notes = rules.notes(req, np.where(sched, code, OK))
+        sched = sched & (code == OK)
     cls = state.class_of[sched]
     if len(cls):
         uniq, inverse = np.unique(cls, return_inverse=True)
@@ -175,4 +261,4 @@ def explain(state: ClusterState, req: Request, extra: Counter[str] | None = None
             counts[feas.labels[int(ix)]] += int(n)
     if extra:
         counts.update(extra)
-    return Reasons(total_nodes=state.n_nodes, counts=counts)
+    return Reasons(total_nodes=state.n_nodes, counts=counts, notes=notes)

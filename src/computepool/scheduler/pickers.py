@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from computepool.core.allocation import Isolation
 from computepool.core.quantities import MILLI_PER_DEVICE
-from computepool.core.request import Request, Sharing
+from computepool.core.request import Request
+from computepool.core.resources import mig_base_model
 from computepool.scheduler.filters import DeviceNeed
-from computepool.scheduler.state import ClusterState, View
+from computepool.scheduler.state import LOCK_MIG, TIER_NONE, ClusterState, View, tier_code
 
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -61,7 +63,8 @@ def pick_on_node(
 ) -> int:
     """Device bitmask for `req` on one node, in plain Python (a node has a handful of devices).
 
-    how: "best" (least free compute, then memory, lowest index), "first", or "random".
+    how: "best" (least free compute, then memory, lowest index), "first", or "random". The
+    same rules as `filters.device_need`: kind (MIG or not), tier, whole-device size.
     """
     k = req.gpu_count
     if k == 0:
@@ -71,19 +74,40 @@ def pick_on_node(
     cap = state.gpu_cap[node].tolist()
     mem_cap = state.gpu_mem_cap[node].tolist()
     model = state.gpu_model[node].tolist()
-    allowed_ids = None if req.models is None else {state.model_id(m) for m in req.models}
-    whole = req.gpu_milli >= MILLI_PER_DEVICE or req.sharing == Sharing.EXCLUSIVE
+    mig = req.tier == Isolation.MIG
+    # whole GPUs: gpu_lock is their tier; MIG instances (only for `mig`): profile and tier
+    lock = state.gpu_lock[node].tolist()
+    profile = state.gpu_profile[node].tolist() if mig else lock
+    tier = state.gpu_tier[node].tolist() if mig else lock
+    allowed_ids: set[int] | None = None
+    if req.models is not None:
+        allowed_ids = {state.model_id(m) for m in req.models}
+        if mig:
+            allowed_ids |= {i for i, m in enumerate(state.models) if mig_base_model(m) in req.models}
+    want_profile = state.profile_id(req.mig_profile) if req.mig_profile is not None else None
+    whole = req.whole_devices
+    my_tier = tier_code(req)
     usable = []
     for j in range(len(free)):
         if cap[j] <= 0 or (allowed_ids is not None and model[j] not in allowed_ids):
             continue
+        if mig and (profile[j] < 0 or (want_profile is not None and profile[j] != want_profile)):
+            continue
+        if not mig and lock[j] == LOCK_MIG:
+            continue
         if whole:
-            ok = free[j] == cap[j] and mem_free[j] == mem_cap[j]
+            ok = (
+                free[j] == cap[j]
+                and mem_free[j] == mem_cap[j]
+                and tier[j] == TIER_NONE
+                and (not req.gpu_memory_mib or mem_cap[j] >= req.gpu_memory_mib)
+                and (req.gpu_milli >= MILLI_PER_DEVICE or cap[j] >= req.gpu_milli)
+            )
         else:
             mem = req.gpu_memory_mib
             if mem is None:
                 mem = (mem_cap[j] * req.gpu_milli) // MILLI_PER_DEVICE
-            ok = free[j] >= req.gpu_milli and mem_free[j] >= mem
+            ok = free[j] >= req.gpu_milli and mem_free[j] >= mem and tier[j] in (TIER_NONE, my_tier)
         if ok:
             usable.append(j)
     if len(usable) < k:

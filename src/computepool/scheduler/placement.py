@@ -8,11 +8,12 @@ is placed member by member and undone whole if any member does not fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
+from computepool.core.allocation import Isolation
 from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import Request
 from computepool.scheduler.filters import (
@@ -23,7 +24,7 @@ from computepool.scheduler.filters import (
     node_feasible,
 )
 from computepool.scheduler.pickers import mask_to_devices, pick_on_node
-from computepool.scheduler.state import Change, ClusterState, View, tag_of
+from computepool.scheduler.state import Change, ClusterState, View, tag_of, tier_code
 
 
 class Scorer(Protocol):
@@ -99,9 +100,13 @@ class Scheduler:
         self._cache_owner: str | None = None
 
     # --- scoring ---------------------------------------------------------------------------
-    def _best_direct(self, state: ClusterState, req: Request, excluded: list[int]) -> tuple[int, float, int]:
+    def _best_direct(
+        self, state: ClusterState, req: Request, excluded: list[int], within: np.ndarray | None = None
+    ) -> tuple[int, float, int]:
         """Cheap scorers: feasibility and score straight over all nodes; devices for the winner."""
         ok = node_feasible(state, req)
+        if within is not None:
+            ok &= within
         if excluded:
             ok[excluded] = False
         if not ok.any():
@@ -114,10 +119,15 @@ class Scheduler:
         mask = pick_on_node(state, j, req, how, getattr(self.scorer, "rng", None))
         return j, float(scores[j]), mask
 
-    def _best_cached(self, state: ClusterState, req: Request, excluded: list[int]) -> tuple[int, float, int]:
+    def _best_cached(
+        self, state: ClusterState, req: Request, excluded: list[int], within: np.ndarray | None = None
+    ) -> tuple[int, float, int]:
         """Costly scorers: score each node class once per request kind, cache, pick the best node."""
         vals, picks = self._scores_for_nodes(state, req)
-        vals = np.where(state.schedulable & (state.mem_free >= req.memory_mib), vals, -np.inf)
+        ok = state.eligible(req) & (state.mem_free >= req.memory_mib)
+        if within is not None:
+            ok &= within
+        vals = np.where(ok, vals, -np.inf)
         if excluded:
             vals[excluded] = -np.inf
         best = self._choose(vals)
@@ -175,22 +185,52 @@ class Scheduler:
 
     # --- placing ---------------------------------------------------------------------------
     def place(
-        self, state: ClusterState, req: Request, *, observe: bool = True, explain: bool = True
+        self,
+        state: ClusterState,
+        req: Request,
+        *,
+        observe: bool = True,
+        explain: bool = True,
+        within: np.ndarray | None = None,
     ) -> Decision:
         """Decide where `req` goes. The state is left as it was (use `commit` to apply).
 
         A failed decision carries the reasons per node; `explain=False` skips counting them
         (a simulator that only needs to know it failed) and leaves a one-line reason.
+        `within` keeps the placement to those nodes (a preference tier, see constraints.py).
         """
         if observe:
             self.scorer.observe(req)
+        if req.tier == Isolation.MIG and req.mig_profile is None:
+            return self._place_smallest_mig(state, req, explain, within)
+        return self._place_members(state, req, explain, within)
+
+    def _place_smallest_mig(
+        self, state: ClusterState, req: Request, explain: bool, within: np.ndarray | None
+    ) -> Decision:
+        """`isolation=mig` without a profile: the smallest profile with a fitting free instance."""
+        for profile in state.profiles_by_size():
+            d = self._place_members(state, replace(req, mig_profile=profile), False, within)
+            if d.ok:
+                d.request = req
+                return d
+        reasons = (
+            self._explain(state, req, 0)
+            if explain
+            else Reasons(state.n_nodes, notes=["no node fits (not explained)"])
+        )
+        return Decision(request=req, reasons=reasons)
+
+    def _place_members(
+        self, state: ClusterState, req: Request, explain: bool, within: np.ndarray | None
+    ) -> Decision:
         decision = Decision(request=req)
         used: list[int] = []
         for _member in range(req.gang_nodes):
             if self.direct:
-                best, score, mask = self._best_direct(state, req, used)
+                best, score, mask = self._best_direct(state, req, used, within)
             else:
-                best, score, mask = self._best_cached(state, req, used)
+                best, score, mask = self._best_cached(state, req, used, within)
             if best < 0 or not np.isfinite(score):
                 for pl in reversed(decision.placements):
                     state.undo(pl.change)
@@ -233,7 +273,7 @@ class Scheduler:
         for j in devices:
             cap = int(state.gpu_cap[node, j])
             mem_cap = int(state.gpu_mem_cap[node, j])
-            if req.gpu_milli >= MILLI_PER_DEVICE:
+            if req.whole_devices:
                 gpu_milli[j] = cap
                 gpu_mem[j] = mem_cap
             else:
@@ -250,6 +290,7 @@ class Scheduler:
             gpu_milli=gpu_milli,
             gpu_memory_mib=gpu_mem,
             tag=tag_of(req.gpu_count, req.fractional),
+            tier=tier_code(req),
         )
         return Placement(node=node, node_name=state.names[node], devices=devices, change=change, score=score)
 

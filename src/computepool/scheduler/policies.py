@@ -24,8 +24,10 @@ from computepool.scheduler.fragmentation import (
     typical_key,
 )
 from computepool.scheduler.pickers import best_fit, first_fit, random_fit
+from computepool.scheduler.placement import Scorer
 from computepool.scheduler.state import TAG_CPU_ONLY, ClusterState, View, tag_of
 
+Scores = tuple[np.ndarray, np.ndarray | None]  # per-row scores, device bitmasks or None (`Scorer`)
 MAX_SPEC_CPU = 128_000.0  # normalisers of the published dotprod / bestfit scores
 MAX_SPEC_GPU = 8_000.0
 
@@ -68,7 +70,7 @@ class RandomScorer:
     def observe(self, req: Request) -> None:
         return None
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         return np.zeros(len(view)), None
 
     def pick(self, view: View, req: Request, need: DeviceNeed) -> np.ndarray:
@@ -80,7 +82,7 @@ class FirstFitScorer(_Static):
 
     name = "firstfit"
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         return np.zeros(len(view)), None
 
 
@@ -89,7 +91,7 @@ class DotProdScorer(_Static):
 
     name = "dotprod"
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         gpu_left = view.gpu_left
         dot = (view.cpu_free / MAX_SPEC_CPU) * (req.cpu_milli / MAX_SPEC_CPU) + (gpu_left / MAX_SPEC_GPU) * (
             _gpu_request(req) / MAX_SPEC_GPU
@@ -103,7 +105,7 @@ class ClusteringScorer(_Static):
 
     name = "clustering"
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         b = len(view)
         if req.gpu_count == 0:
             return np.zeros(b), None
@@ -122,7 +124,7 @@ class PackingScorer(_Static):
 
     name = "packing"
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         b = len(view)
         if req.gpu_count == 0:
             return np.zeros(b), None
@@ -150,7 +152,7 @@ class BestFitScorer(_Static):
 
     name = "bestfit"
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         gpu_left = view.gpu_left
         s = (
             0.5 * (view.cpu_free - req.cpu_milli) / MAX_SPEC_CPU
@@ -215,7 +217,7 @@ class FGDScorer(_Static):
     def __init__(self, typical: TypicalPods) -> None:
         self.typical = typical
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         assert need is not None
         return fgd_scores(state, view, req, need, self.typical)
 
@@ -295,7 +297,7 @@ class DefaultScorer:
     def observe(self, req: Request) -> None:
         self.learner.observe(req)
 
-    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None):
+    def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         assert need is not None
         return fgd_scores(
             state,
@@ -315,7 +317,7 @@ class DefaultScorer:
 POLICIES = ("random", "dotprod", "clustering", "packing", "bestfit", "fgd", "default")
 
 
-def make_scorer(name: str, *, seed: int = 0, typical: TypicalPods | None = None):
+def make_scorer(name: str, *, seed: int = 0, typical: TypicalPods | None = None) -> Scorer:
     """Build a scorer by name. `fgd` needs the workload's typical requests (future knowledge)."""
     if name == "random":
         return RandomScorer(np.random.default_rng(seed))

@@ -3,16 +3,18 @@
 Each tenant (a partition, a team, a virtual cluster) has a *guaranteed* quota and an optional
 *limit*, in whole GPUs. Usage up to the guarantee is the tenant's own; usage above it is
 *borrowed* from idle capacity and is the first (and only) thing taken back when a tenant still
-within its guarantee needs GPUs. The replay simulator and the live control plane both call this
-module, so what the simulator measures is what the pool does; callers pass times and
-snapshots (free GPUs per node, running jobs) and apply the decisions themselves.
+within its guarantee needs GPUs. The Philly replay simulator (`sim/replay.py`) calls this module;
+callers pass times and snapshots (free GPUs per node, running jobs) and apply the decisions
+themselves. The live pool applies the same rules to fractional, tiered and multi-resource
+requests in `server/scheduling/decide.py`, with a ranking of its own; docs/architecture.md says
+why the two differ.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class Preemption:
     lost_gpu_s: float
 
 
+_LENT = "\0lent"  # the budget of jobs on the claimant's dedicated nodes (no tenant has this name)
+
 # A candidate on one node: (work lost, -GPUs here, job, GPUs here, holding). Tuples sort by
 # cost, then biggest first, then job id, so plans are deterministic and cheap to rank.
 _Entry = tuple[float, int, int, int, Holding]
@@ -213,6 +217,7 @@ def select_victims(
     candidates: Iterable[Holding],
     budgets: Mapping[str, int],
     now: float,
+    lent: Mapping[int, str] | None = None,
 ) -> Preemption | None:
     """Choose borrowed jobs to stop so that `claim` fits, losing as little work as possible.
 
@@ -222,7 +227,22 @@ def select_victims(
     Victims are ranked by work lost (GPUs x time run: youngest, smallest first) and only as
     many as needed are taken; among nodes, the one losing least wins (then fewest GPUs
     freed, then fullest, then lowest index). Returns None when the claim cannot fit.
+
+    `lent[job]` names the tenant whose dedicated node a job borrows: that job is borrowed
+    capacity for its owner's claim whatever its tenant's quota says (outside `budgets`).
     """
+    owed = {j for j, owner in (lent or {}).items() if owner == claim.tenant}
+    if owed:  # count them against a budget of their own, as big as they are
+        pool = list(candidates)
+        back = {h.job: h for h in pool if h.job in owed and h.tenant != claim.tenant}
+        budgets = {**budgets, _LENT: sum(h.gpus for h in back.values())}
+        got = select_victims(
+            claim, free, [replace(h, tenant=_LENT) if h.job in back else h for h in pool], budgets, now
+        )
+        if got is None:
+            return None
+        vs = tuple(back.get(h.job, h) for h in got.victims)
+        return Preemption(vs, got.nodes, got.lost_gpu_s)
     want = claim.gpus_per_node
     by_node: dict[int, list[_Entry]] = {}
     for h in candidates:

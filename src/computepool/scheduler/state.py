@@ -1,10 +1,11 @@
 """The scheduler's view of the pool: free capacity as numpy arrays, and node classes.
 
-A *node class* is an exact node state (free and total capacity, device models, what kinds of
-work it hosts). Nodes in the same class are interchangeable for every node-local score, so
-scores are computed once per (request kind, class) and cached: most of a large pool is in a
-handful of classes (all idle nodes of one type share one), and a placement moves one node to
-another class without touching the cache of any other.
+A *node class* is an exact node state (free and total capacity, device models and kinds, the
+isolation tier each device holds, what kinds of work it hosts). Nodes in the same class are
+interchangeable for every node-local score, so scores are computed once per (request kind,
+class) and cached: most of a large pool is in a handful of classes (all idle nodes of one type
+share one), and a placement moves one node to another class without touching the cache of any
+other.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Protocol
 
 import numpy as np
 
-from computepool.core.resources import Node
+from computepool.core.allocation import Isolation
+from computepool.core.request import Request
+from computepool.core.resources import Node, mig_profile_of
+from computepool.scheduler.constraints import NodeConstraints
 
 # Bits of the `kinds` column: what kind of work a node already hosts (used by `clustering`).
 # Bit 0: fractional ("shared") placements; bit k (1..61): placements of k whole devices;
@@ -34,9 +38,24 @@ def tag_of(gpu_count: int, fractional: bool) -> int:
     return min(gpu_count, 61)
 
 
-# Columns of a class row; the four per-device blocks follow, G wide each.
+# The isolation tier a device holds while it holds slices (`gpu_tier`); 0 while it holds none.
+TIER_NONE = 0
+TIER_CODE = {Isolation.TIMESLICE: 1, Isolation.MPS: 2, Isolation.EXCLUSIVE: 3, Isolation.MIG: 4}
+TIER_NAME = {code: str(t) for t, code in TIER_CODE.items()}
+TIER_TIMESLICE = TIER_CODE[Isolation.TIMESLICE]  # the lowest code: `lock <= TIER_TIMESLICE` is one test
+LOCK_MIG = 8  # `gpu_lock` of a MIG instance: above every tier, so no share-tier test admits it
+
+
+def tier_code(req: Request) -> int:
+    """The code of the tier `req`'s slices get (TIER_NONE for CPU-only work)."""
+    t = req.tier
+    return TIER_NONE if t is None else TIER_CODE[t]
+
+
+# Columns of a class row; the seven per-device blocks follow, G wide each.
 CPU_FREE, MEM_FREE, CPU_CAP, MEM_CAP, KINDS = range(5)
 _FIXED = 5
+_BLOCKS = 7
 
 
 @dataclass
@@ -49,11 +68,18 @@ class Change:
     gpu_milli: dict[int, int]
     gpu_memory_mib: dict[int, int]
     tag: int
+    tier: int = TIER_NONE  # the slices' tier (TIER_NONE: unknown, compatible with any)
 
 
 @dataclass
 class ClusterState:
-    """Free capacity per node and per device. Devices are padded to G per node (model -1)."""
+    """Free capacity per node and per device. Devices are padded to G per node (model -1).
+
+    Each device also has a kind (`gpu_profile`: -1 for a whole GPU, else the index of its MIG
+    profile in `profiles`; `gpu_parent` indexes its GPU's uuid in `parents`), the tier of the
+    slices it holds (`gpu_tier`) and how many it holds (`gpu_slices`): a device holds one tier
+    at a time, and its tier is cleared when its last slice goes.
+    """
 
     names: list[str]
     models: list[str]
@@ -69,7 +95,15 @@ class ClusterState:
     kinds: np.ndarray  # (N,) HOSTS_* bits
     schedulable: np.ndarray  # (N,) bool
     hosted: np.ndarray  # (N, N_TAGS) placements per kind tag
-    idle_devices: np.ndarray = field(init=False)  # (N,) devices wholly free
+    gpu_profile: np.ndarray  # (N, G) index into `profiles`; -1 for a whole GPU or no device
+    gpu_parent: np.ndarray  # (N, G) index into `parents` (MIG instances); -1 otherwise
+    gpu_tier: np.ndarray  # (N, G) TIER_* of the slices held; TIER_NONE when none
+    gpu_slices: np.ndarray  # (N, G) slices held
+    profiles: list[str]
+    parents: list[str]
+    rules: NodeConstraints | None = None  # labels, taints, dedication (None: no node has any)
+    idle_devices: np.ndarray = field(init=False)  # (N,) whole GPUs (not MIG instances) wholly free
+    gpu_lock: np.ndarray = field(init=False)  # (N, G) gpu_tier, or LOCK_MIG for a MIG instance
     gpu_left: np.ndarray = field(init=False)  # (N,) free compute summed over devices
     class_of: np.ndarray = field(init=False)  # (N,) class id per node
     node_stamp: np.ndarray = field(init=False)  # (N,) stamp of the node's class instance
@@ -86,13 +120,17 @@ class ClusterState:
     def __post_init__(self) -> None:
         self.uid = uuid.uuid4().hex  # identifies this state to score caches
         n, g = self.gpu_free.shape
+        self.gpu_lock = np.where(self.gpu_profile >= 0, LOCK_MIG, self.gpu_tier)
         self.idle_devices = (
-            (self.gpu_free == self.gpu_cap) & (self.gpu_mem_free == self.gpu_mem_cap) & (self.gpu_cap > 0)
+            (self.gpu_free == self.gpu_cap)
+            & (self.gpu_mem_free == self.gpu_mem_cap)
+            & (self.gpu_cap > 0)
+            & (self.gpu_lock == TIER_NONE)
         ).sum(axis=1)
         self.gpu_left = self.gpu_free.sum(axis=1)
         self.class_of = np.zeros(n, dtype=np.int64)
         self.node_stamp = np.zeros(n, dtype=np.int64)
-        self._class_rows = np.zeros((max(64, 2 * n), _FIXED + 5 * g), dtype=np.int64)
+        self._class_rows = np.zeros((max(64, 2 * n), _FIXED + _BLOCKS * g), dtype=np.int64)
         for i in range(n):
             cid = self._class_for(self._row(i))
             self.class_of[i] = cid
@@ -110,6 +148,10 @@ class ClusterState:
         gpu_cap = np.zeros((n, g), dtype=np.int64)
         gpu_mem = np.zeros((n, g), dtype=np.int64)
         gpu_model = np.full((n, g), -1, dtype=np.int64)
+        gpu_profile = np.full((n, g), -1, dtype=np.int64)
+        gpu_parent = np.full((n, g), -1, dtype=np.int64)
+        profiles: list[str] = []
+        parents: list[str] = []
         for i, node in enumerate(nodes):
             for j, dev in enumerate(node.devices):
                 if dev.model not in model_ix:
@@ -118,6 +160,13 @@ class ClusterState:
                 gpu_cap[i, j] = dev.compute_milli
                 gpu_mem[i, j] = dev.memory_mib
                 gpu_model[i, j] = model_ix[dev.model]
+                if dev.mig_parent_uuid is not None:
+                    profile = dev.mig_profile or mig_profile_of(dev.model)
+                    if profile not in profiles:
+                        profiles.append(profile)
+                    gpu_profile[i, j] = profiles.index(profile)
+                    parents.append(dev.mig_parent_uuid)
+                    gpu_parent[i, j] = len(parents) - 1
         cpu = np.array([nd.cpu_milli for nd in nodes], dtype=np.int64)
         mem = np.array([nd.memory_mib for nd in nodes], dtype=np.int64)
         return cls(
@@ -135,6 +184,12 @@ class ClusterState:
             kinds=np.zeros(n, dtype=np.int64),
             schedulable=np.array([nd.schedulable for nd in nodes], dtype=bool),
             hosted=np.zeros((n, N_TAGS), dtype=np.int64),
+            gpu_profile=gpu_profile,
+            gpu_parent=gpu_parent,
+            gpu_tier=np.zeros((n, g), dtype=np.int64),
+            gpu_slices=np.zeros((n, g), dtype=np.int64),
+            profiles=profiles,
+            parents=parents,
         )
 
     def copy(self) -> ClusterState:
@@ -154,6 +209,13 @@ class ClusterState:
             kinds=self.kinds.copy(),
             schedulable=self.schedulable.copy(),
             hosted=self.hosted.copy(),
+            gpu_profile=self.gpu_profile.copy(),
+            gpu_parent=self.gpu_parent.copy(),
+            gpu_tier=self.gpu_tier.copy(),
+            gpu_slices=self.gpu_slices.copy(),
+            profiles=list(self.profiles),
+            parents=list(self.parents),
+            rules=self.rules,
         )
 
     # --- sizes ----------------------------------------------------------------------------
@@ -171,6 +233,26 @@ class ClusterState:
         except ValueError:
             return -2  # matches no device
 
+    def profile_id(self, name: str) -> int:
+        """The index of a MIG profile in `profiles`; -2 (matches no device) when none has it."""
+        try:
+            return self.profiles.index(name)
+        except ValueError:
+            return -2
+
+    def profiles_by_size(self) -> list[str]:
+        """MIG profiles present, smallest first (by the largest memory, then compute, of its instances)."""
+        size: dict[int, tuple[int, int]] = {}
+        for p, mem, cap in zip(
+            self.gpu_profile[self.gpu_profile >= 0].tolist(),
+            self.gpu_mem_cap[self.gpu_profile >= 0].tolist(),
+            self.gpu_cap[self.gpu_profile >= 0].tolist(),
+            strict=True,
+        ):
+            m, c = size.get(p, (0, 0))
+            size[p] = (max(m, mem), max(c, cap))
+        return [self.profiles[p] for p in sorted(size, key=lambda p: (*size[p], self.profiles[p]))]
+
     # --- node classes ---------------------------------------------------------------------
     def _row(self, i: int) -> np.ndarray:
         return np.concatenate(
@@ -187,6 +269,8 @@ class ClusterState:
                 self.gpu_model[i],
                 self.gpu_cap[i],
                 self.gpu_mem_cap[i],
+                self.gpu_tier[i],
+                self.gpu_profile[i],
             )
         ).astype(np.int64)
 
@@ -240,7 +324,12 @@ class ClusterState:
         cap = self.gpu_cap[i]
         self.gpu_left[i] = int(self.gpu_free[i].sum())
         self.idle_devices[i] = int(
-            ((self.gpu_free[i] == cap) & (self.gpu_mem_free[i] == self.gpu_mem_cap[i]) & (cap > 0)).sum()
+            (
+                (self.gpu_free[i] == cap)
+                & (self.gpu_mem_free[i] == self.gpu_mem_cap[i])
+                & (cap > 0)
+                & (self.gpu_lock[i] == TIER_NONE)
+            ).sum()
         )
         old = int(self.class_of[i])
         cid = self._class_for(self._row(i))
@@ -259,10 +348,17 @@ class ClusterState:
         i = change.node
         self.cpu_free[i] -= change.cpu_milli
         self.mem_free[i] -= change.memory_mib
-        for j, m in change.gpu_milli.items():
-            self.gpu_free[i, j] -= m
+        free, slices, tier, t = self.gpu_free[i], self.gpu_slices[i], self.gpu_tier[i], change.tier
+        for j, m in change.gpu_milli.items():  # row views: cheaper to index than [i, j]
+            free[j] -= m
+            slices[j] += 1
+            if t != TIER_NONE and tier[j] == TIER_NONE:
+                tier[j] = t
+                if self.gpu_profile[i, j] < 0:
+                    self.gpu_lock[i, j] = t
+        mem_free = self.gpu_mem_free[i]
         for j, m in change.gpu_memory_mib.items():
-            self.gpu_mem_free[i, j] -= m
+            mem_free[j] -= m
         self.hosted[i, change.tag] += 1
         if self.hosted[i, change.tag] == 1:
             self.kinds[i] |= 1 << change.tag
@@ -272,14 +368,27 @@ class ClusterState:
         i = change.node
         self.cpu_free[i] += change.cpu_milli
         self.mem_free[i] += change.memory_mib
+        free, slices = self.gpu_free[i], self.gpu_slices[i]
         for j, m in change.gpu_milli.items():
-            self.gpu_free[i, j] += m
+            free[j] += m
+            slices[j] -= 1
+            if slices[j] == 0:
+                self.gpu_tier[i, j] = TIER_NONE
+                if self.gpu_profile[i, j] < 0:
+                    self.gpu_lock[i, j] = TIER_NONE
+        mem_free = self.gpu_mem_free[i]
         for j, m in change.gpu_memory_mib.items():
-            self.gpu_mem_free[i, j] += m
+            mem_free[j] += m
         self.hosted[i, change.tag] -= 1
         if self.hosted[i, change.tag] == 0:
             self.kinds[i] &= ~(1 << change.tag)
         self._touch(i)
+
+    def eligible(self, req: Request) -> np.ndarray:
+        """Schedulable nodes whose labels, taints and dedication let `req` on."""
+        if self.rules is None:  # no node carries labels: a selector matches none
+            return self.schedulable if not req.node_selector else np.zeros_like(self.schedulable)
+        return self.schedulable & self.rules.allowed(req)
 
     def set_schedulable(self, i: int, ok: bool) -> None:
         self.schedulable[i] = ok
@@ -299,13 +408,23 @@ class ClusterState:
         assert (self.gpu_free >= 0).all(), "gpu compute over-committed"
         assert (self.gpu_mem_free >= 0).all(), "gpu memory over-committed"
         assert (self.gpu_free <= self.gpu_cap).all(), "gpu free above capacity"
+        assert (self.gpu_slices >= 0).all(), "negative slice count"
+        assert ((self.gpu_tier == TIER_NONE) | (self.gpu_slices > 0)).all(), "tier left on an empty device"
+        mig = self.gpu_profile >= 0
+        held = self.gpu_slices > 0
+        t_mig, t_excl = TIER_CODE[Isolation.MIG], TIER_CODE[Isolation.EXCLUSIVE]
+        alone = (self.gpu_tier == t_excl) | (self.gpu_tier == t_mig)
+        assert (self.gpu_slices[alone] <= 1).all(), "an exclusive or MIG slice shares its device"
+        assert (self.gpu_tier[mig & held] == t_mig).all(), "non-MIG slice on a MIG instance"
+        assert (self.gpu_tier[~mig] != t_mig).all(), "MIG slice on a whole GPU"
+        assert (self.gpu_lock == np.where(mig, LOCK_MIG, self.gpu_tier)).all(), "gpu_lock out of date"
 
 
 class View(Protocol):
     """Node states as columns: B rows (nodes or classes), G devices each."""
 
-    g: int
-
+    @property
+    def g(self) -> int: ...
     def __len__(self) -> int: ...
     def take(self, idx: np.ndarray) -> View: ...
     @property
@@ -330,6 +449,10 @@ class View(Protocol):
     def gpu_cap(self) -> np.ndarray: ...
     @property
     def gpu_mem_cap(self) -> np.ndarray: ...
+    @property
+    def gpu_tier(self) -> np.ndarray: ...
+    @property
+    def gpu_profile(self) -> np.ndarray: ...
 
 
 @dataclass
@@ -396,6 +519,14 @@ class NodeView:
     def gpu_mem_cap(self) -> np.ndarray:
         return self._get(self.state.gpu_mem_cap)
 
+    @property
+    def gpu_tier(self) -> np.ndarray:
+        return self._get(self.state.gpu_tier)
+
+    @property
+    def gpu_profile(self) -> np.ndarray:
+        return self._get(self.state.gpu_profile)
+
 
 @dataclass
 class ClassView:
@@ -457,6 +588,14 @@ class ClassView:
     @property
     def gpu_mem_cap(self) -> np.ndarray:
         return self._block(4)
+
+    @property
+    def gpu_tier(self) -> np.ndarray:
+        return self._block(5)
+
+    @property
+    def gpu_profile(self) -> np.ndarray:
+        return self._block(6)
 
 
 def any_per_row(mask: np.ndarray) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Next parts add their routers to `routers.api_routers()`; background loops (scheduling,
 node health) belong in `lifespan`, started after migrations and stopped before the engine closes.
-The scheduling controller (`services.scheduling.Controller`) is on `app.state.controller`, the
+The scheduling controller (`scheduling.Controller`) is on `app.state.controller`, the
 wake-up hub on `app.state.hub`, the Prometheus registry on `app.state.metrics`.
 """
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,11 +30,14 @@ from computepool.server import metrics
 from computepool.server.caches import Caches
 from computepool.server.errors import ApiError, install_handlers
 from computepool.server.hub import Hub
+from computepool.server.limits import capped_receive, too_large
 from computepool.server.policy import Action
+from computepool.server.reclaim import Reclaimer
 from computepool.server.routers import api_routers, health
+from computepool.server.scheduling import Controller
+from computepool.server.services import audit as audit_checks
 from computepool.server.services.audit import record_refusal
 from computepool.server.services.bootstrap import ensure_admin
-from computepool.server.services.scheduling import Controller
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
 from computepool.store.migrate import upgrade
@@ -78,6 +83,7 @@ class RequestMiddleware:
         scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
         status = 500
+        limit: int = self.state.settings.max_body_bytes
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -88,7 +94,11 @@ class RequestMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            body_receive = await capped_receive(scope, receive, limit)
+            if body_receive is None:
+                await too_large(send_with_id, limit)
+            else:
+                await self.app(scope, body_receive, send_with_id)
         finally:
             route = scope.get("route")
             template = getattr(route, "path", "unmatched")
@@ -102,6 +112,8 @@ class RequestMiddleware:
 
 def _prepare_data_dir(settings: ServerSettings) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # nobody else may list or read it (0711 is kept where `cpool up` lets jobs pass to the agent's dir)
+    os.chmod(settings.data_dir, stat.S_IMODE(settings.data_dir.stat().st_mode) & 0o711)
 
 
 def _migrate_and_bootstrap(db: Database, settings: ServerSettings) -> None:
@@ -117,6 +129,7 @@ def _migrate_and_bootstrap(db: Database, settings: ServerSettings) -> None:
             log.warning("database not reachable yet (%s); retrying", type(e).__name__)
             time.sleep(1.0)
     upgrade(db)
+    audit_checks.prepare(db, settings.audit_key_path, settings.audit_anchor_path)
     ensure_admin(db, settings.admin_token_path)
 
 
@@ -132,6 +145,33 @@ async def _checkpoints(db: Database) -> None:
             log.debug("checkpoint skipped: %s", e)
 
 
+async def _audit_watch(app: FastAPI) -> None:
+    """The whole chain once at start (a broken one is logged loudly and shown in /readyz and the
+    metrics, but the pool keeps serving), then the head against this server's anchor each second."""
+    state = app.state
+    settings: ServerSettings = state.settings
+    watch = audit_checks.Watch(state.db, settings.audit_anchor_path)
+    problem: str | None = None
+    try:
+        report = await asyncio.to_thread(audit_checks.check_chain, state.db, settings.audit_anchor_path)
+        problem = report.cause if not report.ok else None
+    except Exception as e:  # the database away at start: the anchor checks below still run
+        log.warning("audit chain not checked at start: %s", e)
+    while True:
+        if problem is None:
+            try:
+                problem = await asyncio.to_thread(watch.step)
+            except audit_checks.AnchorUnreadable as e:
+                problem = str(e)
+            except Exception as e:  # the database away: the next round looks again
+                log.debug("audit anchor not checked: %s", e)
+        if problem is not None and state.audit_problem is None:
+            log.error("AUDIT CHAIN NOT INTACT: %s; run `cpool audit verify`", problem)
+        state.audit_problem, state.audit_checked = problem, True
+        state.metrics.audit_intact.set(0 if problem else 1)
+        await asyncio.sleep(CHECKPOINT_EVERY_S)
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ServerSettings = app.state.settings
@@ -145,14 +185,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # the GIL and the database's write lock; a few keep the CPU as busy with far less switching.
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
     controller.start()
+    reclaimer: Reclaimer = app.state.reclaimer
+    reclaimer.start()
     checkpoints = asyncio.get_running_loop().create_task(_checkpoints(db), name="cpool-checkpoint")
+    audit_watch = asyncio.get_running_loop().create_task(_audit_watch(app), name="cpool-audit-watch")
     log.info("control plane ready (database: %s)", db.dialect)
     try:
         yield
     finally:
-        checkpoints.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await checkpoints
+        for task in (checkpoints, audit_watch):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await reclaimer.stop()
         await controller.stop()
         db.dispose()
 
@@ -167,11 +212,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = Database(settings.database_url)
+    app.state.audit_problem = None  # what is wrong with the audit chain, once a check found it
+    app.state.audit_checked = False
     app.state.hub = Hub()
     app.state.caches = Caches.create(settings.token_cache_s, settings.shape_cache_s)
     app.state.metrics = metrics.Metrics(app.state.db, settings)
     app.state.controller = Controller(
         app.state.db, settings, app.state.hub, observe=app.state.metrics.cycle_seconds.observe
+    )
+    app.state.reclaimer = Reclaimer(
+        app.state.db, settings, app.state.hub, app.state.controller, app.state.metrics.registry
     )
 
     app.add_middleware(RequestMiddleware, app_state=app.state)

@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, insert, select, text
 from sqlalchemy.engine import make_url
 
 from computepool.server.hub import Hub
-from computepool.server.services.scheduling import Controller, CycleReport
+from computepool.server.scheduling import Controller, CycleReport
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as store
 from computepool.store import nodes as node_store

@@ -77,7 +77,7 @@ class TokenCache:
 class Shape:
     """What `POST /allocations` checks a request against: capacities and quotas, not usage."""
 
-    snapshot: Any  # services.scheduling.Snapshot without live allocations
+    snapshot: Any  # scheduling.Snapshot without live allocations
     tenant_ids: dict[str, int]
     until: float
     fits: dict[tuple[Any, ...], str | None]  # request key → why it never fits (None: it can)

@@ -10,6 +10,7 @@ the route; a test walks `app.routes` and fails on any /api/v1 route without such
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
@@ -22,9 +23,14 @@ from computepool.server.auth import authenticate
 from computepool.server.caches import TokenCache
 from computepool.server.context import Ctx
 from computepool.server.credentials import secret_matches, split_token
+from computepool.server.errors import NotFound
 from computepool.server.policy import Action, Principal, authorize
+from computepool.server.schemas.common import MAX_ID
 
 ACTION_ATTR = "__cpool_action__"
+# Integer ids in paths, by parameter name: the kind of object they name, for the 404.
+ID_PARAMS = {"alloc_id": "allocation"}
+_INTEGER = re.compile(r"^-?[0-9]+$")
 _bearer = HTTPBearer(auto_error=False, description="An API token `<id>.<secret>`.")
 
 
@@ -52,6 +58,22 @@ def _cached(cache: TokenCache, bearer: str | None) -> Principal | None:
     return hit.principal if secret_matches(parts[1], hit.secret_hash) else None
 
 
+def _check_ids(request: Request) -> None:
+    """An integer id no database column can hold names nothing: the same 404 as a missing object.
+
+    Checked here, once for every route, after authentication (an anonymous caller still gets 401),
+    rather than letting SQLite fail on the number (OverflowError) route by route.
+    """
+    for param, kind in ID_PARAMS.items():
+        raw = request.path_params.get(param)
+        if not isinstance(raw, str) or not _INTEGER.match(raw):
+            continue  # not a number at all: the route's validation answers 422
+        if len(raw) > 40:  # beyond any id (and Python's int() digit limit): named as given
+            raise NotFound.of(kind, raw)
+        if not 1 <= int(raw) <= MAX_ID:
+            raise NotFound.of(kind, int(raw))
+
+
 def requires(action: Action) -> Callable[..., object]:
     """A dependency that authenticates the caller and declares `action` for the route."""
 
@@ -68,6 +90,7 @@ def requires(action: Action) -> Callable[..., object]:
             principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
         request.state.principal = principal
         authorize(principal, action)
+        _check_ids(request)
         return _ctx(request, action)
 
     setattr(dependency, ACTION_ATTR, action)

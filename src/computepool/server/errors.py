@@ -43,7 +43,18 @@ class Forbidden(ApiError):
 
 
 class NotFound(ApiError):
+    """A missing object, and equally another tenant's: one wording, so answers never tell them apart."""
+
     status = 404
+
+    @classmethod
+    def of(cls, kind: str, name: object, field: str | None = None) -> NotFound:
+        return cls(not_found(kind, name), field)
+
+
+def not_found(kind: str, name: object) -> str:
+    """The one wording of a 404: `allocation '7' not found` whether it is missing or not the caller's."""
+    return f"{kind} '{name}' not found"
 
 
 class Conflict(ApiError):
@@ -114,6 +125,13 @@ def install_handlers(app: FastAPI, on_denied: Any = None) -> None:
 
     for exc_type in (OperationalError, InterfaceError, PoolTimeout):
         app.add_exception_handler(exc_type, _db_down)
+
+    @app.exception_handler(OverflowError)
+    async def _overflow(request: Request, exc: OverflowError) -> JSONResponse:
+        # a number too large for the database that a model let through: the caller's input, not ours
+        log.warning("number out of range on %s: %s", request.url.path, exc)
+        body = error_body("a number in the request is out of range (at most 2^63-1)")
+        return JSONResponse(body, status_code=422)
 
     @app.exception_handler(IntegrityError)
     async def _conflict(request: Request, exc: IntegrityError) -> JSONResponse:

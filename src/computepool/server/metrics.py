@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from computepool.server import scheduling
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.policy import Action
-from computepool.server.services import scheduling
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as alloc_store
 from computepool.store.db import Database
@@ -105,6 +105,11 @@ class Metrics:
             "cpool_api_request_seconds",
             "API answer latency by route template and status.",
             ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.audit_intact = Gauge(
+            "cpool_audit_chain_intact",
+            "1 while the audit chain checks out (at start, then its head each second); 0 once it does not.",
             registry=self.registry,
         )
         self.registry.register(PoolCollector(db, settings))

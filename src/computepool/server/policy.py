@@ -46,6 +46,7 @@ class Action(StrEnum):
     NODE_UNCORDON = "node.uncordon"
     NODE_DRAIN = "node.drain"
     NODE_DELETE = "node.delete"
+    NODE_UPDATE = "node.update"  # labels, taints, dedication
     AUDIT_LIST = "audit.list"
     AUDIT_VERIFY = "audit.verify"
     ALLOCATION_CREATE = "allocation.create"
@@ -94,6 +95,7 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.NODE_UNCORDON: _ADMIN,
     Action.NODE_DRAIN: _ADMIN,
     Action.NODE_DELETE: _ADMIN,
+    Action.NODE_UPDATE: _ADMIN,
     Action.AUDIT_LIST: _ADMINS,
     Action.AUDIT_VERIFY: _ADMIN,
     Action.ALLOCATION_CREATE: _WRITERS,
@@ -159,7 +161,7 @@ def authorize(principal: Principal, action: Action, target: Target | None = None
         return Scope()
     if target is not None:
         if target.tenant is not None and target.tenant != principal.tenant:
-            raise NotFound(f"{target.describe()} not found", target.field)
+            raise NotFound.of(target.kind, target.name, target.field)
         if target.node is not None and target.node != principal.node:
             raise Forbidden(f"this credential belongs to node '{principal.node}', not '{target.node}'")
         if target.owner_role is Role.ADMIN:

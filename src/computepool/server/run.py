@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import uvicorn
 
@@ -11,5 +12,14 @@ from computepool.server.settings import ServerSettings
 
 
 def serve(settings: ServerSettings) -> None:
+    """HTTP, or HTTPS when a certificate and key are set (uvicorn's own TLS)."""
+    os.umask(0o077)  # every file the server makes (database, keys, tokens) is readable by it alone
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
+        ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
+    )

@@ -38,11 +38,32 @@ class ServerSettings(BaseModel):
         default=3, ge=1, le=256, description="Threads that run database work for API calls."
     )
     log_level: str = Field(default="info", description="uvicorn and server log level.")
+    reclaim_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="How often time limits and idle-reclaim policies are applied."
+    )
+    audit_key_file: Path | None = Field(
+        default=None,
+        description="HMAC key that seals the audit head (default DATA_DIR/audit-key, made on first start); "
+        "replicas sharing a database must share this key.",
+    )
+    tls_cert: Path | None = Field(default=None, description="PEM certificate (chain): serve HTTPS.")
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert.")
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, le=1 << 30, description="Larger request bodies are refused with 413."
+    )
 
     @model_validator(mode="after")
     def _thresholds(self) -> ServerSettings:
         if not self.heartbeat_interval_s < self.suspect_after_s < self.lost_after_s:
             raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.lost_after_s < 4 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"lost_after_s ({self.lost_after_s:g}) must be at least 4 × heartbeat_interval_s "
+                f"({self.heartbeat_interval_s:g}): nodes stop restartable work a few heartbeats before "
+                "they can be declared lost"
+            )
         return self
 
     @property
@@ -58,3 +79,12 @@ class ServerSettings(BaseModel):
     @property
     def admin_token_path(self) -> Path:
         return self.data_dir / "admin-token"
+
+    @property
+    def audit_key_path(self) -> Path:
+        return self.audit_key_file or self.data_dir / "audit-key"
+
+    @property
+    def audit_anchor_path(self) -> Path:
+        """This replica's record of the last sealed audit head it saw (outside the database)."""
+        return self.data_dir / "audit-anchor"

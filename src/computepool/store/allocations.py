@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session
 
+from computepool.core.allocation import ENDED, HOLDING, LIVE  # also read as store.HOLDING etc.
 from computepool.store.models import (
     Allocation,
     AllocationEvent,
@@ -25,9 +26,6 @@ from computepool.store.models import (
     Tenant,
 )
 
-HOLDING = ("bound", "active")
-LIVE = ("pending", "bound", "active")
-ENDED = ("released", "preempted", "failed", "cancelled")
 LEASE_ID = 1
 
 

@@ -4,11 +4,18 @@ Each record's hash is the SHA-256 of its canonical JSON, which includes the prev
 hash. `audit_head` holds the last sequence number and hash; appending locks that row
 (`SELECT … FOR UPDATE` on PostgreSQL; SQLite write transactions are already exclusive), so
 concurrent writers — threads or server replicas — extend one chain instead of forking it.
+
+A chain alone cannot show records cut from its end, or a tail rewritten along with the head: the
+result is again a valid chain. So the head is also sealed — `mac`, an HMAC-SHA256 of (seq, hash)
+under the server's audit key, which the database does not hold — and the server keeps an anchor
+of the last head it saw outside the database (see `server.services.audit`). The key reaches
+`append_many` through the session's `info` (`Database.set_audit_key`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +48,29 @@ class ChainReport:
     ok: bool
     records: int
     first_broken: int | None
+    cause: str | None = None
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A head this server saw sealed: the table must still reach `seq`, with this hash there."""
+
+    seq: int
+    hash: str
+
+
+AUDIT_KEY_INFO = "cpool_audit_key"  # Session.info key under which the server's audit key travels
+
+
+def seal(key: bytes, seq: int, head_hash: str) -> str:
+    """The head's signature: only a holder of the key can move the head and keep it valid."""
+    return hmac.new(key, f"audit-head:{seq}:{head_hash}".encode(), hashlib.sha256).hexdigest()
+
+
+def seal_matches(key: bytes, seq: int, head_hash: str, mac: str | None) -> bool:
+    if mac is None:
+        return seq == 0 and head_hash == GENESIS_HASH  # an empty chain needs no seal
+    return hmac.compare_digest(seal(key, seq, head_hash), mac)
 
 
 def _iso(t: datetime) -> str:
@@ -80,7 +110,9 @@ _HEAD_T = AuditHead.__table__
 _HEAD = select(_HEAD_T.c.seq, _HEAD_T.c.hash).where(_HEAD_T.c.id == 1).with_for_update()
 _INSERT = AuditRecord.__table__.insert()
 _MOVE_HEAD = (
-    _HEAD_T.update().where(_HEAD_T.c.id == 1).values(seq=bindparam("new_seq"), hash=bindparam("new_hash"))
+    _HEAD_T.update()
+    .where(_HEAD_T.c.id == 1)
+    .values(seq=bindparam("new_seq"), hash=bindparam("new_hash"), mac=bindparam("new_mac"))
 )
 
 
@@ -111,7 +143,27 @@ def append_many(session: Session, events: Sequence[AuditEvent], now: datetime) -
         rows.append(row)
     for i in range(0, len(rows), 1000):
         conn.execute(_INSERT, rows[i : i + 1000])
-    conn.execute(_MOVE_HEAD, {"new_seq": seq, "new_hash": prev})
+    key = session.info.get(AUDIT_KEY_INFO)
+    mac = seal(key, seq, prev) if key else None
+    conn.execute(_MOVE_HEAD, {"new_seq": seq, "new_hash": prev, "new_mac": mac})
+
+
+def read_head(session: Session) -> tuple[int, str, str | None]:
+    """(seq, hash, mac) of the head row."""
+    row = session.execute(select(_HEAD_T.c.seq, _HEAD_T.c.hash, _HEAD_T.c.mac).where(_HEAD_T.c.id == 1)).one()
+    return int(row.seq), str(row.hash), row.mac
+
+
+def reseal(session: Session, key: bytes) -> int:
+    """Seal the head as it is now (first start with a key); returns its seq."""
+    seq, head_hash, _ = read_head(session)
+    session.execute(_HEAD_T.update().where(_HEAD_T.c.id == 1).values(mac=seal(key, seq, head_hash)))
+    return seq
+
+
+def hash_at(session: Session, seq: int) -> str | None:
+    """The stored hash of record `seq`, or None when there is no such record."""
+    return session.execute(select(AuditRecord.hash).where(AuditRecord.seq == seq)).scalar_one_or_none()
 
 
 def append(session: Session, event: AuditEvent, now: datetime) -> None:
@@ -145,16 +197,35 @@ def query(
     return session.scalars(stmt.order_by(AuditRecord.seq).limit(limit)).all()
 
 
-def verify(session: Session) -> ChainReport:
-    """Recompute every hash and link; `first_broken` is the first sequence number that fails."""
+def verify(session: Session, key: bytes | None = None, anchor: Anchor | None = None) -> ChainReport:
+    """Recompute every hash and link, then hold the end of the chain against the head, its seal
+    (with `key`) and the server's anchor; `first_broken` is the first sequence number that fails."""
     prev, expected, count = GENESIS_HASH, 1, 0
+    at_anchor: str | None = None
     rows = session.scalars(select(AuditRecord).order_by(AuditRecord.seq).execution_options(yield_per=1000))
     for rec in rows:
         if rec.seq != expected or rec.prev_hash != prev or record_hash(rec) != rec.hash:
-            return ChainReport(ok=False, records=count, first_broken=expected)
+            why = f"broken at record {expected}: edited, removed or reordered (hash or link does not match)"
+            return ChainReport(ok=False, records=count, first_broken=expected, cause=why)
+        if anchor is not None and rec.seq == anchor.seq:
+            at_anchor = rec.hash
         prev, expected, count = rec.hash, expected + 1, count + 1
-    head = session.execute(select(AuditHead).where(AuditHead.id == 1)).scalar_one()
-    if head.seq != count or head.hash != prev:
-        # Records were cut from the end: the head still remembers them.
-        return ChainReport(ok=False, records=count, first_broken=expected)
+    seq, head_hash, mac = read_head(session)
+    cause: str | None = None
+    first = count + 1
+    if seq > count:
+        cause = f"records cut from the end: head says seq {seq}, table ends at {count}"
+    elif seq != count or head_hash != prev:
+        cause = f"head does not match the last record: head says seq {seq}, table ends at {count}"
+        first = count
+    elif key is not None and not seal_matches(key, seq, head_hash, mac):
+        cause = "head signature does not match: the head was changed without the server's audit key"
+        first = count
+    elif anchor is not None and anchor.seq > count:
+        cause = f"records cut from the end: the server's anchor says seq {anchor.seq}, table ends at {count}"
+    elif anchor is not None and anchor.seq > 0 and at_anchor != anchor.hash:
+        cause = f"tail rewritten: record {anchor.seq} differs from the one the server anchored"
+        first = anchor.seq
+    if cause is not None:
+        return ChainReport(ok=False, records=count, first_broken=max(first, 1), cause=cause)
     return ChainReport(ok=True, records=count, first_broken=None)

@@ -13,15 +13,19 @@ processes writing the same file still meet the busy timeout.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+from computepool.store.audit import AUDIT_KEY_INFO
 
 SQLITE_BUSY_TIMEOUT_S = 15
 SQLITE_POOL_SIZE = 48
@@ -29,7 +33,22 @@ PG_POOL_SIZE = 20
 PG_CONNECT_TIMEOUT_S = 3
 
 
+def _private_sqlite_file(url: str) -> None:
+    """The database file readable by its owner only (0600). Made before SQLite opens it, since its
+    -wal and -shm files take the main file's mode; files of an older start are narrowed too."""
+    name = make_url(url).database
+    if not name or name == ":memory:" or name.startswith("file:"):
+        return
+    path = Path(name)
+    if path.parent.is_dir():
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with suppress(FileNotFoundError):
+            os.chmod(f, 0o600)
+
+
 def _sqlite_engine(url: str) -> Engine:
+    _private_sqlite_file(url)
     # Every worker thread (the API's pool has 40) may hold a connection at once: a pool smaller
     # than that makes requests queue for connections, and overflow ones are opened and closed
     # per request.
@@ -85,6 +104,13 @@ class Database:
         self._writers = threading.Lock() if self.dialect == "sqlite" else None
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(self.engine.execution_options(cpool_write=True), expire_on_commit=False)
+        self.audit_key: bytes | None = None
+
+    def set_audit_key(self, key: bytes) -> None:
+        """Sessions opened from now on seal the audit head with `key` (see `store.audit`)."""
+        self.audit_key = key
+        for maker in (self._read, self._write):
+            maker.configure(info={AUDIT_KEY_INFO: key})
 
     @contextmanager
     def read(self) -> Iterator[Session]:

@@ -6,7 +6,7 @@ Migrations in `store/migrations/versions` must create exactly this schema; a tes
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -16,8 +16,10 @@ from sqlalchemy import (
     ForeignKey,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -29,7 +31,8 @@ HASH_LEN = 64
 
 
 class Base(DeclarativeBase):
-    pass
+    if TYPE_CHECKING:  # every model maps one Table (SQLAlchemy types it as any FromClause)
+        __table__: ClassVar[Table]
 
 
 class Tenant(Base):
@@ -63,12 +66,20 @@ class Node(Base):
     labels: Mapped[dict[str, str]] = mapped_column(JSON)
     cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
     draining: Mapped[bool] = mapped_column(Boolean, default=False)
+    # key -> value; work that does not tolerate every taint stays off the node
+    taints: Mapped[dict[str, str]] = mapped_column(JSON, default=dict, server_default="{}")
+    # the tenant the node is set aside for; others borrow it as preemptible work, or never
+    dedicated_tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id"), nullable=True
+    )
+    lending: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     joined_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
     devices: Mapped[list[Device]] = relationship(
         back_populates="node", cascade="all, delete-orphan", order_by="Device.index", lazy="selectin"
     )
+    dedicated_tenant: Mapped[Tenant | None] = relationship(lazy="joined")
 
 
 class Device(Base):
@@ -137,6 +148,18 @@ class QuotaEntry(Base):
     limit_value: Mapped[int] = mapped_column(BigInteger)
 
 
+class ReclaimPolicy(Base):
+    """A tenant's idle reclaim: allocations whose devices show no use for `idle_s` are released,
+    with a warning `warn_s` before. No row: the tenant's allocations are never reclaimed."""
+
+    __tablename__ = "reclaim_policies"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    idle_s: Mapped[int] = mapped_column(Integer)
+    warn_s: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class AuditRecord(Base):
     """One state-changing call. `hash` = SHA-256 of the canonical JSON, which holds `prev_hash`."""
 
@@ -156,13 +179,15 @@ class AuditRecord(Base):
 
 
 class AuditHead(Base):
-    """The single lock row of the audit chain: the last sequence number and hash."""
+    """The single lock row of the audit chain: the last sequence number and hash, and their seal
+    (HMAC under the server's audit key; NULL until a server with a key first writes it)."""
 
     __tablename__ = "audit_head"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     seq: Mapped[int] = mapped_column(BigInteger)
     hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    mac: Mapped[str | None] = mapped_column(String(HASH_LEN), nullable=True)
 
 
 class Allocation(Base):

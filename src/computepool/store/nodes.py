@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
-from computepool.store.models import Device, Node
+from computepool.store.models import Device, Node, Tenant
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ def create(
         cpu_milli=cpu_milli,
         memory_mib=memory_mib,
         labels=dict(labels),
+        taints={},
+        lending=True,
         cordoned=False,
         draining=False,
         joined_at=now,
@@ -130,6 +132,24 @@ def beat(session: Session, name: str, now: datetime, usage: Sequence[DeviceUsage
             ],
         )
     return Beat(bool(cordoned), bool(draining))
+
+
+def set_rules(
+    session: Session,
+    node: Node,
+    *,
+    labels: dict[str, str],
+    taints: dict[str, str],
+    dedicated_to: Tenant | None,
+    lending: bool,
+) -> None:
+    """Replace the node's placement rules (labels, taints, dedication); the scheduler reads them."""
+    node.labels = dict(sorted(labels.items()))
+    node.taints = dict(sorted(taints.items()))
+    node.dedicated_tenant = dedicated_to
+    node.dedicated_tenant_id = dedicated_to.id if dedicated_to is not None else None
+    node.lending = lending
+    session.flush()
 
 
 def delete(session: Session, node: Node) -> None:

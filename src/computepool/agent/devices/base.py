@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from computepool.core.quantities import MILLI_PER_DEVICE
-from computepool.core.resources import Device
+from computepool.core.resources import Device, mig_profile_of
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class DeviceInfo:
             compute_milli=self.compute_milli,
             numa_node=self.numa_node,
             link_group=self.link_group,
+            mig_parent_uuid=self.mig_parent_uuid,
+            mig_profile=mig_profile_of(self.model) if self.is_mig else "",
         )
 
 

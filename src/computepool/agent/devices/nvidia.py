@@ -34,11 +34,12 @@ def _try(fn: Callable[..., T], default: T, *args: Any) -> T:
 
 
 def normalize_model(name: str) -> str:
-    """`NVIDIA A100-SXM4-80GB` → `A100-SXM4-80GB`: request model names cannot hold spaces."""
+    """`NVIDIA A100-SXM4-80GB` → `A100-SXM4-80GB`: request model names cannot hold spaces (nor
+    the `+` of a MIG profile such as `1g.10gb+me`, written `-me`)."""
     name = name.strip()
     if name.upper().startswith("NVIDIA "):
         name = name[len("NVIDIA ") :]
-    return "-".join(name.split())
+    return "-".join(name.replace("+", " ").split())
 
 
 def normalize_bus_id(bus_id: str) -> str:

@@ -4,16 +4,22 @@ The agent tells the backend which process runs on which device (`attach`/`detach
 driver would see it; processes that exit are dropped on their own. A workload can also claim to
 use some GPU memory by writing a number of MiB into the file named by `CPOOL_SIM_MEMORY_FILE`,
 so the memory watchdog can be exercised without a GPU.
+
+A simulated GPU can be split into MIG instances (`1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb`):
+each instance is reported as NVML reports a real one — a device of its own with a `MIG-` uuid,
+its parent GPU's uuid, the profile's memory, and `compute_milli = 1000 × slices / 7`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import stat
 import threading
 import uuid as uuidlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -22,6 +28,7 @@ from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import MAX_DEVICES_PER_NODE
+from computepool.core.resources import MIG_PROFILE
 
 SIM_MEMORY_FILE_ENV = "CPOOL_SIM_MEMORY_FILE"
 SIM_MEMORY_FILE_NAME = "sim_gpu_memory_mib"
@@ -34,6 +41,9 @@ _ENTRY = re.compile(
     r"(?P<model>[A-Za-z0-9][A-Za-z0-9_.\-]*?)-(?P<mem>\d+(?:\.\d+)?)(?P<unit>[A-Za-z]+)$"
 )
 _JSON_FIELDS = {"model", "memory_mib", "count", "vendor", "compute_capability", "numa_node", "link_group"}
+_JSON_FIELDS |= {"mig"}
+MIG_SLICES = 7  # GPU-instance slices of a simulated GPU (as on A100 and H100)
+MIG_SIZES = (1, 2, 3, 4, 7)  # the GPU-instance sizes NVIDIA defines, in slices
 _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -48,10 +58,43 @@ class SimDeviceSpec:
     compute_capability: str = ""
     numa_node: int = -1
     link_group: str = ""
+    mig: tuple[str, ...] = ()  # MIG instances each of these GPUs is split into (profiles)
+
+
+def parse_mig(where: str, text: str, gpu_memory_mib: int) -> tuple[str, ...]:
+    """`3g.40gb+2g.20gb+2g.20gb` → the profiles, checked against the GPU's 7 slices and memory."""
+    tokens = [t.strip() for t in text.split("+")]
+    profiles: list[str] = []
+    for t in tokens:
+        if t == "me" and profiles and not profiles[-1].endswith("+me"):
+            profiles[-1] += "+me"  # `1g.10gb+me` (the media-engine variant) is one profile
+        else:
+            profiles.append(t)
+    if not profiles or profiles == [""]:
+        raise InvalidInput(where, "mig= lists no instance (expected e.g. mig=3g.40gb+2g.20gb+2g.20gb)")
+    slices = mem = 0
+    for prof in profiles:
+        m = MIG_PROFILE.match(prof)
+        if m is None or int(m["slices"]) not in MIG_SIZES:
+            raise InvalidInput(
+                where, f"unknown MIG profile {prof!r} (expected SLICESg.MEMORYgb, slices one of 1,2,3,4,7)"
+            )
+        slices += int(m["slices"])
+        mem += int(m["gb"]) * 1024
+    if slices > MIG_SLICES:
+        raise InvalidInput(
+            where, f"MIG instances {text} take {slices} slices, more than the GPU's {MIG_SLICES}"
+        )
+    if mem > gpu_memory_mib:
+        raise InvalidInput(
+            where, f"MIG instances {text} take {mem} MiB, more than the GPU's {gpu_memory_mib} MiB"
+        )
+    return tuple(profiles)
 
 
 def parse_spec(spec: str) -> list[SimDeviceSpec]:
-    """`2xA100-80GB,1xT4-16GB` (optionally `vendor/MODEL-MEM`) or the path of a JSON file."""
+    """`2xA100-80GB,1xT4-16GB` (optionally `vendor/MODEL-MEM`, and `:mig=P+P+…` to split each of
+    those GPUs into MIG instances of profiles P) or the path of a JSON file."""
     text = spec.strip()
     if not text:
         raise InvalidInput("simulate", "empty device spec (expected e.g. 2xA100-80GB,1xT4-16GB)")
@@ -60,6 +103,7 @@ def parse_spec(spec: str) -> list[SimDeviceSpec]:
     out = []
     for part in text.split(","):
         part = part.strip()
+        part, _, extra = part.partition(":")
         m = _ENTRY.match(part)
         if not m:
             raise InvalidInput(
@@ -72,8 +116,22 @@ def parse_spec(spec: str) -> list[SimDeviceSpec]:
             )
         count = int(m["count"]) if m["count"] is not None else 1
         mem = round(float(m["mem"]) * factor)
-        out.append(_checked(f"simulate: {part!r}", m["model"], mem, count, (m["vendor"] or "nvidia").lower()))
+        where = f"simulate: {part + (':' + extra if extra else '')!r}"
+        s = _checked(where, m["model"], mem, count, (m["vendor"] or "nvidia").lower())
+        if extra:
+            key, eq, value = extra.partition("=")
+            if key.strip() != "mig" or not eq:
+                raise InvalidInput(where, f"unknown option {extra!r} (expected mig=PROFILE+PROFILE…)")
+            s = replace(s, mig=parse_mig(where, value, mem))
+        out.append(s)
+    _check_total(spec, out)
     return out
+
+
+def _check_total(where: str, specs: list[SimDeviceSpec]) -> None:
+    total = sum(s.count * max(1, len(s.mig)) for s in specs)
+    if total > MAX_DEVICES_PER_NODE:
+        raise InvalidInput(where, f"{total} devices is more than a node holds ({MAX_DEVICES_PER_NODE})")
 
 
 def _checked(where: str, model: object, mem: object, count: object, vendor: object) -> SimDeviceSpec:
@@ -115,15 +173,17 @@ def _parse_json(path: Path) -> list[SimDeviceSpec]:
         numa = item.get("numa_node", -1)
         if isinstance(numa, bool) or not isinstance(numa, int):
             raise InvalidInput(where, f"numa_node must be a whole number, got {numa!r}")
+        mig = item.get("mig", [])
+        if not isinstance(mig, list) or not all(isinstance(x, str) for x in mig):
+            raise InvalidInput(where, f"mig must be a list of MIG profiles, got {mig!r}")
         out.append(
             SimDeviceSpec(
                 s.model, s.memory_mib, s.count, s.vendor,
                 str(item.get("compute_capability", "")), numa, str(item.get("link_group", "")),
+                parse_mig(where, "+".join(mig), s.memory_mib) if mig else (),
             )
         )  # fmt: skip
-    total = sum(s.count for s in out)
-    if total > MAX_DEVICES_PER_NODE:
-        raise InvalidInput(str(path), f"{total} devices is more than a node holds ({MAX_DEVICES_PER_NODE})")
+    _check_total(str(path), out)
     return out
 
 
@@ -148,22 +208,25 @@ class SimulatedBackend:
         specs = parse_spec(spec)
         seed = socket.gethostname() if seed is None else seed
         devices: list[DeviceInfo] = []
+        gpus = 0
         for s in specs:
             for _ in range(s.count):
-                i = len(devices)
-                devices.append(
-                    DeviceInfo(
-                        index=i,
-                        vendor=s.vendor,
-                        model=s.model,
-                        memory_mib=s.memory_mib,
-                        uuid=_sim_uuid(seed, i, s.model),
-                        physical_index=i,
-                        compute_capability=s.compute_capability,
-                        numa_node=s.numa_node,
-                        link_group=s.link_group,
-                    )
+                gpu = DeviceInfo(
+                    index=len(devices),
+                    vendor=s.vendor,
+                    model=s.model,
+                    memory_mib=s.memory_mib,
+                    uuid=_sim_uuid(seed, gpus, s.model),
+                    physical_index=gpus,
+                    compute_capability=s.compute_capability,
+                    numa_node=s.numa_node,
+                    link_group=s.link_group,
                 )
+                gpus += 1
+                if not s.mig:
+                    devices.append(gpu)
+                for k, profile in enumerate(s.mig):
+                    devices.append(_mig_instance(gpu, len(devices), k, profile))
         if len(devices) > MAX_DEVICES_PER_NODE:
             raise InvalidInput("simulate", f"{len(devices)} devices is more than a node holds")
         self._devices = devices
@@ -227,6 +290,21 @@ class SimulatedBackend:
         return out
 
 
+def _mig_instance(gpu: DeviceInfo, index: int, k: int, profile: str) -> DeviceInfo:
+    """Instance `k` of a simulated GPU, named as NVML names one (`<model> MIG <profile>`)."""
+    m = MIG_PROFILE.match(profile)
+    assert m is not None  # checked by parse_mig
+    return replace(
+        gpu,
+        index=index,
+        model=f"{gpu.model}-MIG-{profile.replace('+', '-')}",
+        memory_mib=int(m["gb"]) * 1024,
+        uuid=f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'computepool-sim-mig:{gpu.uuid}:{k}:{profile}')}",
+        compute_milli=round(MILLI_PER_DEVICE * int(m["slices"]) / MIG_SLICES),
+        mig_parent_uuid=gpu.uuid,
+    )
+
+
 def _sim_uuid(seed: str, index: int, model: str) -> str:
     """Stable across agent restarts, distinct across simulated nodes (seeded by node name)."""
     return f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'computepool-sim:{seed}:{index}:{model}')}"
@@ -245,6 +323,13 @@ def _reported(a: _Attached) -> int:
     if a.memory_file is None:
         return a.memory_mib
     try:
-        return max(0, round(float(a.memory_file.read_text().strip())))
-    except (OSError, ValueError):
+        # the job writes this file: never follow its links, never wait on a FIFO, read a few bytes
+        fd = os.open(a.memory_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return a.memory_mib
+            return max(0, round(float(os.read(fd, 64).decode().strip())))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, UnicodeDecodeError, OverflowError):
         return a.memory_mib

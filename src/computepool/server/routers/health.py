@@ -25,4 +25,9 @@ def readyz(request: Request) -> JSONResponse:
         )
     # which replica schedules (the others serve the API and stand by for the lease)
     role = "leader" if request.app.state.controller.leader else "standby"
-    return JSONResponse({"status": "ready", "scheduler": role})
+    state = request.app.state
+    audit = "broken" if state.audit_problem else ("intact" if state.audit_checked else "checking")
+    body = {"status": "ready", "scheduler": role, "audit": audit}
+    if state.audit_problem:  # served anyway: a broken record is evidence, not a reason to stop the pool
+        body["audit_error"] = state.audit_problem
+    return JSONResponse(body)

@@ -1,4 +1,4 @@
-"""Join tokens, node join and heartbeat, inventory, cordon / uncordon / drain."""
+"""Join tokens, node join and heartbeat, inventory, placement rules, cordon / uncordon / drain."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from computepool.server.schemas.nodes import (
     NodeJoin,
     NodeJoined,
     NodeOut,
+    NodePatch,
+    NodeSettings,
 )
 from computepool.server.services import nodes
 
@@ -56,6 +58,20 @@ def list_nodes(ctx: Annotated[Ctx, Depends(requires(Action.NODE_LIST))]) -> Item
 @router.get("/nodes/{name}", summary="One node")
 def get_node(name: str, ctx: Annotated[Ctx, Depends(requires(Action.NODE_LIST))]) -> NodeOut:
     return nodes.get(ctx, name)
+
+
+@router.put("/nodes/{name}", summary="Replace a node's labels, taints and dedication")
+def put_node(
+    name: str, body: NodeSettings, ctx: Annotated[Ctx, Depends(requires(Action.NODE_UPDATE))]
+) -> NodeOut:
+    return nodes.update(ctx, name, body)
+
+
+@router.patch("/nodes/{name}", summary="Change some of a node's labels, taints or dedication")
+def patch_node(
+    name: str, body: NodePatch, ctx: Annotated[Ctx, Depends(requires(Action.NODE_UPDATE))]
+) -> NodeOut:
+    return nodes.update(ctx, name, body)
 
 
 @router.post("/nodes/{name}/cordon", summary="Place no new work on the node")

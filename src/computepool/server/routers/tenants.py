@@ -11,7 +11,8 @@ from computepool.server.deps import requires
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.identity import TenantCreate, TenantOut
-from computepool.server.services import tenants
+from computepool.server.schemas.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
+from computepool.server.services import reclaim, tenants
 
 router = APIRouter(tags=["tenants"])
 
@@ -31,3 +32,20 @@ def list_tenants(ctx: Annotated[Ctx, Depends(requires(Action.TENANT_LIST))]) -> 
 @router.get("/tenants/{name}", summary="One tenant")
 def get_tenant(name: str, ctx: Annotated[Ctx, Depends(requires(Action.TENANT_GET))]) -> TenantOut:
     return tenants.get(ctx, name)
+
+
+@router.put("/tenants/{name}/reclaim", summary="Set a tenant's idle-reclaim policy (admin)")
+def set_reclaim(
+    name: str, body: ReclaimPolicyIn, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_SET))]
+) -> ReclaimPolicyOut:
+    return reclaim.set_policy(ctx, name, body)
+
+
+@router.get("/tenants/{name}/reclaim", summary="A tenant's idle-reclaim policy")
+def get_reclaim(name: str, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_GET))]) -> ReclaimPolicyOut:
+    return reclaim.get_policy(ctx, name)
+
+
+@router.delete("/tenants/{name}/reclaim", summary="Turn a tenant's idle reclaim off (admin)")
+def delete_reclaim(name: str, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_SET))]) -> ReclaimPolicyOut:
+    return reclaim.delete_policy(ctx, name)

@@ -5,15 +5,22 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StrictInt, StringConstraints
 
+from computepool.core.allocation import AllocationState, IsolationName
 from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
-from computepool.server.schemas.common import MAX_CPU_MILLI, MAX_MEMORY_MIB, In, ModelName, Name, Out
+from computepool.server.schemas.common import (
+    MAX_CPU_MILLI,
+    MAX_ID,
+    MAX_MEMORY_MIB,
+    Id,
+    In,
+    ModelName,
+    Name,
+    Out,
+)
+from computepool.server.schemas.nodes import MAX_TAINTS, Toleration
 
-AllocationState = Literal["pending", "bound", "active", "released", "preempted", "failed", "cancelled"]
-IsolationName = Literal["timeslice", "mps", "mig", "exclusive"]
-ACTIVE_STATES = ("bound", "active")
-ENDED_STATES = ("released", "preempted", "failed", "cancelled")
 MAX_COMMAND_ARGS = 1024
 MAX_ARG_LEN = 8192
 MAX_ENV = 256
@@ -33,7 +40,7 @@ MigProfile = Annotated[
     Field(description="A MIG instance profile, e.g. 1g.10gb or 3g.40gb."),
 ]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
-LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./-]{0,63}$")]
+LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/@ -]{0,63}$")]  # as node labels
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 MAX_SELECTOR = 16
 MAX_PORTS = 16
@@ -99,7 +106,12 @@ class AllocationCreate(In):
     node_selector: dict[LabelKey, LabelValue] | None = Field(
         default=None, max_length=MAX_SELECTOR, description="Only nodes whose labels have all these values."
     )
-    time_limit: int | str | None = Field(
+    tolerations: list[Toleration] | None = Field(
+        default=None,
+        max_length=MAX_TAINTS,
+        description="Node taints this work may go on: `key` (any value) or `key=value`.",
+    )
+    time_limit: StrictInt | str | None = Field(
         default=None,
         description="End the work after this long bound: seconds, or 90s, 15m, 2h, 1d.",
     )
@@ -125,6 +137,7 @@ class RequestOut(Out):
     ports: list[int] | None = None
     mig: str | None = None
     node_selector: dict[str, str] | None = None
+    tolerations: list[str] | None = None
     time_limit: int | None = Field(default=None, description="Seconds.")
 
 
@@ -206,8 +219,8 @@ class Assignments(Out):
 
 
 class Report(In):
-    allocation_id: int = Field(strict=True, ge=1)
-    attempt: int = Field(strict=True, ge=1)
+    allocation_id: Id
+    attempt: int = Field(strict=True, ge=1, le=MAX_ID)
     state: Literal["running", "exited", "failed", "lost"]
     exit_code: int | None = Field(default=None, strict=True, ge=-(2**31), lt=2**31)
     reason: str | None = Field(default=None, max_length=1000)
@@ -231,7 +244,7 @@ class ReportsOut(Out):
 
 
 class LogChunk(In):
-    attempt: int = Field(strict=True, ge=1)
+    attempt: int = Field(strict=True, ge=1, le=MAX_ID)
     stream: Literal["stdout", "stderr"]
     offset: int = Field(
         strict=True,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from pydantic import Field
+
 from computepool.server.schemas.common import Out
 
 
@@ -26,3 +28,4 @@ class AuditVerifyOut(Out):
     ok: bool
     records: int
     first_broken: int | None
+    cause: str | None = Field(default=None, description="What is wrong, when ok is false.")

@@ -12,6 +12,7 @@ MAX_CPU_MILLI = 10**9  # a million cores
 MAX_MEMORY_MIB = 2**40  # an exbibyte
 MAX_GPU_MILLI = 10**10  # ten million devices
 MAX_EXPIRES_S = 10 * 366 * 24 * 3600
+MAX_ID = 2**63 - 1  # the largest BIGINT (SQLite and PostgreSQL): a larger id names nothing stored
 
 Name = Annotated[
     str,
@@ -24,6 +25,7 @@ ModelName = Annotated[
     Field(description="A GPU model name as the agent reports it, e.g. A100-SXM4-80GB."),
 ]
 Count = Annotated[int, Field(strict=True, ge=0)]
+Id = Annotated[int, Field(strict=True, ge=1, le=MAX_ID, description="A stored object's id.")]
 
 
 class In(BaseModel):

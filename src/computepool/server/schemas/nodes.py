@@ -24,6 +24,11 @@ NodeState = Literal["ready", "suspect", "lost"]
 Uuid = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:/-]{0,127})?$")]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/@ -]{0,63}$")]
+MAX_TAINTS = 16
+# `key` (any value of the taint) or `key=value` (that taint only), as Kubernetes' Exists / Equal
+Toleration = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}(=[A-Za-z0-9_.:/@ -]{0,63})?$")
+]
 
 
 class JoinTokenCreate(In):
@@ -106,14 +111,43 @@ class NodeOut(Out):
     draining: bool = Field(
         description="Cordoned; restartable work is requeued elsewhere, the rest finishes here."
     )
+    taints: dict[str, str] = Field(description="Work that does not tolerate each of these stays off.")
+    dedicated: bool = Field(description="Set aside for one tenant.")
+    dedicated_to: str | None = Field(
+        description="The tenant it is set aside for (shown to admins and to that tenant's users)."
+    )
+    lending: bool = Field(description="A dedicated node's idle capacity may be borrowed, preemptibly.")
     joined_at: datetime
     last_heartbeat_at: datetime
+
+
+class NodeSettings(In):
+    """PUT /nodes/{name}: the admin-set placement rules, replaced whole."""
+
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_LABELS)
+    taints: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, max_length=MAX_TAINTS, description="key → value; NoSchedule."
+    )
+    dedicated_to: Name | None = Field(default=None, description="A tenant; null: shared by all.")
+    lending: bool = Field(
+        default=True, strict=True, description="Others may borrow it as preemptible work (when dedicated)."
+    )
+
+
+class NodePatch(In):
+    """PATCH /nodes/{name}: change only what is given; a label or taint set to null is removed."""
+
+    labels: dict[LabelKey, LabelValue | None] | None = Field(default=None, max_length=MAX_LABELS)
+    taints: dict[LabelKey, LabelValue | None] | None = Field(default=None, max_length=MAX_TAINTS)
+    dedicated_to: Name | None = Field(default=None, description="A tenant; null (given) undedicates.")
+    lending: bool | None = Field(default=None, strict=True)
 
 
 class NodeJoined(Out):
     node: NodeOut
     credential: str = Field(description="The node's bearer token; shown only in this answer.")
     heartbeat_interval_s: float
+    lost_after_s: float = Field(description="Heartbeat age → lost; restartable work is fenced before.")
 
 
 class HeartbeatOut(Out):
@@ -122,3 +156,4 @@ class HeartbeatOut(Out):
     cordoned: bool
     draining: bool
     heartbeat_interval_s: float
+    lost_after_s: float = Field(description="Heartbeat age → lost; restartable work is fenced before.")

@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,8 +23,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from computepool.core import InvalidInput, Request
+from computepool.core import InvalidInput, Isolation, Request, Sharing
 from computepool.core.quantities import parse_duration_s
+from computepool.server import reclaim, scheduling
 from computepool.server.caches import Shape, ShapeCache
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Forbidden, Invalid, NotFound
@@ -48,7 +49,6 @@ from computepool.server.schemas.allocations import (
     StaleOut,
 )
 from computepool.server.schemas.common import Items
-from computepool.server.services import scheduling
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
 from computepool.store import nodes as node_store
@@ -99,7 +99,7 @@ def _visible(s: Session, ctx: Ctx, alloc_id: int, *, lock: bool = False) -> Allo
     """The allocation if the caller's tenant may see it; the same 404 otherwise."""
     a = store.get(s, alloc_id, for_update=lock)
     if a is None:
-        raise NotFound(f"allocation {alloc_id} not found")
+        raise NotFound.of("allocation", alloc_id)
     authorize(ctx.caller(), ctx.action, Target("allocation", str(alloc_id), tenant=a.tenant.name))
     return a
 
@@ -123,6 +123,8 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         time_limit = None if body.time_limit is None else parse_duration_s(body.time_limit, "time_limit")
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
+    if (body.mig is not None or body.isolation == "mig") and "gpus" not in body.model_fields_set:
+        body = body.model_copy(update={"gpus": 1})  # a MIG instance is one device
     fractional = body.gpus == 1 and body.gpu_milli < 1000
     if body.mig is not None:
         isolation = "mig"
@@ -157,6 +159,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "ports": sorted(set(body.ports)) if body.ports else None,
         "mig": body.mig,
         "node_selector": dict(sorted(body.node_selector.items())) if body.node_selector else None,
+        "tolerations": sorted(set(body.tolerations)) if body.tolerations else None,
         "time_limit": time_limit,
     }
 
@@ -178,7 +181,27 @@ def _fit_key(core: Request) -> tuple[Any, ...]:
         core.models,
         core.sharing,
         core.gang_nodes,
+        core.tier,
+        core.mig_profile,
     )
+
+
+def _refused_field(snap: scheduling.Snapshot, core: Request) -> str:
+    """The field that keeps a request off every node: the first whose relaxing lets it fit."""
+    if core.gpu_count == 0:
+        return "cpu_milli"
+    relaxed: list[tuple[str, Request]] = []
+    if core.tier == Isolation.MIG:
+        whole = replace(core, mig_profile=None, isolation=None, sharing=Sharing.SHARED, gpu_milli=1000)
+        relaxed.append(("mig" if core.mig_profile else "isolation", whole))
+    if core.gpu_memory_mib:
+        relaxed.append(("gpu_memory_mib", replace(core, gpu_memory_mib=None)))
+    if core.models:
+        relaxed.append(("models", replace(core, models=None)))
+    for field, req in relaxed:
+        if scheduling.never_fits(snap, req) is None:
+            return field
+    return "gpus"
 
 
 def _refusal(shape: Shape, core: Request, tenant: str) -> tuple[str, str] | None:
@@ -194,7 +217,7 @@ def _refusal(shape: Shape, core: Request, tenant: str) -> tuple[str, str] | None
         never = scheduling.never_fits(shape.snapshot, core)
         ShapeCache.remember_fit(shape, key, never)
     if never is not None:
-        return never, "gpus" if core.gpu_count else "cpu_milli"
+        return never, _refused_field(shape.snapshot, core)
     return None
 
 
@@ -211,7 +234,7 @@ def _admit(ctx: Ctx, core: Request, tenant: str) -> int:
         cache.invalidate()
         shape = cache.get(lambda: _load_shape(ctx))
         if tenant not in shape.tenant_ids:
-            raise NotFound(f"tenant '{tenant}' not found", "tenant")
+            raise NotFound.of("tenant", tenant, "tenant")
         problem = _refusal(shape, core, tenant)
         if problem is not None:
             raise Invalid(*problem)
@@ -315,10 +338,10 @@ def get(ctx: Ctx, alloc_id: int) -> AllocationOut:
     with ctx.db.read() as s:
         found = store.read_one(s, alloc_id)
     if found is None:
-        raise NotFound(f"allocation {alloc_id} not found")
+        raise NotFound.of("allocation", alloc_id)
     row, events = found
     authorize(ctx.caller(), ctx.action, Target("allocation", str(alloc_id), tenant=row.tenant_name))
-    return _out(row, events, tenant=row.tenant_name)  # type: ignore[arg-type]
+    return _out(row, events, tenant=row.tenant_name)
 
 
 @dataclass(frozen=True)
@@ -345,6 +368,7 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
             list(row.nodes),
             len(row.slices),
         )
+        holding = reclaim.holding_notes(dict(row.request), row.bound_at, row.reason, db_now(s))
         snap = scheduling.load_snapshot(s, ctx.settings)
     world, _running, _stops = scheduling.build_world(snap)
     core = scheduling.to_core(a.request)
@@ -383,6 +407,7 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
         position = next((i + 1 for i, x in enumerate(mine) if x.id == a.id), None)
     elif a.state in store.HOLDING:
         summary = f"{a.state} on {', '.join(a.nodes) or 'no node'} ({a.slices} slices)"
+        summary = "; ".join([summary, *holding])  # time left, idle warning
     else:
         summary = f"{a.state}: {a.reason}"
     return ExplainOut(
@@ -401,7 +426,7 @@ def _end(ctx: Ctx, alloc_id: int, hub: Hub, *, state: str, allowed: tuple[str, .
     with ctx.db.write() as s:  # a few statements under the write lock; the answer is read after
         head = store.lock_head(s, alloc_id)
         if head is None:
-            raise NotFound(f"allocation {alloc_id} not found")
+            raise NotFound.of("allocation", alloc_id)
         authorize(caller, ctx.action, Target("allocation", str(alloc_id), tenant=head.tenant))
         if head.state not in allowed:
             verb = "released" if state == "released" else "cancelled"
@@ -428,7 +453,7 @@ def cancel(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:
 def _node(s: Session, ctx: Ctx, name: str) -> None:
     authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
     if node_store.get(s, name) is None:
-        raise NotFound(f"node '{name}' not found")
+        raise NotFound.of("node", name)
 
 
 def assignments(ctx: Ctx, name: str) -> Assignments:
@@ -520,7 +545,7 @@ def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended
     with ctx.db.write() as s:
         a = store.get(s, alloc_id)
         if a is None or principal.node not in a.nodes:
-            raise Forbidden(f"allocation {alloc_id} does not run on node {principal.node}")
+            raise Forbidden(f"allocation '{alloc_id}' does not run on node '{principal.node}'")
         if body.attempt != a.attempt:
             raise Conflict(f"attempt {body.attempt} is not current (now {a.attempt})", "attempt")
         end = store.stream_length(s, alloc_id, body.attempt, body.stream)

@@ -1,9 +1,24 @@
-"""Audit helpers for services: record a change in the same transaction as the change itself."""
+"""Audit helpers for services: record a change in the same transaction as the change itself.
+
+Also the server's half of tamper evidence (see `store.audit`): the audit key (DATA_DIR/audit-key,
+0600, made on first start, or `--audit-key-file` shared by replicas) that seals the head, and the
+anchor file (DATA_DIR/audit-anchor, 0600) where this server notes, once a second, the last sealed
+head it saw. A table that no longer reaches the anchor lost records from its end; a record at the
+anchor with another hash means a rewritten tail.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -98,6 +113,132 @@ def list_records(ctx: Ctx, filters: dict[str, Any]) -> Items[AuditOut]:
 
 def verify(ctx: Ctx) -> AuditVerifyOut:
     authorize(ctx.caller(), ctx.action)
-    with ctx.db.read() as s:
-        rep = audit.verify(s)
-    return AuditVerifyOut(ok=rep.ok, records=rep.records, first_broken=rep.first_broken)
+    rep = check_chain(ctx.db, ctx.settings.audit_anchor_path)
+    return AuditVerifyOut(ok=rep.ok, records=rep.records, first_broken=rep.first_broken, cause=rep.cause)
+
+
+# --- the key and the anchor -----------------------------------------------------------------------
+KEY_BYTES = 32
+
+
+class AnchorUnreadable(ValueError):
+    """The anchor file exists but cannot be trusted (corrupt, or signed with another key)."""
+
+
+def load_or_create_key(path: Path) -> bytes:
+    """The audit key (hex in a 0600 file), made on first start. A key readable by others is tightened."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:  # O_EXCL: of two servers starting together on one data dir, the first key wins
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(KEY_BYTES) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        log.info("made a new audit key in %s (replicas sharing this database need the same key)", path)
+    text = path.read_text().strip()
+    for _ in range(50):  # another server may be writing it this instant
+        if text:
+            break
+        time.sleep(0.1)
+        text = path.read_text().strip()
+    if path.stat().st_mode & 0o077:
+        log.warning("audit key %s was readable by others: mode set to 0600", path)
+        path.chmod(0o600)
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{path}: the audit key must be hex (as the server writes it)") from None
+    if len(key) < 16:
+        raise ValueError(f"{path}: the audit key is too short ({len(key)} bytes; at least 16)")
+    return key
+
+
+def _anchor_mac(key: bytes, anchor: audit.Anchor) -> str:
+    return hmac.new(key, f"audit-anchor:{anchor.seq}:{anchor.hash}".encode(), hashlib.sha256).hexdigest()
+
+
+def read_anchor(path: Path, key: bytes) -> audit.Anchor | None:
+    """The anchor this server wrote, None when there is none yet; AnchorUnreadable if not trusted."""
+    try:
+        data = json.loads(path.read_text())
+        anchor = audit.Anchor(seq=int(data["seq"]), hash=str(data["hash"]))
+        mac = str(data["mac"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise AnchorUnreadable(f"audit anchor {path} is unreadable ({type(e).__name__})") from None
+    if not hmac.compare_digest(_anchor_mac(key, anchor), mac):
+        raise AnchorUnreadable(f"audit anchor {path}: signature does not match (edited, or another key)")
+    return anchor
+
+
+def write_anchor(path: Path, key: bytes, anchor: audit.Anchor) -> None:
+    from computepool.server.services.bootstrap import write_secret_file
+
+    doc = {"seq": anchor.seq, "hash": anchor.hash, "mac": _anchor_mac(key, anchor)}
+    write_secret_file(path, json.dumps(doc) + "\n")
+
+
+def prepare(db: Database, key_path: Path, anchor_path: Path) -> None:
+    """At start: give the database the key, and seal a head never sealed before (a pool from before
+    sealing, or a new key) — but only when no anchor exists, which would make that a tampering."""
+    key = load_or_create_key(key_path)
+    db.set_audit_key(key)
+    with db.write() as s:
+        seq, head_hash, mac = audit.read_head(s)
+        if audit.seal_matches(key, seq, head_hash, mac) or mac is not None:
+            return
+        if anchor_path.exists():
+            log.error("audit head at seq %d has no seal although this server anchored one before", seq)
+            return
+        audit.reseal(s, key)
+    log.warning("sealed the audit head at seq %d with the audit key (first start with a key)", seq)
+
+
+def check_chain(db: Database, anchor_path: Path) -> audit.ChainReport:
+    """The whole chain against its head, the seal and this server's anchor."""
+    key = db.audit_key
+    anchor: audit.Anchor | None = None
+    if key is not None:
+        try:
+            anchor = read_anchor(anchor_path, key)
+        except AnchorUnreadable as e:
+            return audit.ChainReport(ok=False, records=0, first_broken=None, cause=str(e))
+    with db.read() as s:
+        return audit.verify(s, key, anchor)
+
+
+@dataclass
+class Watch:
+    """The last anchor written; `step` moves it forward or reports how the table fell behind it."""
+
+    db: Database
+    anchor_path: Path
+    anchor: audit.Anchor | None = None
+    loaded: bool = False
+
+    def step(self) -> str | None:
+        """One look at the head (two indexed reads): None when fine, else what is wrong."""
+        key = self.db.audit_key
+        if key is None:
+            return None
+        if not self.loaded:
+            self.anchor = read_anchor(self.anchor_path, key)
+            self.loaded = True
+        with self.db.read() as s:
+            seq, head_hash, mac = audit.read_head(s)
+            at = audit.hash_at(s, self.anchor.seq) if self.anchor is not None and self.anchor.seq else None
+        a = self.anchor
+        if a is not None and seq < a.seq:
+            return f"records cut from the end: the server's anchor says seq {a.seq}, head says {seq}"
+        if a is not None and a.seq and at != a.hash:
+            return f"tail rewritten: record {a.seq} differs from the one the server anchored"
+        if not audit.seal_matches(key, seq, head_hash, mac):
+            return "head signature does not match: the head was changed without the server's audit key"
+        if a is None or seq > a.seq:
+            self.anchor = audit.Anchor(seq, head_hash)
+            write_anchor(self.anchor_path, key, self.anchor)
+        return None

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
+from computepool.core.tls import file_fingerprint, split_pin, with_pin
 from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret, secret_matches, split_token
 from computepool.server.errors import Conflict, Invalid, NotFound, Unauthorized
-from computepool.server.policy import Target, authorize
+from computepool.server.policy import Principal, Role, Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.nodes import (
+    MAX_LABELS,
+    MAX_TAINTS,
     DeviceOut,
     Heartbeat,
     HeartbeatOut,
@@ -19,11 +22,13 @@ from computepool.server.schemas.nodes import (
     NodeJoin,
     NodeJoined,
     NodeOut,
+    NodePatch,
+    NodeSettings,
     NodeState,
 )
 from computepool.server.services.audit import record
 from computepool.server.settings import ServerSettings
-from computepool.store import nodes, tokens
+from computepool.store import nodes, tenants, tokens
 from computepool.store.db import db_now
 from computepool.store.models import ApiToken, JoinToken, Node
 from computepool.store.nodes import DeviceSpec, DeviceUsage
@@ -40,7 +45,17 @@ def node_state(age_s: float, settings: ServerSettings) -> NodeState:
     return "lost"
 
 
-def _out(n: Node, now: datetime, settings: ServerSettings) -> NodeOut:
+def _dedicated_to(n: Node, viewer: Principal | None) -> str | None:
+    """The owner's name for admins and the owner's users; others only learn that it is dedicated."""
+    t = n.dedicated_tenant
+    if t is None:
+        return None
+    if viewer is None or viewer.role is Role.ADMIN or viewer.tenant == t.name:
+        return t.name
+    return None
+
+
+def _out(n: Node, now: datetime, settings: ServerSettings, viewer: Principal | None = None) -> NodeOut:
     age = max(0.0, (now - n.last_heartbeat_at).total_seconds())
     return NodeOut(
         name=n.name,
@@ -66,6 +81,10 @@ def _out(n: Node, now: datetime, settings: ServerSettings) -> NodeOut:
         heartbeat_age_s=round(age, 3),
         cordoned=n.cordoned,
         draining=n.draining,
+        taints=dict(n.taints or {}),
+        dedicated=n.dedicated_tenant_id is not None,
+        dedicated_to=_dedicated_to(n, viewer),
+        lending=n.lending,
         joined_at=n.joined_at,
         last_heartbeat_at=n.last_heartbeat_at,
     )
@@ -88,13 +107,14 @@ def create_join_token(ctx: Ctx, body: JoinTokenCreate) -> JoinTokenCreated:
             ),
         )
         record(s, ctx, f"join-token:{tok.id}", detail={"single_use": body.single_use})
-        return JoinTokenCreated(
-            id=tok.id, token=secret.token, expires_at=tok.expires_at, single_use=tok.single_use
-        )
+        token = secret.token
+        if ctx.settings.tls_cert is not None:  # the agent pins this certificate on its first contact
+            token = with_pin(token, file_fingerprint(ctx.settings.tls_cert))
+        return JoinTokenCreated(id=tok.id, token=token, expires_at=tok.expires_at, single_use=tok.single_use)
 
 
 def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
-    parts = split_token(body.join_token)
+    parts = split_token(split_pin(body.join_token)[0])  # the certificate pin is the agent's business
     if parts is None:
         raise Unauthorized("join_token: malformed (expected '<id>.<secret>' from POST /api/v1/join-tokens)")
     token_id, secret = parts
@@ -142,6 +162,7 @@ def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
             node=_out(node, now, ctx.settings),
             credential=cred.token,
             heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+            lost_after_s=ctx.settings.lost_after_s,
         )
     if ctx.caches is not None:
         ctx.caches.shape.invalidate()  # admission sees the new capacity at once
@@ -160,13 +181,14 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat) -> HeartbeatOut:
                 f"node '{name}' has no device {usage[i].index}", f"devices_usage[{i}].index"
             ) from None
         if got is None:
-            raise NotFound(f"node '{name}' not found")
+            raise NotFound.of("node", name)
     return HeartbeatOut(
         node=name,
         state="ready",
         cordoned=got.cordoned,
         draining=got.draining,
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        lost_after_s=ctx.settings.lost_after_s,
     )
 
 
@@ -174,7 +196,8 @@ def list_all(ctx: Ctx) -> Items[NodeOut]:
     authorize(ctx.caller(), ctx.action)
     with ctx.db.read() as s:
         now = db_now(s)
-        return Items[NodeOut](items=[_out(n, now, ctx.settings) for n in nodes.list_all(s)])
+        viewer = ctx.caller()
+        return Items[NodeOut](items=[_out(n, now, ctx.settings, viewer) for n in nodes.list_all(s)])
 
 
 def get(ctx: Ctx, name: str) -> NodeOut:
@@ -182,8 +205,55 @@ def get(ctx: Ctx, name: str) -> NodeOut:
     with ctx.db.read() as s:
         node = nodes.get(s, name)
         if node is None:
-            raise NotFound(f"node '{name}' not found")
-        return _out(node, db_now(s), ctx.settings)
+            raise NotFound.of("node", name)
+        return _out(node, db_now(s), ctx.settings, ctx.caller())
+
+
+def _merged(
+    current: dict[str, str], change: dict[str, str | None] | None, where: str, most: int
+) -> dict[str, str]:
+    if change is None:
+        return dict(current)
+    out = dict(current)
+    for k, v in change.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    if len(out) > most:
+        raise Invalid(f"a node carries at most {most} {where} ({len(out)} after this change)", where)
+    return out
+
+
+def update(ctx: Ctx, name: str, body: NodeSettings | NodePatch) -> NodeOut:
+    """Set a node's placement rules: labels (selectors), taints, dedication to a tenant.
+
+    PUT replaces all four; PATCH changes what it names (a label or taint set to null goes).
+    Work already placed stays where it is; the next scheduling cycle applies the new rules.
+    """
+    authorize(ctx.caller(), ctx.action, Target("node", name))
+    with ctx.db.write() as s:
+        node = nodes.get(s, name)
+        if node is None:
+            raise NotFound.of("node", name)
+        current = node.dedicated_tenant.name if node.dedicated_tenant is not None else None
+        if isinstance(body, NodePatch):
+            labels = _merged(node.labels, body.labels, "labels", MAX_LABELS)
+            taints = _merged(node.taints or {}, body.taints, "taints", MAX_TAINTS)
+            owner = body.dedicated_to if "dedicated_to" in body.model_fields_set else current
+            lending = node.lending if body.lending is None else body.lending
+        else:
+            labels, taints = dict(body.labels), dict(body.taints)
+            owner, lending = body.dedicated_to, body.lending
+        tenant = None
+        if owner is not None:
+            tenant = tenants.get(s, owner)
+            if tenant is None:
+                raise Invalid(f"dedicated_to: tenant '{owner}' not found", "dedicated_to")
+        nodes.set_rules(s, node, labels=labels, taints=taints, dedicated_to=tenant, lending=lending)
+        detail = {"labels": node.labels, "taints": node.taints, "dedicated_to": owner, "lending": lending}
+        record(s, ctx, f"node:{name}", detail=detail)
+        return _out(node, db_now(s), ctx.settings, ctx.caller())
 
 
 def set_flags(ctx: Ctx, name: str, *, cordoned: bool, draining: bool) -> NodeOut:
@@ -192,11 +262,11 @@ def set_flags(ctx: Ctx, name: str, *, cordoned: bool, draining: bool) -> NodeOut
     with ctx.db.write() as s:
         node = nodes.get(s, name)
         if node is None:
-            raise NotFound(f"node '{name}' not found")
+            raise NotFound.of("node", name)
         node.cordoned, node.draining = cordoned, draining
         s.flush()
         record(s, ctx, f"node:{name}", detail={"cordoned": cordoned, "draining": draining})
-        return _out(node, db_now(s), ctx.settings)
+        return _out(node, db_now(s), ctx.settings, ctx.caller())
 
 
 def delete(ctx: Ctx, name: str) -> NodeOut:
@@ -205,11 +275,11 @@ def delete(ctx: Ctx, name: str) -> NodeOut:
     with ctx.db.write() as s:
         node = nodes.get(s, name)
         if node is None:
-            raise NotFound(f"node '{name}' not found")
+            raise NotFound.of("node", name)
         out = _out(node, db_now(s), ctx.settings)
         nodes.delete(s, node)  # devices and the node's credentials go with it (ON DELETE CASCADE)
         record(s, ctx, f"node:{name}")
     if ctx.caches is not None:
         ctx.caches.tokens.forget()
         ctx.caches.shape.invalidate()
-        return out
+    return out

@@ -24,7 +24,7 @@ def visible(session: Session, ctx: Ctx, name: str, field: str | None = None) -> 
     """The tenant, if it exists and the caller may see it; otherwise the same 404 either way."""
     tenant = tenants.get(session, name)
     if tenant is None:
-        raise NotFound(f"tenant '{name}' not found", field)
+        raise NotFound.of("tenant", name, field)
     authorize(ctx.caller(), ctx.action, Target("tenant", name, tenant=name, field=field))
     return tenant
 

@@ -35,7 +35,7 @@ def create(ctx: Ctx, body: TokenCreate) -> TokenCreated:
     with ctx.db.write() as s:
         user = users.get(s, name)
         if user is None:
-            raise NotFound(f"user '{name}' not found", "user")
+            raise NotFound.of("user", name, "user")
         authorize(
             caller,
             ctx.action,
@@ -73,7 +73,7 @@ def revoke(ctx: Ctx, token_id: str) -> TokenOut:
     with ctx.db.write() as s:
         tok = tokens.get(s, token_id)
         if tok is None or tok.user is None:
-            raise NotFound(f"token '{token_id}' not found")
+            raise NotFound.of("token", token_id)
         owner = tok.user
         authorize(
             ctx.caller(),

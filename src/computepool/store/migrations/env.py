@@ -7,7 +7,7 @@ To write a new revision: `alembic -x url=sqlite:///tmp.db revision --autogenerat
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
+from sqlalchemy import Connection, create_engine
 
 from computepool.store.models import Base
 
@@ -15,7 +15,7 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def _run(connection: object) -> None:
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

@@ -1,0 +1,263 @@
+"""Hold a job to its CPU, host memory and process count with cgroups, v2 or v1, whichever the host has.
+
+A job's cgroup is named by the path of one directory (`JobRecord.cgroup`): the job's own directory
+on a v2 hierarchy, or its memory-controller directory on v1, where each controller is a separate
+mount (`/sys/fs/cgroup/cpu`, `/sys/fs/cgroup/memory`, `/sys/fs/cgroup/pids`, …) and the job has one
+directory per controller, all listed in `paths`. Both list the job's processes in `cgroup.procs`,
+so whatever only needs the members (the agent, the fence supervisor) reads that one path.
+
+Where neither is writable (`--cgroup-base none`, a container without delegation), `hold` falls
+back to RLIMIT_AS and CPU affinity, and says so in the job's `limits`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+MIB = 1024 * 1024
+CPU_PERIOD_US = 100_000
+DEFAULT_PIDS_MAX = 8192
+V1_CONTROLLERS = ("memory", "cpu", "pids")  # the first present one names the job's cgroup
+
+
+@dataclass(frozen=True)
+class JobCgroup:
+    """Where one job's limits live: `path` (its member list) and every directory made for it."""
+
+    version: str
+    path: Path
+    paths: tuple[Path, ...]
+
+    def describe(self, cpu_milli: int, memory_mib: int, pids_max: int) -> str:
+        parts = [f"cpu {cpu_milli}m" if cpu_milli > 0 else "cpu unlimited"]
+        parts.append(f"memory {memory_mib} MiB" if memory_mib > 0 else "memory unlimited")
+        if pids_max > 0:
+            parts.append(f"pids {pids_max}")
+        return f"cgroup {self.version} {self.path}: " + ", ".join(parts)
+
+
+class CgroupV2:
+    """Child cgroups under a base directory on a cgroup v2 hierarchy (delegated to the agent)."""
+
+    version = "v2"
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._checked: tuple[bool, str] | None = None
+        self._pids = False
+
+    def usable(self) -> tuple[bool, str]:
+        if self._checked is None:
+            self._checked = self._check()
+        return self._checked
+
+    def _check(self) -> tuple[bool, str]:
+        parent = self.base.parent
+        controllers_file = parent / "cgroup.controllers"
+        if not controllers_file.exists():
+            return False, f"no cgroup v2 hierarchy at {parent}"
+        try:
+            have = set(controllers_file.read_text().split())
+            missing = {"cpu", "memory"} - have
+            if missing:
+                return False, f"cgroup controllers {sorted(missing)} not available in {parent}"
+            wanted = {"cpu", "memory"} | ({"pids"} & have)
+            self._pids = "pids" in wanted
+            self.base.mkdir(exist_ok=True, mode=0o700)
+            enabled = set((parent / "cgroup.subtree_control").read_text().split())
+            if not wanted <= enabled:
+                (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
+            (self.base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
+        except OSError as e:
+            return False, f"cgroup {self.base} not writable: {e}"
+        return True, ""
+
+    def create(self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0) -> JobCgroup:
+        path = self.base / name
+        path.mkdir(exist_ok=True)
+        if cpu_milli > 0:
+            quota = max(1000, cpu_milli * CPU_PERIOD_US // 1000)
+            (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        if memory_mib > 0:
+            (path / "memory.max").write_text(str(memory_mib * MIB))
+            for name_, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                if (path / name_).exists():  # no swapping past the limit; an OOM ends the whole job
+                    (path / name_).write_text(value)
+        if pids_max > 0 and self._pids:
+            (path / "pids.max").write_text(str(pids_max))
+        return JobCgroup("v2", path, (path,))
+
+
+class CgroupV1:
+    """One directory per controller under `<mount>/<base name>` on a v1 (or hybrid) host."""
+
+    version = "v1"
+
+    def __init__(self, root: Path, base_name: str) -> None:
+        self.root = root
+        self.base_name = base_name
+        self._checked: tuple[bool, str] | None = None
+        self.controllers: tuple[str, ...] = ()
+
+    def usable(self) -> tuple[bool, str]:
+        if self._checked is None:
+            self._checked = self._check()
+        return self._checked
+
+    def _check(self) -> tuple[bool, str]:
+        have = tuple(c for c in V1_CONTROLLERS if (self.root / c / "cgroup.procs").exists())
+        if not {"cpu", "memory"} <= set(have):
+            return False, f"no cgroup v1 cpu and memory controllers under {self.root}"
+        try:
+            for c in have:
+                (self.root / c / self.base_name).mkdir(exist_ok=True, mode=0o700)
+        except OSError as e:
+            return False, f"cgroup v1 {self.root}/*/{self.base_name} not writable: {e}"
+        self.controllers = have
+        return True, ""
+
+    def create(self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0) -> JobCgroup:
+        dirs = {c: self.root / c / self.base_name / name for c in self.controllers}
+        for d in dirs.values():
+            d.mkdir(exist_ok=True)
+        if cpu_milli > 0:
+            (dirs["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(max(1000, cpu_milli * CPU_PERIOD_US // 1000)))
+        if memory_mib > 0:
+            mem = dirs["memory"]
+            (mem / "memory.limit_in_bytes").write_text(str(memory_mib * MIB))
+            if (mem / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no swapping past it
+                with contextlib.suppress(OSError):
+                    (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_mib * MIB))
+        if pids_max > 0 and "pids" in dirs:
+            (dirs["pids"] / "pids.max").write_text(str(pids_max))
+        ordered = tuple(dirs[c] for c in V1_CONTROLLERS if c in dirs)
+        return JobCgroup("v1", ordered[0], ordered)
+
+
+Cgroups = CgroupV2 | CgroupV1
+
+
+def detect(base: Path) -> Cgroups:
+    """v2 when `base`'s parent is a v2 hierarchy, else v1 controllers mounted under that parent."""
+    if (base.parent / "cgroup.controllers").exists():
+        return CgroupV2(base)
+    if (base.parent / "memory" / "memory.limit_in_bytes").exists():
+        return CgroupV1(base.parent, base.name)
+    return CgroupV2(base)  # says why it is unusable
+
+
+def add(cg: JobCgroup, pid: int) -> None:
+    """Move `pid` (and, as it forks later, its children) into every directory of the job."""
+    for p in cg.paths:
+        (p / "cgroup.procs").write_text(str(pid))
+
+
+def pids(path: Path) -> set[int]:
+    try:
+        return {int(x) for x in (path / "cgroup.procs").read_text().split()}
+    except (OSError, ValueError):
+        return set()
+
+
+def oom_kills(path: Path) -> int:
+    """Processes the kernel killed for the cgroup's memory limit (v2 memory.events, v1 oom_control)."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = (path / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                with contextlib.suppress(ValueError):
+                    return int(value)
+    return 0
+
+
+def remove(paths: list[Path]) -> None:
+    """rmdir once the last killed process has left (the kernel takes a moment)."""
+    for path in paths:
+        for _ in range(50):
+            try:
+                path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
+@dataclass(frozen=True)
+class Held:
+    """How one job is held: in words, and what the executor must keep watching itself."""
+
+    limits: str
+    cgroup: JobCgroup | None = None
+    rss_limit_mib: int = 0  # host memory watched by RSS (GPU jobs without a cgroup)
+    cpus: tuple[int, ...] = ()  # the CPUs it is pinned to (no cgroup)
+
+
+def hold(
+    engine: Cgroups | None,
+    name: str,
+    pid: int,
+    *,
+    cpu_milli: int,
+    memory_mib: int,
+    pids_max: int,
+    uses_gpu: bool,
+    busy_cpus: list[int],
+) -> Held:
+    """cgroups (v2 or v1) when they are writable, else rlimits and CPU affinity as a best effort.
+
+    `pid` is the job's gated wrapper: whatever it starts inherits the limits. `busy_cpus` are the
+    CPUs other jobs are pinned to, so that pinned jobs spread out instead of piling on CPU 0.
+    """
+    if cpu_milli <= 0 and memory_mib <= 0 and pids_max <= 0:
+        return Held("none")
+    why = "cgroups disabled"
+    if engine is not None:
+        ok, why = engine.usable()
+        if ok:
+            cg = engine.create(name, cpu_milli, memory_mib, pids_max)
+            try:
+                add(cg, pid)
+            except OSError:
+                remove(list(cg.paths))
+                raise
+            return Held(cg.describe(cpu_milli, memory_mib, pids_max), cg)
+    if cpu_milli <= 0 and memory_mib <= 0:
+        return Held(f"none ({why})")
+    parts: list[str] = []
+    rss = 0
+    cpus: tuple[int, ...] = ()
+    if memory_mib > 0:
+        if uses_gpu:  # GPU runtimes reserve vast address space: RLIMIT_AS would stop them at once
+            rss = memory_mib
+            parts.append(f"host memory {memory_mib} MiB watched by RSS")
+        else:
+            psutil.Process(pid).rlimit(psutil.RLIMIT_AS, (memory_mib * MIB, memory_mib * MIB))
+            parts.append(f"RLIMIT_AS {memory_mib} MiB")
+    if cpu_milli > 0:
+        cpus = _pick_cpus(math.ceil(cpu_milli / 1000), busy_cpus)
+        os.sched_setaffinity(pid, cpus)
+        parts.append(f"affinity to {len(cpus)} CPU(s) {list(cpus)} (rlimits cannot cap CPU share)")
+    return Held("; ".join(parts) + f" ({why})", None, rss, cpus)
+
+
+def _pick_cpus(n: int, busy: list[int]) -> tuple[int, ...]:
+    """The n CPUs least used by other jobs' affinity."""
+    allowed = sorted(os.sched_getaffinity(0))
+    load = dict.fromkeys(allowed, 0)
+    for c in busy:
+        if c in load:
+            load[c] += 1
+    return tuple(sorted(sorted(allowed, key=lambda c: (load[c], c))[: max(1, min(n, len(allowed)))]))

@@ -1,0 +1,447 @@
+"""OCI container jobs through rootful podman: the argv that runs one, and the housekeeping around it.
+
+The executor runs `run_argv(...)` in the foreground under its gated wrapper, exactly like a
+process job, so the exit status, the logs (the container's stdout/stderr go to podman's) and
+re-adoption after an agent restart work the same way for both. What differs is the sandbox:
+
+- podman reads its settings from a `containers.conf` in the agent's data dir (runc, ulimits a
+  VM's hybrid cgroup v1 accepts) and sees nothing else of the agent's environment (`env -i`);
+- the container runs as the tenant's uid with no capabilities, `no-new-privileges`, no network
+  unless the job publishes ports, only the job directory mounted (at /work), and only the
+  slice's devices;
+- the memory limit sits on a parent cgroup the agent makes for the job (`--cgroup-parent`): it
+  outlives the container, so after the end the agent can still tell whether the kernel killed
+  the job for memory (podman's own OOMKilled flag stays false on cgroup v1).
+
+Containers are named and labelled per agent data dir, so several agents sharing one podman store
+(tests, a laptop) never take each other's containers for their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from computepool.agent.executor import JobSpec
+
+CONF_FILE = "containers.conf"
+LABEL = "computepool"
+WORKDIR = "/work"
+MIB = 1024 * 1024
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_PARENT = "computepool-containers"
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+NVIDIA_CAPS = Path("/proc/driver/nvidia/capabilities")
+NVIDIA_COMMON_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+_INIT_PATHS = ("/usr/libexec/podman/catatonit", "/usr/bin/catatonit", "/usr/libexec/catatonit/catatonit")
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
+_CAP_MINOR = re.compile(r"DeviceFileMinor:\s*(\d+)")
+_IMAGE_OK_TTL_S = 60.0
+_IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}$")
+
+# Lower ulimits than podman's defaults (which a container VM's hard limits refuse) and runc: crun
+# refuses cgroup v1 in hybrid mode. Written to the agent's data dir; /etc/containers stays as it is.
+_CONF = """\
+# Written by the computepool agent for the podman it runs; not read by anything else.
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+{runtime}
+"""
+
+
+class ContainerError(Exception):
+    """A container job cannot start; the message is the job's reason, as the user will read it."""
+
+
+class Podman:
+    """The agent's podman: builds `podman run` argvs and finds, inspects and removes its containers."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        binary: str = "podman",
+        node_name: str = "",
+        pull: bool = True,
+        pull_timeout_s: float = 300.0,
+        pids_limit: int = 4096,
+        publish_host: str = "",
+        cgroup_root: Path = CGROUP_ROOT,
+        cdi_dirs: tuple[Path, ...] = CDI_DIRS,
+    ) -> None:
+        self.data_dir = data_dir
+        self.binary = binary
+        self.node_name = node_name or os.uname().nodename
+        self.pull = pull
+        self.pull_timeout_s = pull_timeout_s
+        self.pids_limit = pids_limit
+        self.publish_host = publish_host  # "" publishes on all interfaces, "127.0.0.1" on loopback only
+        self.cgroup_root = cgroup_root
+        self.cdi_dirs = cdi_dirs
+        self.agent_id = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+        self.conf_path = data_dir / CONF_FILE
+        self._available: tuple[bool, str] | None = None
+        self._images_ok: dict[str, float] = {}
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def available(self) -> tuple[bool, str]:
+        """(True, "") when container jobs can run here, else (False, why) for the job's reason."""
+        if self._available is None:
+            self._available = self._check()
+        return self._available
+
+    def _check(self) -> tuple[bool, str]:
+        if shutil.which(self.binary, path=_PATH) is None and not os.path.isfile(self.binary):
+            return False, f"podman is not installed on node {self.node_name} ({self.binary} not found)"
+        if os.geteuid() != 0:
+            return False, "container jobs need a root agent (rootful podman runs them as the tenant's uid)"
+        self.write_conf()
+        try:
+            done = self._podman(["version", "--format", "{{.Client.Version}}"], timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return False, f"podman does not answer: {e}"
+        if done.returncode != 0:
+            return False, f"podman does not work here: {_last_line(done.stderr)}"
+        return True, ""
+
+    def write_conf(self) -> Path:
+        """The containers.conf podman gets from the agent (mode 0600, rewritten at every start)."""
+        runtime = 'runtime = "runc"' if shutil.which("runc", path=_PATH) else ""
+        text = _CONF.format(runtime=f"[engine]\n{runtime}" if runtime else "")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.conf_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.conf_path)
+        return self.conf_path
+
+    def _env_prefix(self) -> list[str]:
+        return ["/usr/bin/env", "-i", f"CONTAINERS_CONF={self.conf_path}", f"PATH={_PATH}", self.binary]
+
+    def _podman(self, args: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self._env_prefix(), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+
+    # ---- images -----------------------------------------------------------------------------
+
+    def ensure_image(self, image: str) -> None:
+        """The image is on the node, or pulled now; else ContainerError saying which and why."""
+        seen = self._images_ok.get(image)
+        if seen is not None and time.monotonic() - seen < _IMAGE_OK_TTL_S:
+            return
+        if self._podman(["image", "exists", image], timeout=30).returncode == 0:
+            self._images_ok[image] = time.monotonic()
+            return
+        if not self.pull:
+            raise ContainerError(f"image {image} not found on node {self.node_name} (pulling is off)")
+        try:
+            done = self._podman(["pull", "-q", image], timeout=self.pull_timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ContainerError(
+                f"image {image} not found on node {self.node_name} and could not be pulled: "
+                f"no answer in {self.pull_timeout_s:.0f} s"
+            ) from None
+        if done.returncode != 0:
+            raise ContainerError(
+                f"image {image} not found on node {self.node_name} and could not be pulled: "
+                f"{_last_line(done.stderr)}"
+            )
+        self._images_ok[image] = time.monotonic()
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def name(self, key: str) -> str:
+        """The container's name for a job key (`alloc#attempt`), unique per agent data dir."""
+        return f"cpool-{self.agent_id}-{_NAME_BAD.sub('_', key.replace('#', '.'))}"[:250]
+
+    def run_argv(self, spec: JobSpec, run_dir: Path, uid: int, gid: int) -> list[str]:
+        """A foreground `podman run` for the job; raises ContainerError when it cannot start.
+
+        Side effects: checks (or pulls, which blocks for as long) the image, and makes the job's
+        parent cgroup with its memory limit, so that nothing runs unlimited; `remove(key)` drops it.
+        """
+        ok, why = self.available()
+        if not ok:
+            raise ContainerError(why)
+        if not spec.image or not _IMAGE_REF.match(spec.image):  # never an option to podman
+            raise ContainerError(f"not an image reference: {spec.image!r}")
+        bad = [p for p in spec.ports if not 0 < p < 65536]
+        if bad:
+            raise ContainerError(f"not a port: {bad[0]}")
+        self.ensure_image(spec.image)
+        key = spec.key
+        # no --rm: remove(key) removes it, once the agent has read how it ended
+        argv = [
+            *self._env_prefix(),
+            "run",
+            "--pull=never",
+            f"--name={self.name(key)}",
+            f"--label={LABEL}.agent={self.agent_id}",
+            f"--label={LABEL}.key={key}",
+            f"--label={LABEL}.allocation={spec.allocation_id}",
+            f"--label={LABEL}.attempt={spec.attempt}",
+            f"--label={LABEL}.tenant={spec.tenant}",
+            f"--user={uid}:{gid}",
+            "--cap-drop=all",
+            "--security-opt=no-new-privileges",
+            f"--pids-limit={self.pids_limit}",
+            "--log-driver=none",
+            f"--volume={run_dir}:{WORKDIR}:rw,nosuid,nodev",
+            f"--workdir={WORKDIR}",
+        ]
+        if self._init_path():
+            argv.append("--init")  # pid 1 that forwards SIGTERM: a bare pid 1 ignores it
+        if spec.cpu_milli > 0:
+            argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
+        argv += self._memory_args(key, spec.memory_mib)
+        if spec.ports:
+            host = f"{self.publish_host}:" if self.publish_host else ""
+            argv += [f"--publish={host}{p}:{p}" for p in spec.ports]
+        else:
+            argv.append("--network=none")
+        argv += self.device_args(spec.device_uuids)
+        env = {"HOME": WORKDIR, "CPOOL_RUN_DIR": WORKDIR, **dict(spec.env)}
+        # paths into the job dir (the isolation shim, the simulated devices' memory file) as seen inside
+        env = {k: _inside(v, run_dir) for k, v in env.items()}
+        mps = env.get("CUDA_MPS_PIPE_DIRECTORY", "")
+        if mps.startswith("/") and not mps.startswith(WORKDIR) and os.path.isdir(mps):
+            argv.append(f"--volume={mps}:{mps}:rw,nosuid,nodev")  # the GPU's MPS daemon, for MPS slices
+        argv += [f"--env={k}={v}" for k, v in env.items()]
+        argv += [spec.image, *spec.command]
+        return argv
+
+    def _init_path(self) -> str:
+        return next((p for p in _INIT_PATHS if os.path.exists(p)), "")
+
+    # ---- memory: a parent cgroup the agent owns --------------------------------------------
+
+    def _v2(self) -> bool:
+        return (self.cgroup_root / "cgroup.controllers").exists()
+
+    def _parent_rel(self, key: str) -> str:
+        return f"{CGROUP_PARENT}/{self.name(key)}"
+
+    def _memory_dir(self, key: str) -> Path:
+        rel = self._parent_rel(key)
+        return self.cgroup_root / rel if self._v2() else self.cgroup_root / "memory" / rel
+
+    def _memory_args(self, key: str, memory_mib: int) -> list[str]:
+        """Memory held by the job's parent cgroup; podman's own --memory only where that fails."""
+        if memory_mib <= 0:
+            return []
+        limit = memory_mib * MIB
+        try:
+            if self._v2():
+                top = self.cgroup_root / CGROUP_PARENT
+                top.mkdir(exist_ok=True)
+                _enable(self.cgroup_root, ("cpu", "memory", "pids"))
+                _enable(top, ("cpu", "memory", "pids"))
+                path = top / self.name(key)
+                path.mkdir(exist_ok=True)
+                _enable(path, ("cpu", "memory", "pids"))
+                (path / "memory.max").write_text(str(limit))
+                with contextlib.suppress(OSError):
+                    (path / "memory.swap.max").write_text("0")
+            else:
+                path = self._memory_dir(key)
+                path.mkdir(parents=True, exist_ok=True)
+                (path / "memory.limit_in_bytes").write_text(str(limit))
+                with contextlib.suppress(OSError):  # absent without swap accounting
+                    (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+        except OSError:
+            return [f"--memory={limit}", f"--memory-swap={limit}"]
+        return [f"--cgroup-parent=/{self._parent_rel(key)}"]
+
+    def out_of_memory(self, key: str, exit_code: int | None) -> bool:
+        """Did the kernel kill the job for memory? Ask before `remove(key)` takes the cgroup away.
+
+        cgroup v2 counts OOM kills up the tree, so the parent's memory.events says it. cgroup v1
+        counts them only in the container's own cgroup, which runc deletes at exit: there the
+        answer is "killed by SIGKILL (137, or -9) after its peak use reached the limit".
+        """
+        path = self._memory_dir(key)
+        try:
+            if self._v2():
+                for line in (path / "memory.events").read_text().splitlines():
+                    name, _, value = line.partition(" ")
+                    if name == "oom_kill":
+                        return int(value) > 0
+                return False
+            if exit_code not in (137, -9):
+                return False
+            peak = int((path / "memory.max_usage_in_bytes").read_text())
+            limit = int((path / "memory.limit_in_bytes").read_text())
+        except (OSError, ValueError):
+            return False
+        return peak >= limit - MIB
+
+    def _remove_cgroups(self, key: str) -> None:
+        rel = self._parent_rel(key)
+        dirs = [self.cgroup_root / rel] if self._v2() else list(self.cgroup_root.glob(f"*/{rel}"))
+        for d in dirs:
+            for sub in sorted(d.glob("**/"), key=lambda p: len(p.parts), reverse=True):
+                for _ in range(50):  # the kernel needs a moment after the last process left
+                    try:
+                        sub.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.02)
+
+    # ---- devices ----------------------------------------------------------------------------
+
+    def device_args(self, uuids: tuple[str, ...] | list[str]) -> list[str]:
+        """The slice's devices only: CDI names where a CDI spec lists them, else the device nodes.
+
+        Simulated and CPU slices get none (the job still reads CUDA_VISIBLE_DEVICES from its env).
+        """
+        real = [u for u in uuids if u.startswith(("GPU-", "MIG-"))]
+        if not real:
+            return []
+        cdi = _cdi_names(self.cdi_dirs)
+        nodes: list[str] = []
+        for u in real:
+            if u in cdi:
+                nodes.append(f"nvidia.com/gpu={u}")
+                continue
+            found = _nvidia_nodes(u)
+            if found:
+                nodes += [*found, *(n for n in NVIDIA_COMMON_NODES if os.path.exists(n))]
+        return [f"--device={n}" for n in dict.fromkeys(nodes)]
+
+    # ---- finding and removing ---------------------------------------------------------------
+
+    def running_keys(self) -> set[str]:
+        """Job keys of this agent's containers that are running now."""
+        return self._keys(all_states=False)
+
+    def all_keys(self) -> set[str]:
+        """Job keys of all this agent's containers, running or ended but not removed yet."""
+        return self._keys(all_states=True)
+
+    def _keys(self, all_states: bool) -> set[str]:
+        args = [
+            "ps",
+            f"--filter=label={LABEL}.agent={self.agent_id}",
+            f'--format={{{{index .Labels "{LABEL}.key"}}}}',
+        ]
+        if all_states:
+            args.insert(1, "--all")
+        try:
+            done = self._podman(args, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return set()
+        return (
+            {line.strip() for line in done.stdout.splitlines() if line.strip()}
+            if done.returncode == 0
+            else set()
+        )
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """Remove this agent's containers whose jobs it does not hold (after a crash); returns their keys."""
+        gone = sorted(self.all_keys() - keep)
+        for key in gone:
+            self.remove(key)
+        return gone
+
+    def remove(self, key: str) -> None:
+        """Kill and remove the job's container and its cgroup; quiet and idempotent."""
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self._podman(["rm", "--force", "--ignore", "--time=0", self.name(key)], timeout=60)
+        self._remove_cgroups(key)
+
+    @staticmethod
+    def explain(rc: int) -> str:
+        """podman's own exit statuses, in words (others are the command's)."""
+        return {
+            125: "podman could not run the container (see the job's stderr)",
+            126: "the command in the image cannot be run",
+            127: "the command was not found in the image",
+        }.get(rc, "")
+
+
+def _enable(path: Path, controllers: tuple[str, ...]) -> None:
+    have = set((path / "cgroup.subtree_control").read_text().split())
+    missing = [c for c in controllers if c not in have]
+    if missing:
+        (path / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
+
+
+def _inside(value: str, run_dir: Path) -> str:
+    """A host path under the job dir, rewritten to where the container sees it."""
+    host = str(run_dir)
+    return value.replace(host + "/", WORKDIR + "/") if value != host else WORKDIR
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1].removeprefix("Error: ") if lines else "no reason given"
+
+
+def _cdi_names(dirs: tuple[Path, ...]) -> set[str]:
+    """Device names (GPU/MIG uuids) in the node's NVIDIA CDI specs, e.g. from `nvidia-ctk cdi generate`."""
+    names: set[str] = set()
+    for d in dirs:
+        for f in sorted(d.glob("*")) if d.is_dir() else []:
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                text = f.read_text()
+                if "nvidia.com/gpu" in text:
+                    names.update(re.findall(r"""name:\s*["']?((?:GPU|MIG)-[0-9a-fA-F-]+)""", text))
+                    names.update(re.findall(r'"name":\s*"((?:GPU|MIG)-[0-9a-fA-F-]+)"', text))
+    return names
+
+
+def mig_cap_nodes(minor: int, gi: int, ci: int, caps_root: Path = NVIDIA_CAPS) -> list[str]:
+    """The `/dev/nvidia-caps` nodes that open one MIG instance: its GPU and compute instance's."""
+    mig = caps_root / f"gpu{minor}" / "mig" / f"gi{gi}"
+    nodes = []
+    for access in (mig / "access", mig / f"ci{ci}" / "access"):
+        with contextlib.suppress(OSError):
+            m = _CAP_MINOR.search(access.read_text())
+            if m:
+                nodes.append(f"/dev/nvidia-caps/nvidia-cap{m.group(1)}")
+    return nodes
+
+
+def _nvidia_nodes(uuid: str) -> list[str]:
+    """/dev/nvidiaN of the GPU (a MIG instance's parent) plus, for MIG, its capability nodes."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver: nothing to pass
+        return []
+    try:
+        h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        if not uuid.startswith("MIG-"):
+            return [f"/dev/nvidia{pynvml.nvmlDeviceGetMinorNumber(h)}"]
+        parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)
+        minor = pynvml.nvmlDeviceGetMinorNumber(parent)
+        gi = pynvml.nvmlDeviceGetGpuInstanceId(h)
+        ci = pynvml.nvmlDeviceGetComputeInstanceId(h)
+        return [f"/dev/nvidia{minor}", *mig_cap_nodes(minor, gi, ci)]
+    except Exception:  # an unknown uuid (simulated device) or an old driver: no device node
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()

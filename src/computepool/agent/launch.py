@@ -1,0 +1,157 @@
+"""What one attempt runs, as whom, where and with which environment: the executor's dispatch.
+
+Three ways, chosen per job: a plain child of the agent's user (no `SandboxConfig`: embedding and
+tests), a process in the sandbox as its tenant's user (`sandbox.py`), or a podman container when
+the request names an image (`container.py`, imported only when a container job comes).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from computepool.agent.localstate import JobRecord, LocalState
+from computepool.agent.sandbox import (
+    WORK_DIR,
+    HostSupport,
+    SandboxConfig,
+    hidden_dir,
+    job_env,
+    prepare_dirs,
+    probe,
+    wrap,
+)
+from computepool.agent.tenants import TenantUserError, ensure_tenant_user
+
+if TYPE_CHECKING:
+    from computepool.agent.container import Podman
+    from computepool.agent.executor import JobSpec
+
+_PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "LD_LIBRARY_PATH")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one attempt starts: the argv the gated wrapper runs, and under what."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    user: pwd.struct_passwd | None  # the wrapper's own user (unsandboxed jobs only)
+    applied: str  # the sandbox, in words
+
+
+class Launcher:
+    """Turns a JobSpec into a Launch; `sandbox=None` means plain children of the agent's user."""
+
+    def __init__(
+        self, data_dir: Path, state: LocalState, sandbox: SandboxConfig | None, base_env: dict[str, str]
+    ) -> None:
+        self.data_dir = data_dir
+        self.state = state
+        self.sandbox = sandbox
+        self.host: HostSupport | None = probe(sandbox) if sandbox is not None else None
+        self.base_env = base_env
+        self._podman: Podman | None = None
+
+    def work_dir(self, run_dir: Path) -> Path:
+        return run_dir / WORK_DIR if self.sandbox is not None else run_dir
+
+    def launch(self, spec: JobSpec, rec: JobRecord, run_dir: Path) -> Launch | str:
+        """The attempt's Launch, or why it cannot start (the job's reason)."""
+        if self.sandbox is None or self.host is None:
+            return self._plain(spec, run_dir)
+        if not spec.tenant:
+            return "no tenant: a sandboxed job runs as its tenant's user"
+        if self.host.root:
+            try:
+                user = ensure_tenant_user(spec.tenant, self.sandbox.uid_range)
+            except TenantUserError as e:
+                return str(e)
+            work = prepare_dirs(run_dir, user.pw_uid, user.pw_gid)
+        else:
+            why = self._other_tenant(spec.tenant)
+            if why:
+                return why
+            user = pwd.getpwuid(os.geteuid())
+            work = run_dir / WORK_DIR
+            work.mkdir(mode=0o700, exist_ok=True)
+        rec.extra["user"] = user.pw_name
+        env = job_env(dict(spec.env), user, work)
+        if spec.image:
+            podman = self.container_engine()
+            ok, why = podman.available()
+            if not ok:
+                return f"containers unavailable on this node: {why}"
+            rec.extra["container"] = spec.key
+            argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
+            return Launch(argv, env, work, None, f"container {spec.image} through podman")
+        mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
+        keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
+        argv, applied = wrap(spec.command, user, work, self.host, hidden_dir(work, self.data_dir), keep)
+        return Launch(argv, env, work, None, ", ".join(applied))
+
+    def _plain(self, spec: JobSpec, run_dir: Path) -> Launch | str:
+        user, why = resolve_user(spec.user)
+        if why:
+            return why
+        env = dict(self.base_env)
+        if user is not None:
+            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        env["CPOOL_RUN_DIR"] = str(run_dir)
+        env.update(spec.env)
+        if user is not None and os.geteuid() == 0:
+            for p in (run_dir, *run_dir.iterdir()):
+                os.chown(p, user.pw_uid, user.pw_gid)
+        return Launch(list(spec.command), env, run_dir, user, "")
+
+    def _other_tenant(self, tenant: str) -> str:
+        """A non-root agent cannot keep tenants apart: it serves one, unless told it is single-tenant."""
+        if self.sandbox is None or self.sandbox.single_tenant:
+            return ""
+        others = {r.extra.get("tenant", "") for r in self.state.jobs()} - {tenant, ""}
+        if others:
+            return (
+                f"refused: this agent is not root and already runs tenant {sorted(others)[0]!r}'s jobs; "
+                "it cannot keep tenants apart (start it as root, or with --single-tenant to accept "
+                "every tenant with no isolation between jobs)"
+            )
+        return ""
+
+    def container_engine(self) -> Podman:
+        if self._podman is None:
+            from computepool.agent.container import Podman  # noqa: PLC0415 - optional until used
+
+            self._podman = Podman(self.data_dir)
+        return self._podman
+
+
+def default_env() -> dict[str, str]:
+    """Only harmless variables pass from the agent to a plain child: its own may hold credentials."""
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    me = pwd.getpwuid(os.geteuid())
+    env.update(HOME=me.pw_dir, USER=me.pw_name, LOGNAME=me.pw_name)
+    return env
+
+
+def resolve_user(name: str | None) -> tuple[pwd.struct_passwd | None, str]:
+    if not name:
+        return None, ""
+    try:
+        user = pwd.getpwnam(name)
+    except KeyError:
+        return None, f"unknown user: {name}"
+    if os.geteuid() != 0 and user.pw_uid != os.geteuid():
+        return None, f"cannot run as {name}: the agent is not root"
+    return user, ""
+
+
+def which(cmd: str, path: str) -> str | None:
+    if "/" in cmd:
+        return cmd if os.path.isfile(cmd) and os.access(cmd, os.X_OK) else None
+    return shutil.which(cmd, path=path)

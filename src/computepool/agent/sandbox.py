@@ -1,0 +1,197 @@
+"""The process sandbox: how a job's command is wrapped so that it runs as its tenant's user, with no
+privileges, in its own PID and mount namespaces, and in a directory no other tenant can enter.
+
+Everything here uses Debian's util-linux: `unshare` makes the namespaces (a private `/proc` that
+shows the job's processes only, a private `/tmp` and `/dev/shm`), `setpriv` drops to the tenant's
+uid and gid with no supplementary groups, an empty capability bounding set and `no_new_privs`.
+Where the host refuses namespaces (a container without CAP_SYS_ADMIN), the job still runs as its
+user with `setpriv`, and the job's `limits` says that namespaces were not applied.
+
+Layout of one attempt, under the agent's data dir (0711: others may pass through, never list):
+
+    runs/                  root 0711
+      <alloc>/             root 0711
+        <attempt>/         root 0711   the agent's own files: exit status, logs, assignment
+          work/            tenant 0700 the job's directory: cwd, HOME, CPOOL_RUN_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from computepool.agent.cgroups import DEFAULT_PIDS_MAX
+from computepool.agent.tenants import DEFAULT_UID_RANGE
+
+WORK_DIR = "work"
+FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+# Runs as root inside the new namespaces, then starts the command as the tenant (the "$@").
+# $1 is the job's directory, $2 a directory to hide under an empty tmpfs (the agent's data dir, or
+# the highest ancestor of the job's directory the tenant could not pass), $3 another directory the
+# job must keep (its MPS daemon's pipes) or "". Where the job's own directory or that one was
+# hidden by the tmpfs or by the private /tmp, it is bound back in at the same path (through a
+# descriptor opened before, since the path itself leads elsewhere by then).
+# It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
+# shell traps them (the command, in the same process group, gets the agent's signals itself) and
+# waits; when it exits the kernel kills whatever the job left in its namespace.
+_NS_INIT = """\
+_cpool_w=$1
+_cpool_hide=$2
+_cpool_keep=$3
+shift 3
+exec 3<"$_cpool_w" || exit 126
+if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
+mount -t tmpfs -o mode=1777,nosuid,nodev cpool-tmp /tmp || exit 126
+[ -d /dev/shm ] && mount -t tmpfs -o mode=1777,nosuid,nodev cpool-shm /dev/shm
+if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
+    mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" || exit 126
+fi
+_cpool_rebind() {
+    if ! [ "$1" -ef "$2" ]; then
+        (umask 022 && mkdir -p "$1") || exit 126
+        mount --no-canonicalize --bind "$2" "$1" || exit 126
+    fi
+}
+_cpool_rebind "$_cpool_w" /proc/self/fd/3
+if [ -n "$_cpool_keep" ]; then _cpool_rebind "$_cpool_keep" /proc/self/fd/4; fi
+exec 3<&- 4<&-
+trap : TERM INT HUP
+"$@" &
+_cpool_p=$!
+while :; do
+    wait "$_cpool_p"
+    _cpool_rc=$?
+    kill -0 "$_cpool_p" 2>/dev/null || break
+done
+exit "$_cpool_rc"
+"""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """How the agent isolates process jobs. `single_tenant` is for an agent that is not root."""
+
+    uid_range: tuple[int, int] = DEFAULT_UID_RANGE
+    single_tenant: bool = False
+    namespaces: bool = True
+    pids_max: int = DEFAULT_PIDS_MAX
+
+
+@dataclass(frozen=True)
+class HostSupport:
+    """What this host lets the agent use, probed once at start."""
+
+    root: bool
+    setpriv: str | None
+    unshare: str | None
+    namespaces: bool
+    why_not: list[str] = field(default_factory=list)
+
+
+def probe(config: SandboxConfig) -> HostSupport:
+    """Try the tools once, so a job says what was applied instead of failing at start."""
+    root = os.geteuid() == 0
+    setpriv, unshare = shutil.which("setpriv"), shutil.which("unshare")
+    why: list[str] = []
+    if setpriv is None:
+        why.append("setpriv (util-linux) not installed")
+    ns = False
+    if not config.namespaces:
+        why.append("namespaces turned off")
+    elif not root:
+        why.append("namespaces need a root agent")
+    elif unshare is None:
+        why.append("unshare (util-linux) not installed")
+    else:
+        try:
+            r = subprocess.run(
+                [unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", "/bin/sh", "-c",
+                 "mount -t tmpfs cpool-probe /tmp"],
+                capture_output=True, text=True, timeout=20, check=False,
+            )  # fmt: skip
+            ns = r.returncode == 0
+            if not ns:
+                why.append(f"the host refuses PID/mount namespaces: {r.stderr.strip()[:200]}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why.append(f"unshare failed: {e}")
+    return HostSupport(root, setpriv, unshare, ns, why)
+
+
+def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
+    """The attempt's dirs: run_dir and its parents passable by the job, `work/` the job's alone.
+
+    Whatever the agent put in `work/` before the start (the timeslice shim, …) becomes the job's.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for d in (run_dir.parent.parent, run_dir.parent, run_dir):
+        os.chmod(d, 0o711)
+    work = run_dir / WORK_DIR
+    work.mkdir(mode=0o700, exist_ok=True)
+    for root, dirs, files in os.walk(work):  # nothing of the job's has run yet: no links to chase
+        for name in (*dirs, *files):
+            os.chown(os.path.join(root, name), uid, gid, follow_symlinks=False)
+    os.chown(work, uid, gid)
+    os.chmod(work, 0o700)
+    return work
+
+
+def job_env(slice_env: dict[str, str], user: pwd.struct_passwd, work: Path) -> dict[str, str]:
+    """The job's environment from scratch: the slice's and user's variables, a fixed PATH, who it is.
+
+    Nothing of the agent's own environment reaches the job.
+    """
+    env = {"PATH": FIXED_PATH, "LANG": "C.UTF-8"}
+    env.update(slice_env)
+    env.update(
+        HOME=str(work), USER=user.pw_name, LOGNAME=user.pw_name, CPOOL_RUN_DIR=str(work), TMPDIR="/tmp"
+    )
+    return env
+
+
+def hidden_dir(work: Path, data_dir: Path) -> Path:
+    """What a job's mount namespace covers: the highest ancestor of its dir that others may not pass
+    (nothing of it was reachable anyway), else the agent's data dir (its files are the pool's)."""
+    for parent in reversed(work.parents):
+        if parent != Path("/") and not parent.stat().st_mode & 0o001:
+            return parent
+    return data_dir
+
+
+def wrap(
+    command: Sequence[str],
+    user: pwd.struct_passwd,
+    work: Path,
+    host: HostSupport,
+    hide: Path | None = None,
+    keep: Path | None = None,
+) -> tuple[list[str], list[str]]:
+    """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
+
+    `hide` is covered by an empty tmpfs in the job's mount namespace; `work` and `keep` stay.
+    """
+    applied: list[str] = []
+    argv = list(command)
+    if host.setpriv is not None:
+        drop = [host.setpriv]
+        if host.root:
+            drop += ["--reuid", str(user.pw_uid), "--regid", str(user.pw_gid), "--clear-groups",
+                     "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
+            applied.append(f"user {user.pw_name} (uid {user.pw_uid}), no capabilities")
+        drop.append("--no-new-privs")
+        applied.append("no_new_privs")
+        argv = [*drop, "--", *argv]
+    if host.namespaces and host.unshare is not None:
+        init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or "")]
+        argv = [host.unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", *init, *argv]
+        applied.append("own PID and mount namespaces, private /tmp and /dev/shm")
+        if hide is not None:
+            applied.append(f"{hide} hidden")
+    elif host.why_not:
+        applied.append("no namespaces: " + "; ".join(host.why_not))
+    return argv, applied

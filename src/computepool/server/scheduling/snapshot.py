@@ -1,0 +1,182 @@
+"""The snapshot a cycle decides from: nodes, tenants, quotas and live allocations, read at once.
+
+The controller keeps a `SnapshotCache` so a cycle reads only what changed; `load_snapshot`
+reads everything afresh (admission checks, metrics, tests). Both give the same snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from computepool.core import Request
+from computepool.server.scheduling.quota import QuotaMap, Usage, estimate, to_core
+from computepool.server.settings import ServerSettings
+from computepool.store import allocations as store
+from computepool.store import scheduling as sql
+from computepool.store.db import db_now
+
+
+@dataclass(frozen=True)
+class DevSnap:
+    index: int
+    model: str
+    memory_mib: int
+    compute_milli: int
+    uuid: str
+    mig_parent_uuid: str | None = None  # a MIG instance: its GPU (the profile is in `model`)
+
+
+@dataclass(frozen=True)
+class NodeSnap:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    devices: tuple[DevSnap, ...]
+    state: str  # ready | suspect | lost
+    cordoned: bool
+    draining: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: Mapping[str, str] = field(default_factory=dict)
+    dedicated_to: str | None = None  # tenant name
+    lending: bool = True
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == "ready" and not self.cordoned
+
+
+@dataclass
+class Live:
+    """A pending, bound or active allocation as the scheduler sees it."""
+
+    id: int
+    tenant: str
+    state: str
+    request: dict[str, Any]
+    priority: int
+    attempt: int
+    restartable: bool
+    has_command: bool
+    nodes: list[str]
+    slices: list[dict[str, Any]]
+    reason: str
+    bound_at: datetime | None
+    core: Request = field(init=False)
+    est: Usage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.core = to_core(self.request)
+        self.est = estimate(self.core)
+
+
+@dataclass
+class Snapshot:
+    nodes: list[NodeSnap]
+    weights: dict[str, float]
+    quotas: dict[str, QuotaMap]
+    live: list[Live]
+
+
+def node_state(age_s: float, settings: ServerSettings) -> str:
+    """ready, suspect or lost, from the age of the node's last heartbeat."""
+    if age_s < settings.suspect_after_s:
+        return "ready"
+    return "suspect" if age_s < settings.lost_after_s else "lost"
+
+
+def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
+    """A whole snapshot read afresh (`live=False`: without allocations, what admission checks).
+    The controller keeps a `SnapshotCache` instead, which reads only what changed."""
+    return SnapshotCache().load(s, settings, live=live)
+
+
+def _live_of(r: Any) -> Live:
+    return Live(
+        id=r.id,
+        tenant=r.tenant,
+        state=r.state,
+        request=r.request,
+        priority=r.priority,
+        attempt=r.attempt,
+        restartable=r.restartable,
+        has_command=r.command is not None,
+        nodes=list(r.nodes),
+        slices=list(r.slices),
+        reason=r.reason,
+        bound_at=r.bound_at,
+    )
+
+
+class SnapshotCache:
+    """The controller's memory of the last snapshot, so a cycle reads only what changed.
+
+    Devices never change after a node joins (a node that comes back with others joins anew), so
+    they are read once per joined node (id, name and join time: SQLite may reuse a deleted id).
+    Live allocations are listed by (id, state, attempt) — no JSON — and only new or changed
+    ones are read whole: a request, its nodes and its slices are fixed for an attempt in a state.
+    Everything else (heartbeat ages, cordons, tenants, quotas, pending reasons) is read every
+    cycle. The result equals a fresh cache's (`load_snapshot`).
+    """
+
+    def __init__(self) -> None:
+        self._devices: dict[tuple[int, str, datetime], tuple[DevSnap, ...]] = {}
+        self._live: dict[int, Live] = {}
+
+    def load(self, s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
+        now = db_now(s)
+        node_rows = sql.node_rows(s)
+        keys = {(r[0], r[1], r[6]): r[0] for r in node_rows}
+        missing = [nid for k, nid in keys.items() if k not in self._devices]
+        if missing:
+            found = sql.device_rows(s, missing)
+            self._devices.update(
+                (k, tuple(DevSnap(*d) for d in found[nid])) for k, nid in keys.items() if nid in found
+            )
+        for gone in set(self._devices) - set(keys):
+            del self._devices[gone]
+        nodes = [
+            NodeSnap(
+                name=name,
+                cpu_milli=cpu,
+                memory_mib=mem,
+                devices=self._devices[(nid, name, joined)],
+                state=node_state(max(0.0, (now - beat).total_seconds()), settings),
+                cordoned=cordoned,
+                draining=draining,
+                labels=labels or {},
+                taints=taints or {},
+                dedicated_to=owner,
+                lending=bool(lending),
+            )
+            for (nid, name, cpu, mem, beat, cordoned, joined, draining, labels, taints, owner, lending) in (
+                node_rows
+            )
+        ]
+        weights, quotas = sql.tenants_and_quotas(s)
+        if not live:
+            return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=[])
+        heads = store.live_heads(s)
+        stale = [
+            i
+            for i, st, att, _ in heads
+            if (c := self._live.get(i)) is None or c.state != st or c.attempt != att
+        ]
+        if stale:
+            for r in store.live_rows(s, stale):
+                self._live[r.id] = _live_of(r)
+        current: list[Live] = []
+        keep: dict[int, Live] = {}
+        for i, st, att, reason in heads:
+            a = self._live.get(i)
+            if a is None or a.state != st or a.attempt != att:
+                continue  # changed again between the two reads: the next cycle sees it
+            a.reason = reason
+            keep[i] = a
+            current.append(a)
+        self._live = keep
+        return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=current)

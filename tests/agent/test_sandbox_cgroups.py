@@ -1,0 +1,118 @@
+"""cgroup limits: the file writes for v2 and v1 on fake trees, and the real hierarchy of this host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from computepool.agent import cgroups
+from computepool.agent.cgroups import CgroupV1, CgroupV2
+from computepool.agent.executor import Executor, JobSpec, SandboxConfig
+from computepool.agent.localstate import JobState
+from computepool.agent.tenants import remove_tenant_user
+
+PY = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
+
+
+def test_v2_writes_cpu_memory_and_pids(tmp_path: Path) -> None:
+    root = tmp_path / "cg2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    cg = cgroups.detect(root / "computepool")
+    assert isinstance(cg, CgroupV2) and cg.usable() == (True, "")
+    assert set((root / "cgroup.subtree_control").read_text().split()) == {"+cpu", "+memory", "+pids"}
+    job = cg.create("a.1", cpu_milli=1500, memory_mib=256, pids_max=100)
+    assert job.path == root / "computepool" / "a.1" and job.paths == (job.path,)
+    assert (job.path / "cpu.max").read_text() == "150000 100000"
+    assert (job.path / "memory.max").read_text() == str(256 * 1024 * 1024)
+    assert (job.path / "pids.max").read_text() == "100"
+    (job.path / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert cgroups.oom_kills(job.path) == 1
+
+
+def test_v2_without_controllers_says_why(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("io\n")
+    ok, why = cgroups.detect(tmp_path / "computepool").usable()
+    assert not ok and "['cpu', 'memory'] not available" in why
+
+
+def test_v1_writes_each_controller(tmp_path: Path) -> None:
+    for c in ("cpu", "memory", "pids"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "cgroup.procs").write_text("")
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")
+    cg = cgroups.detect(tmp_path / "computepool")
+    assert isinstance(cg, CgroupV1) and cg.usable() == (True, "")
+    job = cg.create("a.1", cpu_milli=500, memory_mib=64, pids_max=50)
+    assert job.path == tmp_path / "memory" / "computepool" / "a.1"
+    assert [p.parent.parent.name for p in job.paths] == ["memory", "cpu", "pids"]
+    cpu = tmp_path / "cpu" / "computepool" / "a.1"
+    assert (cpu / "cpu.cfs_quota_us").read_text() == "50000"
+    assert (cpu / "cpu.cfs_period_us").read_text() == "100000"
+    assert (job.path / "memory.limit_in_bytes").read_text() == str(64 * 1024 * 1024)
+    assert (tmp_path / "pids" / "computepool" / "a.1" / "pids.max").read_text() == "50"
+    (job.path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    assert cgroups.oom_kills(job.path) == 2
+
+
+REAL_V1 = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() and os.geteuid() == 0
+
+
+@pytest.fixture
+def real_cg_executor() -> Iterator[Executor]:
+    if not REAL_V1:
+        pytest.skip("needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    base = Path(f"/sys/fs/cgroup/computepool-test-{uuid.uuid4().hex[:8]}")
+    data = Path("/var/tmp") / f"cpool-cg-{uuid.uuid4().hex[:8]}"
+    data.mkdir()
+    tenant = f"t{uuid.uuid4().hex[:8]}"
+    ex = Executor(data / "agent", cgroup_base=base, kill_grace_s=1, sandbox=SandboxConfig())
+    ex.tenant = tenant  # type: ignore[attr-defined]
+    yield ex
+    for rec in ex.running():
+        ex.kill(rec.key, "teardown", grace_s=0)
+    ex.state.close()
+    for c in ("memory", "cpu", "pids"):
+        cgroups.remove([Path("/sys/fs/cgroup") / c / base.name])
+    shutil.rmtree(data, ignore_errors=True)
+    remove_tenant_user(tenant)
+
+
+def test_real_v1_memory_limit_kills_a_hog_and_says_so(real_cg_executor: Executor) -> None:
+    ex = real_cg_executor
+    tenant = ex.tenant  # type: ignore[attr-defined]
+    hog = [PY, "-c", "b = bytearray(400 * 1024 * 1024); print(len(b))"]
+    rec = ex.start(JobSpec("hog", 1, hog, memory_mib=128, tenant=tenant))
+    assert rec.limits.startswith("cgroup v1 /sys/fs/cgroup/memory/"), rec.limits
+    assert Path(rec.cgroup, "memory.limit_in_bytes").read_text().strip() == str(128 * 1024 * 1024)
+    done = ex.wait(rec.key, 30)
+    assert done.state is JobState.FAILED
+    assert done.reason == "out of memory (cgroup memory limit 128 MiB)"
+    assert not Path(rec.cgroup).exists()  # removed with the job
+    small = ex.start(JobSpec("small", 1, [PY, "-c", "b = bytearray(20 * 1024 * 1024)"], memory_mib=128,
+                             tenant=tenant))  # fmt: skip
+    assert ex.wait(small.key, 30).state is JobState.SUCCEEDED
+
+
+def test_real_v1_cpu_quota_holds_a_busy_job(real_cg_executor: Executor) -> None:
+    ex = real_cg_executor
+    tenant = ex.tenant  # type: ignore[attr-defined]
+    spin = [PY, "-c", "print('go', flush=True)\nwhile True: pass"]
+    rec = ex.start(JobSpec("spin", 1, spin, cpu_milli=200, tenant=tenant))
+    assert "cpu 200m" in rec.limits
+    time.sleep(0.5)
+    procs = [psutil.Process(p) for p in ex.job_pids(rec.key)]
+    t0 = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+    time.sleep(3.0)
+    used = sum(p.cpu_times().user + p.cpu_times().system for p in procs) - t0
+    assert used / 3.0 < 0.35, f"used {used / 3.0:.2f} CPU with a 0.2 CPU quota"
+    assert used / 3.0 > 0.05  # it does run
+    ex.kill(rec.key, "done", grace_s=0)
