@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check the node agent's isolation on a machine with an NVIDIA GPU, in one go (< 8 minutes).
-# Installs the project (and PyTorch if missing), then runs scripts/gpu_check.py, which prints a
-# pass/fail table and, when $OUT is set, writes gpu-check.json / gpu-check.txt and job logs there.
+# Installs the project (from .whl/ without network when present), then runs scripts/gpu_check.py,
+# which prints a pass/fail/skip table and, when $OUT is set, writes gpu-check.json / gpu-check.txt
+# and job logs there. Arguments go to gpu_check.py (`--dry-run`: simulated devices, no GPU needed).
 # Read-only towards the GPU: no MIG mode change, no clocks, no reset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,15 +11,20 @@ start=$(date +%s)
 
 nvidia-smi -L 2>&1 | head -n 16 || echo "nvidia-smi not available"
 
-"$PY" -m pip install -q -e . || { echo "FAIL: pip install -e . failed"; exit 2; }
+# A GPU machine that fetches nothing installs from the carried wheels (scripts/gpu-wheels.sh).
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --find-links .whl -e . \
+    || { echo "FAIL: pip install --no-index --find-links .whl -e . failed (run scripts/gpu-wheels.sh)"; exit 2; }
+else
+  "$PY" -m pip install -q -e . || { echo "FAIL: pip install -e . failed"; exit 2; }
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  echo "PyTorch missing: installing it (this is the slow part)"
-  timeout 240 "$PY" -m pip install -q torch || echo "WARN: torch install failed; torch checks will be skipped"
+  echo "WARN: PyTorch is not installed; the checks that need it will be skipped"
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" \
   2>/dev/null || true
 
-timeout 210 "$PY" scripts/gpu_check.py
+timeout 420 "$PY" scripts/gpu_check.py "$@"
 rc=$?
 echo "gpu-check finished in $(( $(date +%s) - start )) s with exit code $rc"
 exit $rc

@@ -1,30 +1,38 @@
-"""Check the agent's isolation on a real NVIDIA GPU; prints a pass/fail table (and JSON into $OUT).
+"""Check the agent's isolation on a real NVIDIA GPU; prints a pass/fail/skip table (and JSON into $OUT).
 
 Run by scripts/gpu-check.sh. Only reads GPU state and starts ordinary CUDA processes (plus an
-MPS control daemon with its own pipe directory, stopped at the end): it never changes MIG mode,
-compute mode, clocks or anything else, and never resets a GPU.
+MPS control daemon with its own pipe directory, stopped at the end, and podman containers that
+are removed when their job ends): it never changes MIG mode, compute mode, clocks or anything
+else, and never resets a GPU. Parts: gpu_check_container.py (container jobs through podman),
+gpu_check_mig.py (MIG placement where instances exist).
+
+`--dry-run` takes simulated devices instead of NVML (a machine without a GPU): the checks that
+need CUDA are skipped, the container path and MIG placement still run as far as they can.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
-from computepool.agent.devices import DeviceInfo, NvidiaBackend, discover_all
+from gpu_check_common import RESULTS, guarded, record
+from gpu_check_container import ContainerRunner, check_probe, clean_up, run_container_checks
+from gpu_check_mig import run_mig_checks
+
+from computepool.agent.devices import DeviceInfo, NvidiaBackend, SimulatedBackend, discover_all
 from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, Executor, JobSpec
 from computepool.agent.isolation import MemoryWatchdog, MpsDaemon, SliceAssignment, slice_env
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.core import Isolation
 
+DRY_RUN_DEVICES = "1xA100-80GB,1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb"
 SLICE_MIB = 8192
-RESULTS: list[dict[str, str]] = []
 
 # Allocates `step` MiB at a time up to `cap` MiB (or until the allocator refuses), reports, holds.
 ALLOC = r"""
@@ -50,19 +58,6 @@ out.update(allocated_mib=total, oom=oom, shim=os.environ.get("CPOOL_SHIM_APPLIED
 print(json.dumps(out), flush=True)
 time.sleep(hold)
 """
-
-
-def record(name: str, status: str, detail: str) -> None:
-    RESULTS.append({"check": name, "status": status, "detail": detail})
-    print(f"  {status:<5} {name}: {detail}", flush=True)
-
-
-def guarded(name: str, fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception as e:
-        record(name, "FAIL", f"{type(e).__name__}: {e}")
-        traceback.print_exc()
 
 
 def has_torch() -> bool:
@@ -123,9 +118,14 @@ class Ctx:
         return out
 
 
+def gpu_expected() -> bool:
+    """A driver is installed (nvidia-smi or /dev/nvidiactl): then NVML must answer."""
+    return shutil.which("nvidia-smi") is not None or Path("/dev/nvidiactl").exists()
+
+
 def check_discovery(ctx: Ctx) -> None:
     if not ctx.backend.available():
-        record("nvml discovery", "FAIL", ctx.backend.reason)
+        record("nvml discovery", "FAIL" if gpu_expected() else "SKIP", ctx.backend.reason)
         return
     ctx.devices = ctx.backend.discover()
     inv = discover_all(None)
@@ -250,20 +250,57 @@ def check_mps(ctx: Ctx) -> None:
         record("mps daemon stopped", "PASS" if not daemon.running() else "FAIL", str(daemon.pipe_dir))
 
 
-def main() -> int:
+def simulated_discovery(ctx: Ctx, spec: str) -> None:
+    ctx.devices = SimulatedBackend(spec).discover()
+    desc = "; ".join(f"#{d.index} {d.model} {d.memory_mib} MiB {d.uuid}" for d in ctx.devices)
+    record("discovery (simulated)", "INFO", f"--dry-run {spec}: {desc}")
+
+
+def on_mig(runner: ContainerRunner, instance: DeviceInfo) -> None:
+    """The container path again, on the MIG instance the scheduler chose (its capability nodes)."""
+    guarded("container on mig", lambda: check_probe(runner, instance, f"on MIG {instance.model}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="simulated devices instead of NVML")
+    parser.add_argument("--simulate", default=DRY_RUN_DEVICES, help="the devices of a dry run")
+    parser.add_argument(
+        "--image",
+        choices=("auto", "host", "test"),
+        default="auto",
+        help="container image: built from the host (GPU probe) or localhost/pybase:1 (auto: test if dry run)",
+    )
+    args = parser.parse_args(argv)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work = Path(tempfile.mkdtemp(prefix="cpool-gpu-check-"))
     ctx = Ctx(work)
-    print(f"ComputePool GPU check (work dir {work})", flush=True)
-    guarded("nvml discovery", lambda: check_discovery(ctx))
-    if ctx.devices and has_torch():
+    started = time.monotonic()
+    print(f"ComputePool GPU check (work dir {work}){' - dry run' if args.dry_run else ''}", flush=True)
+    if args.dry_run:
+        guarded("discovery (simulated)", lambda: simulated_discovery(ctx, args.simulate))
+    else:
+        guarded("nvml discovery", lambda: check_discovery(ctx))
+    real = bool(ctx.devices) and not args.dry_run
+    if real and has_torch():
         guarded("exclusive slice alone", lambda: check_exclusive(ctx))
         guarded("timeslice", lambda: check_timeslice(ctx))
         guarded("mps", lambda: check_mps(ctx))
-    elif ctx.devices:
-        record("torch checks", "SKIP", "PyTorch is not installed")
+    else:
+        why = "PyTorch is not installed" if real else "no NVIDIA GPU (dry run or CPU machine)"
+        record("exclusive, timeslice, mps on a GPU", "SKIP", why)
     for rec in ctx.executor.running():
         ctx.executor.kill(rec.key, "check finished", grace_s=1)
+    test_image = args.image == "test" or (args.image == "auto" and args.dry_run)
+    if ctx.devices:
+        runner = guarded("container path", lambda: run_container_checks(work, ctx.devices, test_image))
+        instance = guarded("mig", lambda: run_mig_checks(work, ctx.devices, real and has_torch()))
+        if runner is not None and instance is not None:
+            on_mig(runner, instance)
+        clean_up(runner)
+    else:
+        record("container path, mig placement", "SKIP", "no devices found (see nvml discovery)")
+    record("duration", "INFO", f"{time.monotonic() - started:.0f} s")
 
     width = max(len(r["check"]) for r in RESULTS)
     table = [f"{'check':<{width}}  status  detail", "-" * (width + 40)]
@@ -274,15 +311,17 @@ def main() -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gpu-check.json").write_text(json.dumps(RESULTS, indent=2))
         (out_dir / "gpu-check.txt").write_text("\n".join(table) + "\n")
-        runs = work / "agent" / "runs"
-        if runs.exists():
-            shutil.copytree(
-                runs,
-                out_dir / "runs",
-                dirs_exist_ok=True,
-                ignore=shutil.ignore_patterns("*.py", "cpool-shim"),
-            )
-    print(f"\n{len(RESULTS) - len(failed)} ok, {len(failed)} failed", flush=True)
+        for agent in ("agent", "container-agent", "mig-agent"):
+            runs = work / agent / "runs"
+            if runs.exists():
+                shutil.copytree(
+                    runs,
+                    out_dir / "runs" / agent,
+                    dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.py", "cpool-shim"),
+                )
+    counts = {k: sum(r["status"] == k for r in RESULTS) for k in ("PASS", "FAIL", "SKIP", "INFO")}
+    print("\n" + ", ".join(f"{n} {k.lower()}" for k, n in counts.items()), flush=True)
     return 1 if failed else 0
 
 

@@ -280,7 +280,7 @@ def run_stream(nodes: list[Node], ops: list, policy: str, cache: bool = True) ->
 
 
 # --- properties -------------------------------------------------------------------------------
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes=nodes_st(), ops=ops_st, policy=st.sampled_from(POLICIES))
 def test_tiers_never_mix_and_mig_only_on_instances(nodes: list[Node], ops: list, policy: str) -> None:
     run_stream(nodes, ops, policy)
@@ -372,3 +372,18 @@ def test_profile_names_round_trip_through_model_names() -> None:
     r = Request(gpu_count=1, gpu_milli=400, isolation=Isolation.MIG, sharing=Sharing.EXCLUSIVE)
     assert r.tier == Isolation.MIG and r.whole_devices and not r.fractional
     assert replace(r, mig_profile="3g.40gb").kind_key() != r.kind_key()
+
+
+def test_requests_stored_before_the_tier_rules_still_load() -> None:
+    """A pending row accepted before mps/mig meant one device is read without its tier (the
+    scheduling cycle must not stop on it); new requests with it are refused."""
+    from computepool.server.scheduling import stored_core, to_core
+
+    old = {"gpus": 2, "gpu_milli": 1000, "cpu_milli": 0, "memory_mib": 0, "gang_nodes": 1}
+    old |= {"priority": 0, "tenant": "t", "isolation": "mps", "exclusive": False}
+    with pytest.raises(InvalidInput):
+        to_core(old)
+    core = stored_core(old)
+    assert core.gpu_count == 2 and core.tier == Isolation.EXCLUSIVE
+    with pytest.raises(InvalidInput):
+        stored_core({**old, "isolation": "timeslice", "gpu_milli": 500})

@@ -316,3 +316,14 @@ def test_a_memory_file_made_a_fifo_or_a_link_cannot_stall_or_feed_the_agent(tmp_
         assert time.monotonic() - t0 < 2, name
         backend.detach(os.getpid())
     assert results == {"fifo": 4096, "link": 4096, "good": 2048}
+
+
+def test_a_command_the_tenant_could_not_reach_is_not_run(sandboxed: Executor, tenants: list[str]) -> None:
+    """The command is looked up with the tenant's rights: a program in a root-only dir stays out."""
+    hidden = sandboxed.data_dir.parent / "root-only"
+    hidden.mkdir(mode=0o700)
+    shutil.copy("/bin/true", hidden / "tool")
+    rec = sandboxed.start(JobSpec("hidden", 1, [str(hidden / "tool")], tenant=tenants[0]))
+    done = sandboxed.wait(rec.key, 10)
+    assert (done.state, done.exit_code) == (JobState.FAILED, 126), done.reason
+    assert "Permission denied" in (Path(done.run_dir) / "stderr.log").read_text()

@@ -70,12 +70,16 @@ class Node:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.srv_dir, self.agent_dir = root / "srv", root / "agent"
-        env = child_env()
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        root, env = self.root, child_env()
         with (root / "server.log").open("ab") as out:
             self.server = subprocess.Popen(
                 cpool("server", "--data-dir", str(self.srv_dir), "--port", str(self.port)),
                 stdout=out, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
+        self.procs.append(self.server)
         wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)
         token = (self.srv_dir / "admin-token").read_text().strip()
         self.admin = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -86,6 +90,7 @@ class Node:
                       "--name", "shared", "--kill-grace-s", "1"),
                 stdout=out, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
+        self.procs.append(self.agent)
         wait_for("the node", lambda: self.states() == ["ready"], 60, self.logs)
 
     def states(self) -> list[str]:
@@ -108,8 +113,8 @@ class Node:
         )
 
     def close(self) -> None:
-        stop(self.agent)
-        stop(self.server)
+        for proc in reversed(self.procs):
+            stop(proc)
 
 
 @pytest.fixture
@@ -118,6 +123,7 @@ def node() -> Iterator[Node]:
     root.mkdir(mode=0o755)
     n = Node(root)
     try:
+        n.start()
         yield n
     finally:
         n.close()

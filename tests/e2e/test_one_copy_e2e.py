@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from e2e_helpers import Pool, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
 LOST_S = 6.0
 SERVER_TIMING = ["--heartbeat-s", "0.5", "--suspect-s", "2", "--lost-s", str(LOST_S)]
@@ -82,7 +81,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def command(marker: str) -> list[str]:
-    return [sys.executable, "-c", "import time; time.sleep(600)", marker]
+    return [JOB_PYTHON, "-c", "import time; time.sleep(600)", marker]
 
 
 class Watcher:

@@ -185,7 +185,9 @@ def wrap(
             applied.append(f"user {user.pw_name} (uid {user.pw_uid}), no capabilities")
         drop.append("--no-new-privs")
         applied.append("no_new_privs")
-        argv = [*drop, "--", *argv]
+        # setpriv still holds root's capabilities while it execs: a shell (a public path) takes
+        # that exec, so the command itself is looked up and run with the tenant's rights alone
+        argv = [*drop, "--", "/bin/sh", "-c", 'exec "$@"', "cpool-job", *argv]
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or "")]
         argv = [host.unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", *init, *argv]

@@ -188,7 +188,7 @@ class JobsSettings:
 def _job_command(hold_s: float, image: str | None = None) -> list[str]:
     """Print the wall-clock time the workload began, then end (or sleep `hold_s`)."""
     if hold_s <= 0:
-        return ["python3" if image else sys.executable, "-c", "import time; print(time.time())"]
+        return ["python3", "-c", "import time; print(time.time())"]  # the node's, on the job's PATH
     # far lighter than a Python per job when a hundred run at once
     return ["sh" if image else shutil.which("sh") or "/bin/sh", "-c", f"date +%s.%N; exec sleep {hold_s:g}"]
 

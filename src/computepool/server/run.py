@@ -10,6 +10,8 @@ import uvicorn
 from computepool.server.app import create_app
 from computepool.server.settings import ServerSettings
 
+SHUTDOWN_GRACE_S = 2
+
 
 def serve(settings: ServerSettings) -> None:
     """HTTP, or HTTPS when a certificate and key are set (uvicorn's own TLS)."""
@@ -22,4 +24,7 @@ def serve(settings: ServerSettings) -> None:
         log_level=settings.log_level,
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
+        # Agents hold long-polls open; waiting for them to end while the scheduling loop still runs
+        # would let nodes miss heartbeats and be declared lost during an orderly stop.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )

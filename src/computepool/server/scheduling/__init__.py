@@ -44,6 +44,7 @@ from computepool.server.scheduling.quota import (
     over_limit,
     reclaimable,
     slices_usage,
+    stored_core,
     to_core,
     within_guarantee,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "pool_is_empty",
     "reclaimable",
     "slices_usage",
+    "stored_core",
     "to_core",
     "within_guarantee",
 ]

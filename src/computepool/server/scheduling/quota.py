@@ -44,6 +44,17 @@ def to_core(req: dict[str, Any]) -> Request:
         raise InvalidInput(_CORE_FIELD.get(e.where, e.where), e.message) from e
 
 
+def stored_core(req: dict[str, Any]) -> Request:
+    """`to_core` for a stored request. One stored before a tier rule it breaks was enforced (two
+    devices with `mps` or `mig`) is read without its tier rather than stopping every cycle."""
+    try:
+        return to_core(req)
+    except InvalidInput:
+        if req.get("isolation") not in ("mps", "mig"):
+            raise
+        return to_core({**req, "isolation": None, "mig": None})
+
+
 def estimate(req: Request) -> Usage:
     """What a request will count against pool-wide quotas before it is placed (exact except
     for GPU memory in proportion to compute, counted once placed, and MIG-sized devices)."""

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from computepool.core import Request
-from computepool.server.scheduling.quota import QuotaMap, Usage, estimate, to_core
+from computepool.server.scheduling.quota import QuotaMap, Usage, estimate, stored_core
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as store
 from computepool.store import scheduling as sql
@@ -70,7 +70,7 @@ class Live:
     est: Usage = field(init=False)
 
     def __post_init__(self) -> None:
-        self.core = to_core(self.request)
+        self.core = stored_core(self.request)
         self.est = estimate(self.core)
 
 

@@ -371,7 +371,7 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
         holding = reclaim.holding_notes(dict(row.request), row.bound_at, row.reason, db_now(s))
         snap = scheduling.load_snapshot(s, ctx.settings)
     world, _running, _stops = scheduling.build_world(snap)
-    core = scheduling.to_core(a.request)
+    core = scheduling.stored_core(a.request)
     tenant = a.tenant
     used = world.usage.get(tenant, Counter())
     quota = snap.quotas.get(tenant, {})
