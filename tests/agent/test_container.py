@@ -62,7 +62,9 @@ def spec(command: list[str], *, attempt: int = 1, **kw: object) -> JobSpec:
 
 def run(podman: Podman, s: JobSpec, work: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     argv = podman.run_argv(s, work, UID, UID)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={}, check=False)
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env={}, check=False, cwd=work
+    )
 
 
 def py(code: str) -> list[str]:
@@ -168,7 +170,7 @@ def test_published_port_reaches_the_container(podman: Podman, work: Path) -> Non
     )
     (work / "hello.txt").write_text("from the container")
     os.chown(work / "hello.txt", UID, UID)
-    proc = subprocess.Popen(podman.run_argv(spec(py(code), ports=(port,)), work, UID, UID), env={})
+    proc = subprocess.Popen(podman.run_argv(spec(py(code), ports=(port,)), work, UID, UID), env={}, cwd=work)
     try:
         body = b""
         deadline = time.monotonic() + 30
@@ -220,7 +222,9 @@ def test_sigterm_reaches_the_job_through_podman(podman: Podman, work: Path) -> N
         "time.sleep(60)\n"
     )
     s = spec(py(code))
-    proc = subprocess.Popen(podman.run_argv(s, work, UID, UID), stdout=subprocess.PIPE, text=True, env={})
+    proc = subprocess.Popen(
+        podman.run_argv(s, work, UID, UID), stdout=subprocess.PIPE, text=True, env={}, cwd=work
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)
@@ -232,7 +236,7 @@ def test_sigterm_reaches_the_job_through_podman(podman: Podman, work: Path) -> N
 
 def test_running_keys_and_remove(podman: Podman, work: Path, tmp_path: Path) -> None:
     s = spec(["sleep", "300"], memory_mib=64)
-    proc = subprocess.Popen(podman.run_argv(s, work, UID, UID), env={})
+    proc = subprocess.Popen(podman.run_argv(s, work, UID, UID), env={}, cwd=work)
     try:
         deadline = time.monotonic() + 30
         while s.key not in podman.running_keys() and time.monotonic() < deadline:
@@ -311,7 +315,7 @@ def test_devices_only_the_slices(tmp_path: Path) -> None:
 
 def test_sweep_removes_containers_of_jobs_the_agent_does_not_hold(podman: Podman, work: Path) -> None:
     kept, stray = spec(["sleep", "300"]), spec(["sleep", "300"], attempt=2)
-    procs = [subprocess.Popen(podman.run_argv(s, work, UID, UID), env={}) for s in (kept, stray)]
+    procs = [subprocess.Popen(podman.run_argv(s, work, UID, UID), env={}, cwd=work) for s in (kept, stray)]
     try:
         deadline = time.monotonic() + 30
         while len(podman.running_keys()) < 2 and time.monotonic() < deadline:

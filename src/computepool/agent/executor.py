@@ -11,6 +11,9 @@ the command itself runs in the sandbox (`sandbox.py`) as its tenant's user (`ten
 a podman container when the request names an image (`container.py`). The run dir, its exit
 status and its logs are root's; the job only ever writes its logs through the descriptors it was
 given, and its own files in `work/`.
+
+What to run is a `JobSpec` (jobspec.py); telling whether a job's processes are still its own and
+how it ended is outcome.py.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -31,8 +34,17 @@ import psutil
 
 from computepool.agent import cgroups
 from computepool.agent.cgroups import CgroupV1, CgroupV2
+from computepool.agent.jobspec import (
+    DEFAULT_CGROUP_BASE,
+    EXIT_FILE,
+    STDERR_LOG,
+    STDOUT_LOG,
+    AdoptReport,
+    JobSpec,
+)
 from computepool.agent.launch import Launcher, default_env, which
-from computepool.agent.localstate import JobRecord, JobState, LocalState, job_key
+from computepool.agent.localstate import JobRecord, JobState, LocalState
+from computepool.agent.outcome import alive, explain_exit, kill_leftovers, read_exit
 from computepool.agent.sandbox import SandboxConfig
 from computepool.core.errors import InvalidInput
 
@@ -51,13 +63,8 @@ __all__ = [
     "SandboxConfig",
 ]
 
-DEFAULT_CGROUP_BASE = Path("/sys/fs/cgroup/computepool")
-EXIT_FILE = "exit_code"
-STDOUT_LOG = "stdout.log"
-STDERR_LOG = "stderr.log"
 MIB = 1024 * 1024
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-_OOM_MARKERS = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "out of memory")
 
 # $1 is the exit file; the rest is the command. stdin is the gate pipe until the agent says go.
 # The wrapper outlives SIGTERM (a trap, which the command does not inherit) so that the command
@@ -73,37 +80,6 @@ _cpool_rc=$?
 (umask 077 && echo "$_cpool_rc" > "$_cpool_exit_file")
 exit "$_cpool_rc"
 """
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What to run for one attempt of an allocation. 0 means no limit for CPU or memory."""
-
-    allocation_id: str
-    attempt: int
-    command: Sequence[str]
-    env: Mapping[str, str] = field(default_factory=dict)
-    cpu_milli: int = 0
-    memory_mib: int = 0
-    user: str | None = None
-    cwd: str | None = None
-    uses_gpu: bool = False  # GPU runtimes reserve vast address space: no RLIMIT_AS for them
-    tenant: str = ""  # whose job: the sandbox runs it as that tenant's user
-    image: str | None = None  # None: a sandboxed process; else an OCI container through podman
-    ports: tuple[int, ...] = ()  # container ports to publish (containers have no network otherwise)
-    device_uuids: tuple[str, ...] = ()  # the slice's devices: a container sees only these
-
-    @property
-    def key(self) -> str:
-        return job_key(self.allocation_id, self.attempt)
-
-
-@dataclass(frozen=True)
-class AdoptReport:
-    """What a (re)started executor found in its local state."""
-
-    adopted: list[JobRecord]
-    ended: list[JobRecord]
 
 
 @dataclass
@@ -320,17 +296,6 @@ class Executor:
             pass
         return pids
 
-    @staticmethod
-    def _alive(rec: JobRecord, zombie_ok: bool = False) -> bool:
-        """Is the job's leader still this job's process (same pid and start time)?"""
-        try:
-            p = psutil.Process(rec.pid)
-            if abs(p.create_time() - rec.create_time) >= 0.05:
-                return False
-            return zombie_ok or p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
     def _refresh(self, key: str) -> None:
         live = self._live[key]
         rec = live.rec
@@ -340,8 +305,8 @@ class Executor:
         else:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(rec.pid, os.WNOHANG)  # reap it if it happens to be our child
-            ended = not self._alive(rec)
-            rc = _read_exit(Path(rec.run_dir)) if ended else None
+            ended = not alive(rec)
+            rc = read_exit(Path(rec.run_dir)) if ended else None
         if ended:
             self._finish(live, rc)
             return
@@ -368,7 +333,7 @@ class Executor:
 
     def _finish(self, live: _Live, rc: int | None) -> None:
         rec = live.rec
-        self._kill_leftovers(rec)
+        kill_leftovers(rec)
         rec.exit_code = rc
         rec.ended_at = time.time()
         oom = cgroups.oom_kills(Path(rec.cgroup)) if rec.cgroup else 0
@@ -387,47 +352,10 @@ class Executor:
         elif rc == 0:
             rec.state, rec.reason = JobState.SUCCEEDED, ""
         else:
-            rec.state, rec.reason = JobState.FAILED, self._explain(rec, rc)
+            rec.state, rec.reason = JobState.FAILED, explain_exit(rec, rc)
         self.state.put(rec)
         self._ended.append(rec)
         del self._live[rec.key]
-
-    def _explain(self, rec: JobRecord, rc: int) -> str:
-        sig = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + 65 else 0
-        if sig:
-            try:
-                name = f" ({signal.Signals(sig).name})"
-            except ValueError:
-                name = ""
-            return f"killed by signal {sig}{name}"
-        if rec.extra.get("container") and rc in (125, 126, 127):
-            from computepool.agent.container import Podman  # noqa: PLC0415 - optional until used
-
-            return f"exit code {rc}: {Podman.explain(rc)}"
-        if rc == 127:
-            return f"command not found: {rec.command[0]}"
-        if rc == 126 and rec.extra.get("user"):
-            return f"exit code 126: {rec.command[0]} is not executable by user {rec.extra['user']}"
-        if "RLIMIT_AS" in rec.limits and _stderr_says_oom(Path(rec.run_dir)):
-            return f"out of memory (RLIMIT_AS {rec.memory_mib} MiB): exit code {rc}"
-        return f"exit code {rc}"
-
-    def _kill_leftovers(self, rec: JobRecord) -> None:
-        """Processes the job left in its group: only those born after the job (no pgid reuse)."""
-        victims: list[psutil.Process] = []
-        for p in psutil.process_iter(["pid", "create_time"]):
-            try:
-                if os.getpgid(p.pid) == rec.pgid and p.info["create_time"] >= rec.create_time - 0.05:
-                    victims.append(p)
-            except (OSError, psutil.Error):
-                continue
-        for p in victims:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        if rec.cgroup:
-            for pid in cgroups.pids(Path(rec.cgroup)):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
 
     def _drop_cgroup(self, rec: JobRecord) -> None:
         if rec.cgroup:
@@ -468,10 +396,10 @@ class Executor:
         return self.wait(key, timeout=grace + 10)
 
     def _signal_group(self, rec: JobRecord, sig: signal.Signals) -> None:
-        if not self._alive(rec, zombie_ok=True):
+        if not alive(rec, zombie_ok=True):
             # the leader is gone (or its pid reused): reach the members we can prove are ours
             if sig == signal.SIGKILL:
-                self._kill_leftovers(rec)
+                kill_leftovers(rec)
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(rec.pgid, sig)
@@ -492,7 +420,7 @@ class Executor:
                 if rec.key in self._live:
                     continue
                 live = _Live(rec, None)
-                if self._alive(rec):
+                if alive(rec):
                     with contextlib.suppress(psutil.Error, OSError):
                         live.cpus = tuple(psutil.Process(rec.pid).cpu_affinity() or ())
                     self._live[rec.key] = live
@@ -501,7 +429,7 @@ class Executor:
                         self._stop(live, rec.stop_reason, self.kill_grace_s)
                 else:
                     self._live[rec.key] = live
-                    self._finish(live, _read_exit(Path(rec.run_dir)))
+                    self._finish(live, read_exit(Path(rec.run_dir)))
                     ended.append(rec)
             self._ended = [r for r in self._ended if r not in ended]
             if any(r.extra.get("container") for r in self.state.jobs()):  # containers a crash left behind
@@ -516,21 +444,3 @@ def _log(path: Path) -> Iterator[BinaryIO]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "ab") as f:
         yield f
-
-
-def _read_exit(run_dir: Path) -> int | None:
-    try:
-        return int((run_dir / EXIT_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _stderr_says_oom(run_dir: Path) -> bool:
-    try:
-        with open(run_dir / STDERR_LOG, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            tail = f.read().decode(errors="replace")
-    except OSError:
-        return False
-    return any(m in tail for m in _OOM_MARKERS)

@@ -309,8 +309,7 @@ class MpsDaemon:
         ok, why = self.available()
         if not ok:
             raise IsolationUnavailable(why)
-        self.pipe_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._make_dirs()
         try:
             done = subprocess.run(
                 [self.binary, "-d"], env=self._env(), capture_output=True, text=True, timeout=timeout_s
@@ -325,6 +324,21 @@ class MpsDaemon:
             if time.monotonic() > deadline:
                 raise IsolationUnavailable(f"MPS unavailable: daemon did not start (see {self.log_dir})")
             time.sleep(0.05)
+
+    def _make_dirs(self) -> None:
+        """Sandboxed jobs run as their tenant's user: they must reach the pipes, not list the agent.
+
+        The daemon's parents pass (0711); the pipe and log directories are readable (0755) so a
+        client of another uid can connect, and the MPS server the daemon starts as that uid can
+        write its log (1777, sticky: nobody removes another's files).
+        """
+        for d in (self.pipe_dir.parent.parent, self.pipe_dir.parent):
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o711)
+        self.pipe_dir.mkdir(exist_ok=True)
+        os.chmod(self.pipe_dir, 0o755)
+        self.log_dir.mkdir(exist_ok=True)
+        os.chmod(self.log_dir, 0o1777)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the daemon to quit (`quit` on its control pipe); clients still running end with it."""

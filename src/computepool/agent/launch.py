@@ -89,7 +89,9 @@ class Launcher:
                 return f"containers unavailable on this node: {why}"
             rec.extra["container"] = spec.key
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
-            return Launch(argv, env, work, None, f"container {spec.image} through podman")
+            # podman (and conmon, which may drop files such as `oom` in its working directory) runs
+            # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`
+            return Launch(argv, env, run_dir, None, f"container {spec.image} through podman")
         mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         argv, applied = wrap(spec.command, user, work, self.host, hidden_dir(work, self.data_dir), keep)

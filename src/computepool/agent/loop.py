@@ -1,14 +1,13 @@
-"""The node agent: join, heartbeat, run what the control plane assigns, report, ship logs.
+"""The node agent's loop: heartbeat, run what the control plane assigns, report, ship logs.
 
-Public API: `AgentConfig`, `AgentFatal`, `Agent`, `Assignment`, `connect`, `run_agent`,
-`default_node_name`, `EXIT_FATAL`, `EXIT_CREDENTIAL_REFUSED`.
+Public API: `Agent`, `run_agent` (settings and errors in config.py, joining in join.py).
 
 The agent starts every connection (NAT-friendly). Three threads share one `Agent`:
 
 - heartbeat: every interval, with device usage;
 - assignments: a long poll for the attempts this node should run (the desired state);
-- the control loop (main thread): reaps ended jobs, starts new attempts, stops those no longer
-  assigned, ships log chunks and reports state changes.
+- the control loop (main thread): reaps ended jobs, starts new attempts (jobstart.py), stops those
+  no longer assigned, ships log chunks (logship.py) and reports state changes (reports.py).
 
 The control plane may vanish at any time: workloads go on, every end is written to the local
 state first (LocalState) and reported when the server answers again. A restarted agent re-adopts
@@ -18,134 +17,34 @@ the jobs that still run instead of starting them again. See docs/agent.md.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
-import re
 import signal
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from computepool.agent import fencing
-from computepool.agent.api import (
-    CREDENTIAL_FILE,
-    AgentApi,
-    ApiError,
-    Credential,
-    Unreachable,
-    load_credential,
-    save_credential,
-    server_verify,
-)
-from computepool.agent.devices import DeviceInfo, NodeInventory, SimulatedBackend, discover_all
-from computepool.agent.devices.simulated import SIM_MEMORY_FILE_ENV, SIM_MEMORY_FILE_NAME
-from computepool.agent.executor import (
-    DEFAULT_CGROUP_BASE,
-    STDERR_LOG,
-    STDOUT_LOG,
-    Executor,
-    JobSpec,
-    SandboxConfig,
-)
-from computepool.agent.isolation import (
-    IsolationUnavailable,
-    MemoryWatchdog,
-    MpsDaemon,
-    SliceAssignment,
-    resolve_slices,
-    slice_env,
-)
-from computepool.agent.localstate import JobRecord, JobState, job_key
-from computepool.core.allocation import Isolation, Slice
-from computepool.core.errors import InvalidInput
+from computepool.agent.api import AgentApi, ApiError, Credential, Unreachable, load_credential, server_verify
+from computepool.agent.assignment import Assignment, saved_assignment
+from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
+from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
+from computepool.agent.executor import Executor
+from computepool.agent.isolation import MemoryWatchdog
+from computepool.agent.jobstart import JobStarter
+from computepool.agent.join import check_credential, connect, default_node_name
+from computepool.agent.localstate import JobRecord, JobState
+from computepool.agent.logship import LogShipper
+from computepool.agent.reports import Reporter
 from computepool.core.tls import TlsError
 
 log = logging.getLogger("computepool.agent")
-
-EXIT_FATAL = 2
-EXIT_CREDENTIAL_REFUSED = 3  # `cpool up` answers this one with a fresh join token
-ASSIGNMENT_FILE = "assignment.json"
-LOG_OFFSETS_FILE = "log-offsets.json"
-STREAMS = (("stdout", STDOUT_LOG), ("stderr", STDERR_LOG))
-_NAME_BAD = re.compile(r"[^a-z0-9_.-]+")
-
-
-class AgentFatal(Exception):
-    """Something only the operator can fix; the CLI prints it as one line and exits non-zero."""
-
-    def __init__(self, message: str, code: int = EXIT_FATAL) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    server: str
-    data_dir: Path
-    join_token: str | None = None
-    ca: Path | None = None  # the control plane's CA (PEM); else a pinned or the system's (api.server_verify)
-    name: str | None = None
-    simulate: str | None = None
-    labels: Mapping[str, str] = field(default_factory=dict)
-    cgroup_base: Path | None = DEFAULT_CGROUP_BASE
-    kill_grace_s: float = 10.0
-    poll_wait_s: float = 20.0
-    tick_s: float = 0.5
-    max_backoff_s: float = 5.0
-    log_chunk_bytes: int = 256 * 1024
-    watchdog_interval_s: float = 2.0
-    fence_s: float | None = None  # None: as long as the control plane's lost-node timeout allows
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # users, namespaces (sandbox.py)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One attempt the control plane wants on this node (a row of GET …/assignments)."""
-
-    allocation_id: str
-    attempt: int
-    term: int
-    tenant: str
-    slices: list[dict[str, Any]]
-    command: list[str]
-    env: dict[str, str]
-    isolation: str
-    cpu_milli: int
-    memory_mib: int
-    restartable: bool = False
-    image: str | None = None
-    ports: tuple[int, ...] = ()
-
-    @property
-    def key(self) -> str:
-        return job_key(self.allocation_id, self.attempt)
-
-    @classmethod
-    def parse(cls, d: Mapping[str, Any]) -> Assignment:
-        return cls(
-            allocation_id=str(d["allocation_id"]),
-            attempt=int(d["attempt"]),
-            term=int(d.get("term") or 0),
-            tenant=str(d.get("tenant") or ""),
-            slices=[dict(s) for s in d.get("slices") or []],
-            command=[str(c) for c in d.get("command") or []],
-            env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
-            isolation=str(d.get("isolation") or ""),
-            cpu_milli=int(d.get("cpu_milli") or 0),
-            memory_mib=int(d.get("memory_mib") or 0),
-            restartable=bool(d.get("restartable", False)),
-            image=str(d["image"]) if d.get("image") else None,
-            ports=tuple(int(p) for p in d.get("ports") or ()),
-        )
 
 
 class Backoff:
@@ -162,143 +61,6 @@ class Backoff:
 
     def reset(self) -> None:
         self.failures = 0
-
-
-def default_node_name() -> str:
-    """The host name, made into a valid node name (lower case, [a-z0-9_.-], at most 63)."""
-    name = _NAME_BAD.sub("-", socket.gethostname().lower()).strip("-._")
-    return (name or "node")[:63]
-
-
-def _iso(ts: float | None) -> str | None:
-    return None if not ts else datetime.fromtimestamp(ts, UTC).isoformat()
-
-
-def _device_body(d: DeviceInfo) -> dict[str, Any]:
-    return {
-        "index": d.index,
-        "vendor": d.vendor,
-        "model": d.model,
-        "memory_mib": d.memory_mib,
-        "uuid": d.uuid,
-        "compute_milli": d.compute_milli,
-        "link_group": d.link_group,
-        "mig_parent_uuid": d.mig_parent_uuid,
-    }
-
-
-def connect(config: AgentConfig, inventory: NodeInventory, api: AgentApi) -> Credential:
-    """The node's credential: the one in the data dir, else a join with the join token.
-
-    The join token is only needed once; afterwards the stored credential (mode 0600) is used and
-    the token can have expired or been used up.
-    """
-    cred = load_credential(config.data_dir)
-    if cred is not None:
-        if config.name and config.name != cred.name:
-            raise AgentFatal(
-                f"{config.data_dir} holds the credential of node '{cred.name}', not '{config.name}' "
-                "(use another --data-dir, or leave out --name)"
-            )
-        if config.simulate and config.simulate != cred.simulate:
-            raise AgentFatal(
-                f"node '{cred.name}' joined with {_devices_said(cred.simulate)}, not --simulate "
-                f"{config.simulate}: the devices of a node are fixed at its join (remove the node and "
-                f"{config.data_dir / CREDENTIAL_FILE} to join again)"
-            )
-        if cred.server.rstrip("/") != config.server.rstrip("/"):
-            cred = replace(cred, server=config.server)
-            save_credential(config.data_dir, cred)
-        api.use(cred)
-        return cred
-    return join(config, inventory, api)
-
-
-def _devices_said(simulate: str | None) -> str:
-    return f"--simulate {simulate}" if simulate else "its real devices"
-
-
-def join(config: AgentConfig, inventory: NodeInventory, api: AgentApi, name: str | None = None) -> Credential:
-    if not config.join_token:
-        raise AgentFatal(
-            f"no node credential in {config.data_dir} and no join token: "
-            "pass --join-token (an admin creates one with POST /api/v1/join-tokens)"
-        )
-    name = name or config.name or default_node_name()
-    labels = dict(config.labels)
-    if config.simulate:
-        labels.setdefault("simulated", "true")
-    body = {
-        "join_token": config.join_token,
-        "name": name,
-        "cpu_milli": inventory.cpu.cpu_milli,
-        "memory_mib": inventory.cpu.memory_mib,
-        "labels": labels,
-        "devices": [_device_body(d) for d in inventory.devices],
-    }
-    try:
-        answer = api.join(body)
-    except Unreachable as e:
-        raise AgentFatal(f"cannot reach the control plane to join: {e}") from None
-    except ApiError as e:
-        raise AgentFatal(f"join refused by {config.server}: {e.message}") from None
-    cred = Credential(
-        config.server,
-        name,
-        str(answer["credential"]),
-        float(answer.get("heartbeat_interval_s") or 5.0),
-        config.simulate,
-    )
-    path = save_credential(config.data_dir, cred)
-    log.info("joined the pool at %s as node '%s' with %d device(s); credential in %s",
-             config.server, name, len(inventory.devices), path)  # fmt: skip
-    api.use(cred)
-    return cred
-
-
-@dataclass
-class _LogTail:
-    """Where the shipping of one attempt's stdout/stderr stands; persisted in its run dir.
-
-    Per stream: the byte position read up to in the log file, and the stream offset the control
-    plane counts in (UTF-8 bytes of the text sent). They differ only where the output was not valid
-    UTF-8 and a replacement character went out instead.
-    """
-
-    allocation_id: str
-    attempt: int
-    run_dir: Path
-    read_pos: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
-    sent: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
-    done: bool = False
-
-    @classmethod
-    def load(cls, rec: JobRecord) -> _LogTail:
-        tail = cls(rec.allocation_id, rec.attempt, Path(rec.run_dir))
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            data = json.loads((tail.run_dir / LOG_OFFSETS_FILE).read_text())
-            tail.read_pos = {s: int(data[s][0]) for s, _ in STREAMS}
-            tail.sent = {s: int(data[s][1]) for s, _ in STREAMS}
-            tail.done = bool(data.get("done", False))
-        return tail
-
-    def save(self) -> None:
-        path = self.run_dir / LOG_OFFSETS_FILE
-        tmp = path.with_suffix(".tmp")
-        data: dict[str, Any] = {s: [self.read_pos[s], self.sent[s]] for s, _ in STREAMS}
-        with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps({**data, "done": self.done}))
-            os.replace(tmp, path)
-
-
-def _utf8_chunk(raw: bytes, final: bool) -> tuple[bytes, str]:
-    """Cut `raw` at a character boundary (unless it is the last of the file) and decode it."""
-    try:
-        return raw, raw.decode()
-    except UnicodeDecodeError as e:
-        if not final and e.reason == "unexpected end of data" and e.start > 0:
-            raw = raw[: e.start]
-        return raw, raw.decode(errors="replace")
 
 
 class Agent:
@@ -332,6 +94,9 @@ class Agent:
             if backend is not None
             else None
         )
+        self.starter = JobStarter(self.name, inventory, self.executor, config.data_dir, self.watchdog)
+        self.reports = Reporter(api, self.executor, self._refused)
+        self.logs = LogShipper(api, self.executor, config.log_chunk_bytes, self._refused)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -339,9 +104,6 @@ class Agent:
         self._stale: set[str] = set()
         self._term = 0
         self._version: int | None = None
-        self._running_unreported: set[str] = set()
-        self._tails: dict[str, _LogTail] = {}
-        self._mps: dict[str, MpsDaemon] = {}
         self._fatal: AgentFatal | None = None
         self._call_backoff = Backoff(max_s=config.max_backoff_s)
         self._next_call = 0.0
@@ -390,23 +152,19 @@ class Agent:
     def _adopt(self) -> None:
         found = self.executor.adopt()
         for rec in found.adopted:
-            self._running_unreported.add(rec.key)
-            self._track_logs(rec)
-            a = self._saved_assignment(Path(rec.run_dir))
+            self.reports.running_unreported.add(rec.key)
+            self.logs.track(rec)
+            a = saved_assignment(Path(rec.run_dir))
             if a is not None:
                 with contextlib.suppress(Exception):
-                    self._attach(rec, self._resolve(a), Path(rec.run_dir))
+                    self.starter.attach(rec, self.starter.resolve(a))
         for rec in found.adopted:
             if rec.extra.get("restartable") == "1" and not rec.stop_reason:
                 self._supervise(rec)
         for rec in found.ended:
             self._fenced(rec)
             log.info("%s ended while the agent was away: %s", rec.key, rec.reason or rec.state.value)
-        for rec in self.state.jobs():
-            if rec.key not in self._tails:
-                tail = _LogTail.load(rec)
-                if not tail.done:
-                    self._tails[rec.key] = tail
+        self.logs.resume(self.state.jobs())
         if found.adopted:
             log.info("re-adopted %d running job(s): %s", len(found.adopted),
                      ", ".join(f"{r.key} (pid {r.pid})" for r in found.adopted))  # fmt: skip
@@ -563,7 +321,7 @@ class Agent:
         if time.monotonic() < self._next_call:
             return
         try:
-            self._ship_logs()  # output first: an end is reported once its output is all there
+            self.logs.ship()  # output first: an end is reported once its output is all there
             self._send_reports()
         except Unreachable as e:
             self._note_outage("reports and logs", e)
@@ -573,7 +331,7 @@ class Agent:
         self._call_backoff.reset()
 
     def _ended(self, rec: JobRecord) -> None:
-        self._running_unreported.discard(rec.key)
+        self.reports.running_unreported.discard(rec.key)
         self._fenced(rec)
         if self.watchdog is not None:
             self.watchdog.unwatch(rec.key)
@@ -614,302 +372,31 @@ class Agent:
                 continue  # the pool may have moved it already: never start a second copy
             self._start(a)
 
-    def _resolve(self, a: Assignment) -> list[SliceAssignment]:
-        mine = [s for s in a.slices if s.get("node") in (None, self.name)]
-        slices = [
-            Slice(
-                node=self.name,
-                device_index=int(s["device_index"]),
-                compute_milli=int(s.get("compute_milli") or 0),
-                memory_mib=int(s.get("memory_mib") or 0),
-                isolation=Isolation(s.get("isolation") or a.isolation or Isolation.EXCLUSIVE),
-            )
-            for s in mine
-        ]
-        resolved = resolve_slices(slices, self.inventory.devices)
-        for i, (s, r) in enumerate(zip(mine, resolved, strict=True)):
-            want = s.get("device_uuid")
-            if want and want != r.device.uuid:
-                raise InvalidInput(
-                    f"slices[{i}]", f"device {r.device.index} is {r.device.uuid} here, not {want}"
-                )
-        return resolved
-
-    def _mps_daemons(self, resolved: list[SliceAssignment]) -> dict[str, MpsDaemon]:
-        for s in resolved:
-            if s.isolation is Isolation.MPS:
-                uuid = s.device.uuid
-                daemon = self._mps.setdefault(uuid, MpsDaemon(uuid, self.config.data_dir / "mps"))
-                daemon.start()
-        return self._mps
-
     def _start(self, a: Assignment) -> None:
-        run_dir = self.executor.run_dir(a.allocation_id, a.attempt)
-        try:
-            resolved = self._resolve(a)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            work_dir = self.executor.work_dir(a.allocation_id, a.attempt)  # the job's; run_dir is ours
-            work_dir.mkdir(parents=True, exist_ok=True)
-            env = slice_env(
-                a.allocation_id, a.attempt, resolved, work_dir, mps=self._mps_daemons(resolved),
-                user_env=a.env,
-            )  # fmt: skip
-            if isinstance(self.inventory.backend, SimulatedBackend):
-                env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
-            (run_dir / ASSIGNMENT_FILE).write_text(json.dumps(_assignment_json(a)))
-            spec = JobSpec(
-                a.allocation_id,
-                a.attempt,
-                a.command,
-                env=env,
-                cpu_milli=a.cpu_milli,
-                memory_mib=a.memory_mib,
-                uses_gpu=bool(resolved),
-                tenant=a.tenant,
-                image=a.image,
-                ports=a.ports,
-                device_uuids=tuple(s.device.uuid for s in resolved),
-            )
-            rec = self.executor.start(spec)
-        except (InvalidInput, IsolationUnavailable, OSError, ValueError, KeyError) as e:
-            self._record_start_failure(a, run_dir, str(e))
+        started = self.starter.start(a)
+        if started is None:
             return
-        self._track_logs(rec)
+        rec, resolved = started
+        self.logs.track(rec)
         if rec.state is JobState.RUNNING:
-            self._running_unreported.add(rec.key)
+            self.reports.running_unreported.add(rec.key)
             if a.restartable:
                 rec.extra["restartable"] = "1"
                 self.state.put(rec)
                 self._supervise(rec)
-            self._attach(rec, resolved, run_dir)
+            self.starter.attach(rec, resolved)
             log.info("%s started (pid %d) on %s", rec.key, rec.pid,
                      ", ".join(f"GPU {s.device.index}" for s in resolved) or "CPU")  # fmt: skip
         else:
             log.warning("%s could not start: %s", rec.key, rec.reason)
 
-    def _record_start_failure(self, a: Assignment, run_dir: Path, reason: str) -> None:
-        now = time.time()
-        rec = JobRecord(
-            allocation_id=a.allocation_id,
-            attempt=a.attempt,
-            command=list(a.command),
-            run_dir=str(run_dir),
-            state=JobState.FAILED,
-            reason=f"could not start: {reason}",
-            started_at=now,
-            ended_at=now,
-        )
-        self.state.put(rec)
-        log.warning("%s could not start: %s", rec.key, reason)
-
-    def _attach(self, rec: JobRecord, resolved: list[SliceAssignment], run_dir: Path) -> None:
-        """Let the simulated devices see the job, and the watchdog hold timeslice slices."""
-        backend = self.inventory.backend
-        if isinstance(backend, SimulatedBackend):
-            for s in resolved:
-                backend.attach(
-                    rec.pid,
-                    s.device.index,
-                    s.memory_mib,
-                    s.compute_milli,
-                    memory_file=self.executor.work_dir(rec.allocation_id, rec.attempt) / SIM_MEMORY_FILE_NAME,
-                )
-        if self.watchdog is not None and resolved and resolved[0].isolation is Isolation.TIMESLICE:
-            self.watchdog.watch_slices(rec.key, resolved)
-
-    def _saved_assignment(self, run_dir: Path) -> Assignment | None:
-        try:
-            return Assignment.parse(json.loads((run_dir / ASSIGNMENT_FILE).read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    # ---- reports -----------------------------------------------------------------------------
-
-    def _pending_reports(self) -> Iterator[tuple[str, dict[str, Any], JobRecord]]:
-        for key in sorted(self._running_unreported):
-            rec = self.executor.get(key)
-            if rec is not None and rec.state is JobState.RUNNING:
-                yield key, _report(rec), rec
-        for rec in self.state.unreported():
-            yield rec.key, _report(rec), rec
-
     def _send_reports(self) -> None:
-        """Report starts and ends (raises Unreachable); an end waits until its output is all sent."""
-        pending = [
-            p for p in self._pending_reports() if p[2].state is JobState.RUNNING or p[0] not in self._tails
-        ]
-        if not pending:
-            return
-        try:
-            answer = self.api.report([body for _, body, _ in pending])
-        except ApiError as e:
-            if e.status == 401:
-                self._refused("reports", e)
-                return
-            answer = self._report_one_by_one(pending)
-        for key, _, rec in pending:
-            self._acknowledged(key, rec)
-        self._take_stale(answer)
-
-    def _report_one_by_one(self, pending: list[tuple[str, dict[str, Any], JobRecord]]) -> dict[str, Any]:
-        """A refused batch: send each alone so that one bad report cannot block the others forever."""
-        stale: list[Any] = []
-        for _key, body, _rec in pending:
-            try:
-                stale += self.api.report([body]).get("stale") or []
-            except ApiError as e:
-                log.warning("report %s #%s refused, dropped: %s", body["allocation_id"], body["attempt"], e)
-        return {"stale": stale}
-
-    def _acknowledged(self, key: str, rec: JobRecord) -> None:
-        if rec.state is JobState.RUNNING:
-            self._running_unreported.discard(key)
-        else:
-            self.state.mark_reported(key)
-
-    def _take_stale(self, answer: Mapping[str, Any]) -> None:
-        stale = {job_key(str(s["allocation_id"]), int(s["attempt"])) for s in answer.get("stale") or []}
+        """Report starts and ends (raises Unreachable); stop the attempts the answer calls stale."""
+        stale = self.reports.send(self.logs.tails)
         if stale:
             with self._lock:
                 self._stale |= stale
             self._wake.set()
-
-    # ---- logs --------------------------------------------------------------------------------
-
-    def _track_logs(self, rec: JobRecord) -> None:
-        if rec.key not in self._tails:
-            self._tails[rec.key] = _LogTail.load(rec)
-
-    def _ship_logs(self) -> None:
-        """Send what the jobs wrote since the last offset (raises Unreachable); a tail is done once
-        its job ended and all its output is sent."""
-        for key, tail in list(self._tails.items()):
-            rec = self.executor.get(key)
-            ended = rec is None or rec.state.ended
-            try:
-                complete = self._ship_tail(tail, final=ended)
-            except ApiError as e:
-                if e.status == 401:
-                    self._refused("logs", e)
-                    return
-                # another attempt is current, or the allocation is not ours: this output has no home
-                log.warning("logs of %s refused, no longer sent: %s", key, e)
-                complete = ended = True
-            if complete and ended:
-                tail.done = True
-                tail.save()
-                del self._tails[key]
-
-    def _ship_tail(self, tail: _LogTail, final: bool) -> bool:
-        """Send new output of both streams (a few chunks per tick at most); True when all is sent.
-
-        A chunk resent after a crash (offset below the server's end) is trimmed by the server.
-        """
-        complete = True
-        for stream, filename in STREAMS:
-            path = tail.run_dir / filename
-            for _ in range(4):
-                pos = tail.read_pos[stream]
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(pos)
-                        raw = f.read(self.config.log_chunk_bytes)
-                        at_eof = not f.read(1)
-                except FileNotFoundError:
-                    break
-                raw, text = _utf8_chunk(raw, final and at_eof)
-                if not raw:
-                    break
-                self.api.logs(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], text)
-                tail.read_pos[stream] = pos + len(raw)
-                tail.sent[stream] += len(text.encode())
-                tail.save()
-                if at_eof:
-                    break
-            else:
-                complete = False
-        return complete
-
-
-def wire_id(allocation_id: str) -> int | str:
-    """Allocation ids are integers on the wire; locally they are strings (run dir and job key)."""
-    return int(allocation_id) if allocation_id.isdigit() else allocation_id
-
-
-def _report(rec: JobRecord) -> dict[str, Any]:
-    """The control plane's words: `exited` with the exit code when the process ended by itself,
-    `failed` when it could not start or was stopped (reason says why), `lost` when unknown."""
-    exited = rec.state is JobState.SUCCEEDED or (
-        rec.state is JobState.FAILED and rec.exit_code is not None and rec.reason.startswith("exit code")
-    )
-    if rec.state is JobState.RUNNING:
-        state = "running"
-    elif rec.state is JobState.LOST:
-        state = "lost"
-    else:
-        state = "exited" if exited else "failed"
-    body: dict[str, Any] = {
-        "allocation_id": wire_id(rec.allocation_id),
-        "attempt": rec.attempt,
-        "state": state,
-    }
-    if rec.started_at:
-        body["started_at"] = _iso(rec.started_at)
-    if rec.state.ended:
-        body["ended_at"] = _iso(rec.ended_at or time.time())
-        body["reason"] = (rec.reason or f"exit code {rec.exit_code}")[:1000]
-        if rec.exit_code is not None:
-            body["exit_code"] = rec.exit_code
-    return body
-
-
-def _assignment_json(a: Assignment) -> dict[str, Any]:
-    return {
-        "allocation_id": a.allocation_id,
-        "attempt": a.attempt,
-        "term": a.term,
-        "tenant": a.tenant,
-        "slices": a.slices,
-        "command": a.command,
-        "env": {},  # the user's variables may hold secrets: not kept on disk
-        "isolation": a.isolation,
-        "cpu_milli": a.cpu_milli,
-        "memory_mib": a.memory_mib,
-        "restartable": a.restartable,
-        "image": a.image,
-        "ports": list(a.ports),
-    }
-
-
-def check_credential(
-    config: AgentConfig, inventory: NodeInventory, api: AgentApi, cred: Credential
-) -> Credential:
-    """One heartbeat before starting: a refused credential is replaced by a new join when a join
-    token was given (the pool was reset, the node removed), else it is fatal. An unreachable
-    server is no reason to wait: the jobs this node runs carry on and the loop retries."""
-    try:
-        answer = api.heartbeat([])
-        contact = fencing.Contact(config.data_dir, config.kill_grace_s, config.fence_s)
-        contact.learn(answer.get("lost_after_s"), answer.get("heartbeat_interval_s"))
-        return cred
-    except fencing.FenceConfigError as e:
-        raise AgentFatal(str(e)) from None
-    except Unreachable as e:
-        log.warning("control plane unreachable at start (%s); running on, retrying", e)
-        return cred
-    except ApiError as e:
-        if e.status not in (401, 404):
-            raise AgentFatal(f"heartbeat refused by {config.server}: {e.message}") from None
-        if not config.join_token:
-            raise AgentFatal(
-                f"the control plane refused node '{cred.name}' ({e.message}): delete "
-                f"{config.data_dir / 'node.json'} and join again with --join-token",
-                EXIT_CREDENTIAL_REFUSED,
-            ) from None
-        log.warning(
-            "credential of node '%s' refused (%s); joining again with the join token", cred.name, e.message
-        )
-        return join(config, inventory, api, name=cred.name)
 
 
 def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:

@@ -112,7 +112,8 @@ def register(app: typer.Typer) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
         import os
 
-        from computepool.agent.loop import AgentConfig, AgentFatal, run_agent
+        from computepool.agent.config import AgentConfig, AgentFatal
+        from computepool.agent.loop import run_agent
         from computepool.agent.sandbox import SandboxConfig
         from computepool.agent.tenants import parse_uid_range
         from computepool.core.errors import InvalidInput

@@ -33,19 +33,22 @@ def _root(
 
 def _register() -> None:
     from computepool.cli import (
+        access_cmd,
         agent_cmd,
         alloc_cmd,
+        audit_cmd,
         bench_api_cmd,
         bench_cmd,
         bench_cycle_cmd,
         bench_pool_cmd,
         nodes_cmd,
-        pool_cmd,
+        quota_cmd,
         run_cmd,
         server_cmd,
         sim_fill,
         sim_replay,
         sim_report,
+        tenants_cmd,
         up_cmd,
     )
 
@@ -56,7 +59,12 @@ def _register() -> None:
     server_cmd.register(app)
     agent_cmd.register(app)
     up_cmd.register(app)
-    pool_cmd.register(app)
+    access_cmd.register_login(app)  # the order of `cpool --help`
+    tenants_cmd.register(app)
+    access_cmd.register_tokens(app)
+    quota_cmd.register(app)
+    access_cmd.register_join_token(app)
+    audit_cmd.register(app)
     nodes_cmd.register(app)
     alloc_cmd.register(app)
     run_cmd.register(app)

@@ -28,7 +28,7 @@ import typer
 from computepool.cli.common import fail
 from computepool.core.tls import client_context, generate_self_signed
 
-EXIT_FATAL = 2  # the agent's "only the operator can fix this" (computepool.agent.loop.EXIT_FATAL)
+EXIT_FATAL = 2  # the agent's "only the operator can fix this" (computepool.agent.config.EXIT_FATAL)
 EXIT_CREDENTIAL_REFUSED = 3  # the agent's credential was refused: it needs a fresh join token
 READY_TIMEOUT_S = 60.0
 MAX_BACKOFF_S = 30.0

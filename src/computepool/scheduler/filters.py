@@ -26,10 +26,9 @@ from computepool.scheduler.state import (
     TIER_NONE,
     TIER_TIMESLICE,
     ClusterState,
-    View,
-    any_per_row,
     tier_code,
 )
+from computepool.scheduler.views import View, any_per_row
 
 
 @dataclass

@@ -9,7 +9,8 @@ from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import Request
 from computepool.core.resources import mig_base_model
 from computepool.scheduler.filters import DeviceNeed
-from computepool.scheduler.state import LOCK_MIG, TIER_NONE, ClusterState, View, tier_code
+from computepool.scheduler.state import LOCK_MIG, TIER_NONE, ClusterState, tier_code
+from computepool.scheduler.views import View
 
 _BIG = np.iinfo(np.int64).max // 4
 

@@ -24,7 +24,8 @@ from computepool.scheduler.filters import (
     node_feasible,
 )
 from computepool.scheduler.pickers import mask_to_devices, pick_on_node
-from computepool.scheduler.state import Change, ClusterState, View, tag_of, tier_code
+from computepool.scheduler.state import Change, ClusterState, tag_of, tier_code
+from computepool.scheduler.views import View
 
 
 class Scorer(Protocol):

@@ -25,7 +25,8 @@ from computepool.scheduler.fragmentation import (
 )
 from computepool.scheduler.pickers import best_fit, first_fit, random_fit
 from computepool.scheduler.placement import Scorer
-from computepool.scheduler.state import TAG_CPU_ONLY, ClusterState, View, tag_of
+from computepool.scheduler.state import TAG_CPU_ONLY, ClusterState, tag_of
+from computepool.scheduler.views import View
 
 Scores = tuple[np.ndarray, np.ndarray | None]  # per-row scores, device bitmasks or None (`Scorer`)
 MAX_SPEC_CPU = 128_000.0  # normalisers of the published dotprod / bestfit scores

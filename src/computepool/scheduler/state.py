@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from computepool.core.allocation import Isolation
 from computepool.core.request import Request
 from computepool.core.resources import Node, mig_profile_of
 from computepool.scheduler.constraints import NodeConstraints
+from computepool.scheduler.views import DEVICE_BLOCKS, FIXED_COLUMNS, ClassView, NodeView
 
 # Bits of the `kinds` column: what kind of work a node already hosts (used by `clustering`).
 # Bit 0: fractional ("shared") placements; bit k (1..61): placements of k whole devices;
@@ -50,12 +50,6 @@ def tier_code(req: Request) -> int:
     """The code of the tier `req`'s slices get (TIER_NONE for CPU-only work)."""
     t = req.tier
     return TIER_NONE if t is None else TIER_CODE[t]
-
-
-# Columns of a class row; the seven per-device blocks follow, G wide each.
-CPU_FREE, MEM_FREE, CPU_CAP, MEM_CAP, KINDS = range(5)
-_FIXED = 5
-_BLOCKS = 7
 
 
 @dataclass
@@ -130,7 +124,7 @@ class ClusterState:
         self.gpu_left = self.gpu_free.sum(axis=1)
         self.class_of = np.zeros(n, dtype=np.int64)
         self.node_stamp = np.zeros(n, dtype=np.int64)
-        self._class_rows = np.zeros((max(64, 2 * n), _FIXED + _BLOCKS * g), dtype=np.int64)
+        self._class_rows = np.zeros((max(64, 2 * n), FIXED_COLUMNS + DEVICE_BLOCKS * g), dtype=np.int64)
         for i in range(n):
             cid = self._class_for(self._row(i))
             self.class_of[i] = cid
@@ -418,192 +412,3 @@ class ClusterState:
         assert (self.gpu_tier[mig & held] == t_mig).all(), "non-MIG slice on a MIG instance"
         assert (self.gpu_tier[~mig] != t_mig).all(), "MIG slice on a whole GPU"
         assert (self.gpu_lock == np.where(mig, LOCK_MIG, self.gpu_tier)).all(), "gpu_lock out of date"
-
-
-class View(Protocol):
-    """Node states as columns: B rows (nodes or classes), G devices each."""
-
-    @property
-    def g(self) -> int: ...
-    def __len__(self) -> int: ...
-    def take(self, idx: np.ndarray) -> View: ...
-    @property
-    def cpu_free(self) -> np.ndarray: ...
-    @property
-    def mem_free(self) -> np.ndarray: ...
-    @property
-    def cpu_cap(self) -> np.ndarray: ...
-    @property
-    def mem_cap(self) -> np.ndarray: ...
-    @property
-    def kinds(self) -> np.ndarray: ...
-    @property
-    def gpu_free(self) -> np.ndarray: ...
-    @property
-    def gpu_left(self) -> np.ndarray: ...
-    @property
-    def gpu_mem_free(self) -> np.ndarray: ...
-    @property
-    def gpu_model(self) -> np.ndarray: ...
-    @property
-    def gpu_cap(self) -> np.ndarray: ...
-    @property
-    def gpu_mem_cap(self) -> np.ndarray: ...
-    @property
-    def gpu_tier(self) -> np.ndarray: ...
-    @property
-    def gpu_profile(self) -> np.ndarray: ...
-
-
-@dataclass
-class NodeView:
-    """Every node of a state, or the nodes in `idx`, as a View."""
-
-    state: ClusterState
-    idx: np.ndarray | None = None
-
-    @property
-    def g(self) -> int:
-        return self.state.max_devices
-
-    def __len__(self) -> int:
-        return self.state.n_nodes if self.idx is None else len(self.idx)
-
-    def take(self, idx: np.ndarray) -> NodeView:
-        return NodeView(self.state, idx if self.idx is None else self.idx[idx])
-
-    def _get(self, arr: np.ndarray) -> np.ndarray:
-        return arr if self.idx is None else arr[self.idx]
-
-    @property
-    def cpu_free(self) -> np.ndarray:
-        return self._get(self.state.cpu_free)
-
-    @property
-    def mem_free(self) -> np.ndarray:
-        return self._get(self.state.mem_free)
-
-    @property
-    def cpu_cap(self) -> np.ndarray:
-        return self._get(self.state.cpu_cap)
-
-    @property
-    def mem_cap(self) -> np.ndarray:
-        return self._get(self.state.mem_cap)
-
-    @property
-    def kinds(self) -> np.ndarray:
-        return self._get(self.state.kinds)
-
-    @property
-    def gpu_free(self) -> np.ndarray:
-        return self._get(self.state.gpu_free)
-
-    @property
-    def gpu_left(self) -> np.ndarray:
-        return self._get(self.state.gpu_left)
-
-    @property
-    def gpu_mem_free(self) -> np.ndarray:
-        return self._get(self.state.gpu_mem_free)
-
-    @property
-    def gpu_model(self) -> np.ndarray:
-        return self._get(self.state.gpu_model)
-
-    @property
-    def gpu_cap(self) -> np.ndarray:
-        return self._get(self.state.gpu_cap)
-
-    @property
-    def gpu_mem_cap(self) -> np.ndarray:
-        return self._get(self.state.gpu_mem_cap)
-
-    @property
-    def gpu_tier(self) -> np.ndarray:
-        return self._get(self.state.gpu_tier)
-
-    @property
-    def gpu_profile(self) -> np.ndarray:
-        return self._get(self.state.gpu_profile)
-
-
-@dataclass
-class ClassView:
-    """Named columns over a batch of class rows (B classes, G devices each)."""
-
-    rows: np.ndarray
-    g: int
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def take(self, idx: np.ndarray) -> ClassView:
-        return ClassView(self.rows[idx], self.g)
-
-    @property
-    def cpu_free(self) -> np.ndarray:
-        return self.rows[:, CPU_FREE]
-
-    @property
-    def mem_free(self) -> np.ndarray:
-        return self.rows[:, MEM_FREE]
-
-    @property
-    def cpu_cap(self) -> np.ndarray:
-        return self.rows[:, CPU_CAP]
-
-    @property
-    def mem_cap(self) -> np.ndarray:
-        return self.rows[:, MEM_CAP]
-
-    @property
-    def kinds(self) -> np.ndarray:
-        return self.rows[:, KINDS]
-
-    def _block(self, k: int) -> np.ndarray:
-        s = _FIXED + k * self.g
-        return self.rows[:, s : s + self.g]
-
-    @property
-    def gpu_free(self) -> np.ndarray:
-        return self._block(0)
-
-    @property
-    def gpu_left(self) -> np.ndarray:
-        return self._block(0).sum(axis=1)
-
-    @property
-    def gpu_mem_free(self) -> np.ndarray:
-        return self._block(1)
-
-    @property
-    def gpu_model(self) -> np.ndarray:
-        return self._block(2)
-
-    @property
-    def gpu_cap(self) -> np.ndarray:
-        return self._block(3)
-
-    @property
-    def gpu_mem_cap(self) -> np.ndarray:
-        return self._block(4)
-
-    @property
-    def gpu_tier(self) -> np.ndarray:
-        return self._block(5)
-
-    @property
-    def gpu_profile(self) -> np.ndarray:
-        return self._block(6)
-
-
-def any_per_row(mask: np.ndarray) -> np.ndarray:
-    """`mask.any(axis=1)` for a C-contiguous (N, 8k) bool array, reading each row as k words.
-
-    numpy reduces slowly along a short last axis; this is one comparison instead.
-    """
-    words = np.ascontiguousarray(mask).view(np.uint64)
-    if words.shape[1] == 1:
-        return words[:, 0] != 0
-    return (words != 0).any(axis=1)

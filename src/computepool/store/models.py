@@ -69,9 +69,7 @@ class Node(Base):
     # key -> value; work that does not tolerate every taint stays off the node
     taints: Mapped[dict[str, str]] = mapped_column(JSON, default=dict, server_default="{}")
     # the tenant the node is set aside for; others borrow it as preemptible work, or never
-    dedicated_tenant_id: Mapped[int | None] = mapped_column(
-        ForeignKey("tenants.id"), nullable=True
-    )
+    dedicated_tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id"), nullable=True)
     lending: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     joined_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())

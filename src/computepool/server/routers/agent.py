@@ -16,7 +16,7 @@ from computepool.server.hub import Hub
 from computepool.server.policy import Action
 from computepool.server.routers.allocations import MAX_WAIT_S, RECHECK_S, get_hub
 from computepool.server.schemas.allocations import Assignments, LogAppended, LogChunk, Reports, ReportsOut
-from computepool.server.services import allocations
+from computepool.server.services import agent_reports
 
 router = APIRouter(tags=["agent"])
 
@@ -33,7 +33,7 @@ async def assignments(
     while True:
         ev = hub.subscribe(f"node:{name}")
         try:
-            out = await run_in_threadpool(allocations.assignments, ctx, name)
+            out = await run_in_threadpool(agent_reports.assignments, ctx, name)
             left = deadline - time.monotonic()
             if since is None or out.version != since or left <= 0:
                 return out
@@ -50,7 +50,7 @@ def reports(
     ctx: Annotated[Ctx, Depends(requires(Action.NODE_REPORT))],
     hub: Annotated[Hub, Depends(get_hub)],
 ) -> ReportsOut:
-    return allocations.report(ctx, name, body, hub)
+    return agent_reports.report(ctx, name, body, hub)
 
 
 @router.post("/allocations/{alloc_id}/logs", summary="Append a chunk of a job's output (node credential)")
@@ -60,4 +60,4 @@ def append_logs(
     ctx: Annotated[Ctx, Depends(requires(Action.NODE_LOG_APPEND))],
     hub: Annotated[Hub, Depends(get_hub)],
 ) -> LogAppended:
-    return allocations.append_log(ctx, alloc_id, body, hub)
+    return agent_reports.append_log(ctx, alloc_id, body, hub)

@@ -1,5 +1,5 @@
-"""Allocations for users (create, read, explain, release, cancel, logs) and for node agents
-(assignments, reports, log chunks).
+"""Allocations for users: create, read, explain, release, cancel, logs (the node agents' side —
+assignments, reports, log chunks — is in agent_reports.py).
 
 Lifecycle: `pending → bound` (the scheduler placed it; slices fixed). A *plain* allocation (no
 command) is used as it is and stays `bound` until released. A *job* (with a command) is run by
@@ -11,12 +11,9 @@ transition is an event with its time and reason.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -28,41 +25,26 @@ from computepool.core.quantities import parse_duration_s
 from computepool.server import reclaim, scheduling
 from computepool.server.caches import Shape, ShapeCache
 from computepool.server.context import Ctx
-from computepool.server.errors import Conflict, Forbidden, Invalid, NotFound
+from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.allocations import (
     AllocationCreate,
     AllocationOut,
-    Assignment,
-    Assignments,
     EventOut,
     ExplainOut,
-    LogAppended,
-    LogChunk,
     LogsOut,
     ReasonsOut,
-    Reports,
-    ReportsOut,
     RequestOut,
     SliceOut,
-    StaleOut,
 )
 from computepool.server.schemas.common import Items
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
-from computepool.store import nodes as node_store
 from computepool.store.db import db_now
 from computepool.store.models import Allocation, AllocationEvent, Tenant
 
 MAX_LOG_READ = 1 << 20
-
-
-def _utc(t: datetime | None) -> datetime | None:
-    """Agent clocks send ISO times; one without a zone is read as UTC."""
-    if t is None:
-        return None
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
 
 
 # --- shaping ------------------------------------------------------------------------------------
@@ -447,117 +429,6 @@ def release(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:
 
 def cancel(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:
     return _end(ctx, alloc_id, hub, state="cancelled", allowed=store.LIVE)
-
-
-# --- node agents --------------------------------------------------------------------------------
-def _node(s: Session, ctx: Ctx, name: str) -> None:
-    authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
-    if node_store.get(s, name) is None:
-        raise NotFound.of("node", name)
-
-
-def assignments(ctx: Ctx, name: str) -> Assignments:
-    """The jobs this node should run now: bound or active allocations with a command."""
-    with ctx.db.read() as s:
-        _node(s, ctx, name)
-        items = [
-            Assignment(
-                allocation_id=a.id,
-                attempt=a.attempt,
-                term=a.term,
-                tenant=a.tenant.name,
-                slices=[SliceOut.model_validate(sl) for sl in a.slices if sl["node"] == name],
-                command=list(a.command or []),
-                env=dict(a.env or {}),
-                isolation=a.request["isolation"],
-                cpu_milli=int(a.request["cpu_milli"]),
-                memory_mib=int(a.request["memory_mib"]),
-                restartable=a.restartable,
-                image=a.request.get("image"),
-                ports=a.request.get("ports"),
-            )
-            for a in store.holding_on(s, name)
-            if a.command is not None
-        ]
-        term = store.current_term(s)
-    digest = hashlib.sha256(json.dumps([i.model_dump(mode="json") for i in items], sort_keys=True).encode())
-    return Assignments(version=int(digest.hexdigest()[:15], 16), term=term, assignments=items)
-
-
-def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
-    """Apply the agent's process states; answer the attempts it should stop (stale)."""
-    accepted: list[int] = []
-    stale: list[StaleOut] = []
-    changes: list[dict[str, Any]] = []
-    touched: set[str] = set()
-    with ctx.db.write() as s:
-        _node(s, ctx, name)
-        now = db_now(s)
-        for r in body.reports:
-            a = store.get(s, r.allocation_id, for_update=True)
-            why = None
-            if a is None or a.command is None or name not in a.nodes:
-                why = f"allocation {r.allocation_id} is not assigned to node {name}"
-            elif a.attempt != r.attempt:
-                why = f"attempt {r.attempt} is not current (now {a.attempt})"
-            elif a.state not in store.HOLDING:
-                why = f"allocation {a.id} is {a.state}"
-            if why is not None or a is None:
-                stale.append(StaleOut(allocation_id=r.allocation_id, attempt=r.attempt, reason=why or ""))
-                continue
-            accepted.append(a.id)
-            before = a.state
-            if r.state == "running":
-                if a.state == "bound":
-                    a.started_at = _utc(r.started_at) or now
-                    store.transition(s, a, "active", f"started on {name}", now)
-            elif r.state == "exited" and r.exit_code == 0:
-                a.exit_code = 0
-                store.transition(s, a, "released", "exited 0", now)
-            elif r.state in ("exited", "failed"):
-                a.exit_code = r.exit_code
-                what = f"exited {r.exit_code}" if r.state == "exited" else "failed"
-                store.transition(
-                    s, a, "failed", f"{what} on {name}" + (f": {r.reason}" if r.reason else ""), now
-                )
-            else:  # lost: the agent no longer knows the process
-                lost = f"process lost on {name}" + (f": {r.reason}" if r.reason else "")
-                touched.update(a.nodes)
-                if a.restartable:
-                    store.requeue(s, a, f"{lost}; requeued as attempt {a.attempt + 1}", now)
-                else:
-                    store.transition(s, a, "failed", lost, now)
-            if a.state != before:
-                touched.update(a.nodes)
-                changes.append({"allocation": a.id, "from": before, "to": a.state})
-        if changes:
-            record(s, ctx, f"node:{name}", detail={"changes": changes})
-    if changes:
-        hub.notify(*(f"node:{n}" for n in touched), *(f"logs:{c['allocation']}" for c in changes))
-        hub.notify(*(f"alloc:{c['allocation']}" for c in changes))
-        hub.wake_scheduler()
-    return ReportsOut(accepted=accepted, stale=stale)
-
-
-def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended:
-    """Add a chunk of output; resent chunks (offset below the stream's end) are trimmed, not doubled."""
-    principal = ctx.caller()
-    with ctx.db.write() as s:
-        a = store.get(s, alloc_id)
-        if a is None or principal.node not in a.nodes:
-            raise Forbidden(f"allocation '{alloc_id}' does not run on node '{principal.node}'")
-        if body.attempt != a.attempt:
-            raise Conflict(f"attempt {body.attempt} is not current (now {a.attempt})", "attempt")
-        end = store.stream_length(s, alloc_id, body.attempt, body.stream)
-        if body.offset > end:
-            raise Conflict(f"offset {body.offset} is past the end of {body.stream} ({end})", "offset")
-        raw = body.data.encode()
-        data = raw[end - body.offset :].decode(errors="ignore") if end > body.offset else body.data
-        if data:
-            store.append_log(s, alloc_id, body.attempt, body.stream, end, data)
-    if data:
-        hub.notify(f"logs:{alloc_id}")
-    return LogAppended(next_offset=end + len(data.encode()))
 
 
 def read_log(ctx: Ctx, alloc_id: int, offset: int) -> LogsOut:

@@ -1,0 +1,90 @@
+"""One attempt the control plane wants on this node, as the agent reads it and keeps it on disk.
+
+The assignment is saved in the attempt's run dir (without the user's environment, which may hold
+secrets) so that an agent restarted while the job runs can re-attach its slices.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from computepool.agent.localstate import job_key
+
+ASSIGNMENT_FILE = "assignment.json"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One attempt the control plane wants on this node (a row of GET …/assignments)."""
+
+    allocation_id: str
+    attempt: int
+    term: int
+    tenant: str
+    slices: list[dict[str, Any]]
+    command: list[str]
+    env: dict[str, str]
+    isolation: str
+    cpu_milli: int
+    memory_mib: int
+    restartable: bool = False
+    image: str | None = None
+    ports: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return job_key(self.allocation_id, self.attempt)
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> Assignment:
+        return cls(
+            allocation_id=str(d["allocation_id"]),
+            attempt=int(d["attempt"]),
+            term=int(d.get("term") or 0),
+            tenant=str(d.get("tenant") or ""),
+            slices=[dict(s) for s in d.get("slices") or []],
+            command=[str(c) for c in d.get("command") or []],
+            env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
+            isolation=str(d.get("isolation") or ""),
+            cpu_milli=int(d.get("cpu_milli") or 0),
+            memory_mib=int(d.get("memory_mib") or 0),
+            restartable=bool(d.get("restartable", False)),
+            image=str(d["image"]) if d.get("image") else None,
+            ports=tuple(int(p) for p in d.get("ports") or ()),
+        )
+
+
+def wire_id(allocation_id: str) -> int | str:
+    """Allocation ids are integers on the wire; locally they are strings (run dir and job key)."""
+    return int(allocation_id) if allocation_id.isdigit() else allocation_id
+
+
+def assignment_json(a: Assignment) -> dict[str, Any]:
+    """The assignment as kept in its run dir (the form `Assignment.parse` reads back)."""
+    return {
+        "allocation_id": a.allocation_id,
+        "attempt": a.attempt,
+        "term": a.term,
+        "tenant": a.tenant,
+        "slices": a.slices,
+        "command": a.command,
+        "env": {},  # the user's variables may hold secrets: not kept on disk
+        "isolation": a.isolation,
+        "cpu_milli": a.cpu_milli,
+        "memory_mib": a.memory_mib,
+        "restartable": a.restartable,
+        "image": a.image,
+        "ports": list(a.ports),
+    }
+
+
+def saved_assignment(run_dir: Path) -> Assignment | None:
+    """The assignment kept in a run dir at start (None if unreadable): a re-adopted job's slices."""
+    try:
+        return Assignment.parse(json.loads((run_dir / ASSIGNMENT_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

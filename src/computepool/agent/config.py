@@ -1,0 +1,45 @@
+"""The agent's settings (`AgentConfig`, what `cpool agent` passes in) and its one fatal error.
+
+`AgentFatal` is what only the operator can fix; its exit code tells `cpool up` whether a fresh join
+token would help (`EXIT_CREDENTIAL_REFUSED`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from computepool.agent.jobspec import DEFAULT_CGROUP_BASE
+from computepool.agent.sandbox import SandboxConfig
+
+EXIT_FATAL = 2
+EXIT_CREDENTIAL_REFUSED = 3  # `cpool up` answers this one with a fresh join token
+
+
+class AgentFatal(Exception):
+    """Something only the operator can fix; the CLI prints it as one line and exits non-zero."""
+
+    def __init__(self, message: str, code: int = EXIT_FATAL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    server: str
+    data_dir: Path
+    join_token: str | None = None
+    ca: Path | None = None  # the control plane's CA (PEM); else a pinned or the system's (api.server_verify)
+    name: str | None = None
+    simulate: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    cgroup_base: Path | None = DEFAULT_CGROUP_BASE
+    kill_grace_s: float = 10.0
+    poll_wait_s: float = 20.0
+    tick_s: float = 0.5
+    max_backoff_s: float = 5.0
+    log_chunk_bytes: int = 256 * 1024
+    watchdog_interval_s: float = 2.0
+    fence_s: float | None = None  # None: as long as the control plane's lost-node timeout allows
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # users, namespaces (sandbox.py)

@@ -1,0 +1,49 @@
+"""What the executor is asked to run (`JobSpec`), what it found after a restart, and the files of a run dir.
+
+Apart from the executor so that the launchers (sandbox, container) and the agent's loop can name a
+job without importing the machinery that runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from computepool.agent.localstate import JobRecord, job_key
+
+DEFAULT_CGROUP_BASE = Path("/sys/fs/cgroup/computepool")
+EXIT_FILE = "exit_code"
+STDOUT_LOG = "stdout.log"
+STDERR_LOG = "stderr.log"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run for one attempt of an allocation. 0 means no limit for CPU or memory."""
+
+    allocation_id: str
+    attempt: int
+    command: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    user: str | None = None
+    cwd: str | None = None
+    uses_gpu: bool = False  # GPU runtimes reserve vast address space: no RLIMIT_AS for them
+    tenant: str = ""  # whose job: the sandbox runs it as that tenant's user
+    image: str | None = None  # None: a sandboxed process; else an OCI container through podman
+    ports: tuple[int, ...] = ()  # container ports to publish (containers have no network otherwise)
+    device_uuids: tuple[str, ...] = ()  # the slice's devices: a container sees only these
+
+    @property
+    def key(self) -> str:
+        return job_key(self.allocation_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class AdoptReport:
+    """What a (re)started executor found in its local state."""
+
+    adopted: list[JobRecord]
+    ended: list[JobRecord]

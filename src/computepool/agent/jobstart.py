@@ -1,0 +1,143 @@
+"""Turning an assignment into a started job: the slices resolved on this node's devices (uuids
+checked), MPS daemons up, the job's environment and JobSpec built, the assignment kept on disk.
+
+Kept apart from the loop (loop.py), which decides *what* starts and stops; this holds *how*.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from computepool.agent.assignment import ASSIGNMENT_FILE, Assignment, assignment_json
+from computepool.agent.devices import NodeInventory, SimulatedBackend
+from computepool.agent.devices.simulated import SIM_MEMORY_FILE_ENV, SIM_MEMORY_FILE_NAME
+from computepool.agent.executor import Executor, JobSpec
+from computepool.agent.isolation import (
+    IsolationUnavailable,
+    MemoryWatchdog,
+    MpsDaemon,
+    SliceAssignment,
+    resolve_slices,
+    slice_env,
+)
+from computepool.agent.localstate import JobRecord, JobState
+from computepool.core.allocation import Isolation, Slice
+from computepool.core.errors import InvalidInput
+
+log = logging.getLogger("computepool.agent")
+
+
+class JobStarter:
+    """Starts the attempts the loop asks for on this node, and re-attaches adopted ones."""
+
+    def __init__(
+        self,
+        name: str,
+        inventory: NodeInventory,
+        executor: Executor,
+        data_dir: Path,
+        watchdog: MemoryWatchdog | None,
+    ) -> None:
+        self.name = name
+        self.inventory = inventory
+        self.executor = executor
+        self.state = executor.state
+        self.data_dir = data_dir
+        self.watchdog = watchdog
+        self._mps: dict[str, MpsDaemon] = {}
+
+    def resolve(self, a: Assignment) -> list[SliceAssignment]:
+        mine = [s for s in a.slices if s.get("node") in (None, self.name)]
+        slices = [
+            Slice(
+                node=self.name,
+                device_index=int(s["device_index"]),
+                compute_milli=int(s.get("compute_milli") or 0),
+                memory_mib=int(s.get("memory_mib") or 0),
+                isolation=Isolation(s.get("isolation") or a.isolation or Isolation.EXCLUSIVE),
+            )
+            for s in mine
+        ]
+        resolved = resolve_slices(slices, self.inventory.devices)
+        for i, (s, r) in enumerate(zip(mine, resolved, strict=True)):
+            want = s.get("device_uuid")
+            if want and want != r.device.uuid:
+                raise InvalidInput(
+                    f"slices[{i}]", f"device {r.device.index} is {r.device.uuid} here, not {want}"
+                )
+        return resolved
+
+    def _mps_daemons(self, resolved: list[SliceAssignment]) -> dict[str, MpsDaemon]:
+        for s in resolved:
+            if s.isolation is Isolation.MPS:
+                uuid = s.device.uuid
+                daemon = self._mps.setdefault(uuid, MpsDaemon(uuid, self.data_dir / "mps"))
+                daemon.start()
+        return self._mps
+
+    def start(self, a: Assignment) -> tuple[JobRecord, list[SliceAssignment]] | None:
+        """Start one attempt; None when it could not (recorded in LocalState as failed)."""
+        run_dir = self.executor.run_dir(a.allocation_id, a.attempt)
+        try:
+            resolved = self.resolve(a)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            work_dir = self.executor.work_dir(a.allocation_id, a.attempt)  # the job's; run_dir is ours
+            work_dir.mkdir(parents=True, exist_ok=True)
+            env = slice_env(
+                a.allocation_id, a.attempt, resolved, work_dir, mps=self._mps_daemons(resolved),
+                user_env=a.env,
+            )  # fmt: skip
+            if isinstance(self.inventory.backend, SimulatedBackend):
+                env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
+            (run_dir / ASSIGNMENT_FILE).write_text(json.dumps(assignment_json(a)))
+            spec = JobSpec(
+                a.allocation_id,
+                a.attempt,
+                a.command,
+                env=env,
+                cpu_milli=a.cpu_milli,
+                memory_mib=a.memory_mib,
+                uses_gpu=bool(resolved),
+                tenant=a.tenant,
+                image=a.image,
+                ports=a.ports,
+                device_uuids=tuple(s.device.uuid for s in resolved),
+            )
+            rec = self.executor.start(spec)
+        except (InvalidInput, IsolationUnavailable, OSError, ValueError, KeyError) as e:
+            self._record_start_failure(a, run_dir, str(e))
+            return None
+        return rec, resolved
+
+    def _record_start_failure(self, a: Assignment, run_dir: Path, reason: str) -> None:
+        now = time.time()
+        rec = JobRecord(
+            allocation_id=a.allocation_id,
+            attempt=a.attempt,
+            command=list(a.command),
+            run_dir=str(run_dir),
+            state=JobState.FAILED,
+            reason=f"could not start: {reason}",
+            started_at=now,
+            ended_at=now,
+        )
+        self.state.put(rec)
+        log.warning("%s could not start: %s", rec.key, reason)
+
+    def attach(self, rec: JobRecord, resolved: list[SliceAssignment]) -> None:
+        """Let the simulated devices see the job, and the watchdog hold timeslice slices."""
+        backend = self.inventory.backend
+        if isinstance(backend, SimulatedBackend):
+            for s in resolved:
+                backend.attach(
+                    rec.pid,
+                    s.device.index,
+                    s.memory_mib,
+                    s.compute_milli,
+                    memory_file=self.executor.work_dir(rec.allocation_id, rec.attempt) / SIM_MEMORY_FILE_NAME,
+                )
+        if self.watchdog is not None and resolved and resolved[0].isolation is Isolation.TIMESLICE:
+            self.watchdog.watch_slices(rec.key, resolved)

@@ -1,0 +1,147 @@
+"""Shipping each job's stdout and stderr to the control plane in chunks, resumable after a restart.
+
+Where shipping stands is saved in the run dir (LOG_OFFSETS_FILE), so a restarted agent neither
+loses nor doubles output; a job's end is reported only once its output is all sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from computepool.agent.api import AgentApi, ApiError
+from computepool.agent.assignment import wire_id
+from computepool.agent.executor import Executor
+from computepool.agent.jobspec import STDERR_LOG, STDOUT_LOG
+from computepool.agent.localstate import JobRecord
+
+log = logging.getLogger("computepool.agent")
+
+LOG_OFFSETS_FILE = "log-offsets.json"
+STREAMS = (("stdout", STDOUT_LOG), ("stderr", STDERR_LOG))
+
+
+@dataclass
+class _LogTail:
+    """Where the shipping of one attempt's stdout/stderr stands; persisted in its run dir.
+
+    Per stream: the byte position read up to in the log file, and the stream offset the control
+    plane counts in (UTF-8 bytes of the text sent). They differ only where the output was not valid
+    UTF-8 and a replacement character went out instead.
+    """
+
+    allocation_id: str
+    attempt: int
+    run_dir: Path
+    read_pos: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    sent: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    done: bool = False
+
+    @classmethod
+    def load(cls, rec: JobRecord) -> _LogTail:
+        tail = cls(rec.allocation_id, rec.attempt, Path(rec.run_dir))
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            data = json.loads((tail.run_dir / LOG_OFFSETS_FILE).read_text())
+            tail.read_pos = {s: int(data[s][0]) for s, _ in STREAMS}
+            tail.sent = {s: int(data[s][1]) for s, _ in STREAMS}
+            tail.done = bool(data.get("done", False))
+        return tail
+
+    def save(self) -> None:
+        path = self.run_dir / LOG_OFFSETS_FILE
+        tmp = path.with_suffix(".tmp")
+        data: dict[str, Any] = {s: [self.read_pos[s], self.sent[s]] for s, _ in STREAMS}
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps({**data, "done": self.done}))
+            os.replace(tmp, path)
+
+
+def _utf8_chunk(raw: bytes, final: bool) -> tuple[bytes, str]:
+    """Cut `raw` at a character boundary (unless it is the last of the file) and decode it."""
+    try:
+        return raw, raw.decode()
+    except UnicodeDecodeError as e:
+        if not final and e.reason == "unexpected end of data" and e.start > 0:
+            raw = raw[: e.start]
+        return raw, raw.decode(errors="replace")
+
+
+class LogShipper:
+    """The output of each job not yet all sent (its tail), and sending it a few chunks per tick."""
+
+    def __init__(
+        self, api: AgentApi, executor: Executor, chunk_bytes: int, refused: Callable[[str, ApiError], None]
+    ) -> None:
+        self.api = api
+        self.executor = executor
+        self.chunk_bytes = chunk_bytes
+        self.refused = refused
+        self.tails: dict[str, _LogTail] = {}
+
+    def track(self, rec: JobRecord) -> None:
+        if rec.key not in self.tails:
+            self.tails[rec.key] = _LogTail.load(rec)
+
+    def resume(self, recs: Iterable[JobRecord]) -> None:
+        """Take up the jobs whose output was not all sent when the agent last stopped."""
+        for rec in recs:
+            if rec.key not in self.tails:
+                tail = _LogTail.load(rec)
+                if not tail.done:
+                    self.tails[rec.key] = tail
+
+    def ship(self) -> None:
+        """Send what the jobs wrote since the last offset (raises Unreachable); a tail is done once
+        its job ended and all its output is sent."""
+        for key, tail in list(self.tails.items()):
+            rec = self.executor.get(key)
+            ended = rec is None or rec.state.ended
+            try:
+                complete = self._ship_tail(tail, final=ended)
+            except ApiError as e:
+                if e.status == 401:
+                    self.refused("logs", e)
+                    return
+                # another attempt is current, or the allocation is not ours: this output has no home
+                log.warning("logs of %s refused, no longer sent: %s", key, e)
+                complete = ended = True
+            if complete and ended:
+                tail.done = True
+                tail.save()
+                del self.tails[key]
+
+    def _ship_tail(self, tail: _LogTail, final: bool) -> bool:
+        """Send new output of both streams (a few chunks per tick at most); True when all is sent.
+
+        A chunk resent after a crash (offset below the server's end) is trimmed by the server.
+        """
+        complete = True
+        for stream, filename in STREAMS:
+            path = tail.run_dir / filename
+            for _ in range(4):
+                pos = tail.read_pos[stream]
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(pos)
+                        raw = f.read(self.chunk_bytes)
+                        at_eof = not f.read(1)
+                except FileNotFoundError:
+                    break
+                raw, text = _utf8_chunk(raw, final and at_eof)
+                if not raw:
+                    break
+                self.api.logs(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], text)
+                tail.read_pos[stream] = pos + len(raw)
+                tail.sent[stream] += len(text.encode())
+                tail.save()
+                if at_eof:
+                    break
+            else:
+                complete = False
+        return complete

@@ -1,0 +1,103 @@
+"""What the agent tells the control plane about its jobs: `running`, then how each attempt ended.
+
+Starts are held in memory until acknowledged, ends in LocalState (written before they are sent), so
+an end seen while the control plane is away is reported when it answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Container, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from computepool.agent.api import AgentApi, ApiError
+from computepool.agent.assignment import wire_id
+from computepool.agent.executor import Executor
+from computepool.agent.localstate import JobRecord, JobState, job_key
+
+log = logging.getLogger("computepool.agent")
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if not ts else datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def report_body(rec: JobRecord) -> dict[str, Any]:
+    """The control plane's words: `exited` with the exit code when the process ended by itself,
+    `failed` when it could not start or was stopped (reason says why), `lost` when unknown."""
+    exited = rec.state is JobState.SUCCEEDED or (
+        rec.state is JobState.FAILED and rec.exit_code is not None and rec.reason.startswith("exit code")
+    )
+    if rec.state is JobState.RUNNING:
+        state = "running"
+    elif rec.state is JobState.LOST:
+        state = "lost"
+    else:
+        state = "exited" if exited else "failed"
+    body: dict[str, Any] = {
+        "allocation_id": wire_id(rec.allocation_id),
+        "attempt": rec.attempt,
+        "state": state,
+    }
+    if rec.started_at:
+        body["started_at"] = _iso(rec.started_at)
+    if rec.state.ended:
+        body["ended_at"] = _iso(rec.ended_at or time.time())
+        body["reason"] = (rec.reason or f"exit code {rec.exit_code}")[:1000]
+        if rec.exit_code is not None:
+            body["exit_code"] = rec.exit_code
+    return body
+
+
+class Reporter:
+    """The job states the control plane has yet to hear, and sending them (one batch, else one by one)."""
+
+    def __init__(self, api: AgentApi, executor: Executor, refused: Callable[[str, ApiError], None]) -> None:
+        self.api = api
+        self.executor = executor
+        self.state = executor.state
+        self.refused = refused
+        self.running_unreported: set[str] = set()
+
+    def pending(self) -> Iterator[tuple[str, dict[str, Any], JobRecord]]:
+        for key in sorted(self.running_unreported):
+            rec = self.executor.get(key)
+            if rec is not None and rec.state is JobState.RUNNING:
+                yield key, report_body(rec), rec
+        for rec in self.state.unreported():
+            yield rec.key, report_body(rec), rec
+
+    def send(self, output_unsent: Container[str]) -> set[str]:
+        """Report starts and ends (raises Unreachable); an end waits until its output is all sent
+        (its key is not in `output_unsent`). Answers the keys the control plane called stale."""
+        pending = [p for p in self.pending() if p[2].state is JobState.RUNNING or p[0] not in output_unsent]
+        if not pending:
+            return set()
+        try:
+            answer = self.api.report([body for _, body, _ in pending])
+        except ApiError as e:
+            if e.status == 401:
+                self.refused("reports", e)
+                return set()
+            answer = self._one_by_one(pending)
+        for key, _, rec in pending:
+            self._acknowledged(key, rec)
+        return {job_key(str(s["allocation_id"]), int(s["attempt"])) for s in answer.get("stale") or []}
+
+    def _one_by_one(self, pending: list[tuple[str, dict[str, Any], JobRecord]]) -> dict[str, Any]:
+        """A refused batch: send each alone so that one bad report cannot block the others forever."""
+        stale: list[Any] = []
+        for _key, body, _rec in pending:
+            try:
+                stale += self.api.report([body]).get("stale") or []
+            except ApiError as e:
+                log.warning("report %s #%s refused, dropped: %s", body["allocation_id"], body["attempt"], e)
+        return {"stale": stale}
+
+    def _acknowledged(self, key: str, rec: JobRecord) -> None:
+        if rec.state is JobState.RUNNING:
+            self.running_unreported.discard(key)
+        else:
+            self.state.mark_reported(key)

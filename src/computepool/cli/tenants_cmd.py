@@ -1,0 +1,148 @@
+"""`cpool tenants` and `cpool users`: who shares the pool, their weight, reclaim policy and roles."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from computepool.cli.common import fail, print_json
+from computepool.cli.pool_cmd import (
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    open_client,
+    pool_command,
+    say,
+    short_time,
+    show,
+    table,
+)
+from computepool.core.errors import InvalidInput
+from computepool.core.quantities import format_duration
+
+ROLES = ("admin", "tenant-admin", "member", "viewer")
+
+
+def register(app: typer.Typer) -> None:
+    _register_tenants(app)
+    _register_users(app)
+
+
+def _register_tenants(app: typer.Typer) -> None:
+    tenants = typer.Typer(
+        no_args_is_help=True, help="Tenants: who shares the pool, and their fair-share weight."
+    )
+    app.add_typer(tenants, name="tenants")
+
+    @tenants.command("list")
+    @pool_command
+    def list_(server: ServerOpt = None, token: TokenOpt = None, json_out: JsonOpt = False) -> None:
+        """Tenants you may see (admins: all)."""
+        with open_client(server, token) as pool:
+            items = pool.list_tenants()
+        if json_out:
+            print_json(items)
+            return
+        t = table(None, "tenant", "weight", "created")
+        for x in items:
+            t.add_row(x["name"], f"{x['weight']:g}", short_time(x.get("created_at")))
+        show(t)
+
+    @tenants.command("create")
+    @pool_command
+    def create(
+        name: Annotated[str, typer.Argument(help="Lower-case letters, digits, '.', '_' or '-'.")],
+        weight: Annotated[float, typer.Option("--weight", help="Fair-share weight (relative).")] = 1.0,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Create a tenant (admin)."""
+        with open_client(server, token) as pool:
+            out = pool.create_tenant(name, weight)
+        if json_out:
+            print_json(out)
+        else:
+            say(f"tenant {out['name']} created (weight {out['weight']:g})")
+
+    @tenants.command("reclaim")
+    @pool_command
+    def reclaim(
+        name: Annotated[str, typer.Argument(help="The tenant.")],
+        idle: Annotated[
+            str | None,
+            typer.Option("--idle", help="Release allocations whose devices show no use this long, e.g. 30m."),
+        ] = None,
+        warn: Annotated[
+            str, typer.Option("--warn", help="Warn this long before (event, cpool ps, metric), e.g. 10m.")
+        ] = "0",
+        off: Annotated[
+            bool, typer.Option("--off", help="Never reclaim this tenant's idle allocations.")
+        ] = False,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """A tenant's idle reclaim (admin to change): show it, set it with --idle, or turn it --off."""
+        if off and idle is not None:
+            raise fail("--off and --idle: give one of them")
+        if warn != "0" and idle is None:
+            raise fail("--warn needs --idle")
+        with open_client(server, token) as pool:
+            if off:
+                out = pool.delete_reclaim(name)
+            elif idle is not None:
+                out = pool.set_reclaim(name, idle, warn)
+            else:
+                out = pool.get_reclaim(name)
+        if json_out:
+            print_json(out)
+        elif not out.get("enabled"):
+            say(f"tenant {name}: idle reclaim off")
+        else:
+            say(
+                f"tenant {name}: allocations idle for {format_duration(out['idle_s'])} are released, "
+                f"warned {format_duration(out['warn_s'])} before"
+            )
+
+
+def _register_users(app: typer.Typer) -> None:
+    users = typer.Typer(no_args_is_help=True, help="Users and their roles.")
+    app.add_typer(users, name="users")
+
+    @users.command("list")
+    @pool_command
+    def list_(server: ServerOpt = None, token: TokenOpt = None, json_out: JsonOpt = False) -> None:
+        """Users you may see (admins: all; others: their tenant)."""
+        with open_client(server, token) as pool:
+            items = pool.list_users()
+        if json_out:
+            print_json(items)
+            return
+        t = table(None, "user", "tenant", "role", "created")
+        for x in items:
+            t.add_row(x["name"], x["tenant"], x["role"], short_time(x.get("created_at")))
+        show(t)
+
+    @users.command("create")
+    @pool_command
+    def create(
+        name: Annotated[str, typer.Argument(help="Unique in the whole pool.")],
+        tenant: Annotated[str, typer.Option("--tenant", help="The user's tenant.")],
+        role: Annotated[
+            str, typer.Option("--role", help="admin, tenant-admin, member or viewer.")
+        ] = "member",
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Create a user (admin; tenant-admin in their own tenant)."""
+        if role not in ROLES:
+            raise InvalidInput("--role", f"unknown role {role!r} (choose from {', '.join(ROLES)})")
+        with open_client(server, token) as pool:
+            out = pool.create_user(name, tenant, role)
+        if json_out:
+            print_json(out)
+        else:
+            say(f"user {out['name']} created in tenant {out['tenant']} as {out['role']}")
