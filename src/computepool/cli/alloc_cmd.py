@@ -137,7 +137,7 @@ def request_from_options(
         memory_mib=parse_memory_mib(mem, "--mem"),
         models=models or None,
         exclusive=exclusive,
-        isolation=isolation,  # type: ignore[arg-type]  # checked against ISOLATIONS above
+        isolation=isolation,  # checked against ISOLATIONS above
         image=image,
         ports=ports or None,
         mig=mig,

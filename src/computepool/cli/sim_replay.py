@@ -113,9 +113,8 @@ def _parity_report(p: Parity) -> dict[str, object]:
 
 
 def _tables(out: dict[str, object], console: Console) -> None:
-    head = Table(
-        title=f"replay: {out['mode']}, {out['nodes']} nodes, duration x{float(out['duration_scale']):.4g}"
-    )  # type: ignore[arg-type]
+    scale = float(str(out["duration_scale"]))
+    head = Table(title=f"replay: {out['mode']}, {out['nodes']} nodes, duration x{scale:.4g}")
     head.add_column("figure")
     head.add_column("value", justify="right")
     for key, label in _FIGURES:
@@ -220,7 +219,11 @@ def register(app: typer.Typer) -> None:
             scale = cal.duration_scale
             static_res = cal.result
         reuse = mode == "static" and static_res is not None
-        res = static_res if reuse else replay(trace, mode, scale, nodes)  # type: ignore[arg-type]
+        res = (
+            static_res
+            if static_res is not None and reuse
+            else replay(trace, "static" if mode == "static" else "pooled", scale, nodes)
+        )
         if mode == "static":
             static_res = res
         out = _report(res, pubs)

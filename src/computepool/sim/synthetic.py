@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,7 +104,7 @@ def run_bench(
     policy: str,
     seed: int = 0,
     target_alloc: float = 0.85,
-    progress=None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
     nodes = synthetic_nodes(n_nodes, gpus_per_node, seed)
     reqs = synthetic_requests(n_requests, seed + 1)
