@@ -4,6 +4,7 @@ The oracle is written from the rules (docs/isolation.md, docs/scheduler.md), not
 scheduler's code, and keeps its own ledger of what each device holds:
 
 - a device holds slices of one tier at a time; an exclusive or MIG slice is alone;
+- a device's mps slices are one tenant's (one MPS server per GPU runs as one tenant's user);
 - `mig` requests land only on MIG instances (of their profile, or the smallest that fits),
   every other request only on whole GPUs;
 - no device or node is over-committed, and a device taken whole gives at least the memory asked;
@@ -84,6 +85,7 @@ def nodes_st(draw) -> list[Node]:
 
 _host = {"cpu_milli": st.sampled_from([0, 1000, 8000]), "memory_mib": st.sampled_from([0, 4096, 65536])}
 _gmem = st.sampled_from([None, 0, 8192, 30000, 40960, 100000])
+_tenant = st.sampled_from(["", "a", "b"])
 requests_st = st.one_of(
     st.builds(  # a fraction, time-sliced or through MPS
         Request,
@@ -91,10 +93,16 @@ requests_st = st.one_of(
         gpu_milli=st.sampled_from([100, 250, 300, 500, 700]),
         gpu_memory_mib=st.sampled_from([None, 4096, 20000, 50000]),
         isolation=st.sampled_from([None, Isolation.TIMESLICE, Isolation.MPS]),
+        tenant=_tenant,
         **_host,
     ),
     st.builds(  # one whole device through MPS
-        Request, gpu_count=st.just(1), gpu_milli=st.just(1000), isolation=st.just(Isolation.MPS), **_host
+        Request,
+        gpu_count=st.just(1),
+        gpu_milli=st.just(1000),
+        isolation=st.just(Isolation.MPS),
+        tenant=_tenant,
+        **_host,
     ),
     st.builds(  # whole devices, exclusive
         Request,
@@ -132,6 +140,23 @@ ops_st = st.lists(
     min_size=1,
     max_size=40,
 )
+mps_st = st.builds(  # small mps slices of a few tenants, and time-sliced ones, competing for devices
+    Request,
+    gpu_count=st.just(1),
+    gpu_milli=st.sampled_from([100, 250, 500]),
+    gpu_memory_mib=st.sampled_from([None, 4096]),
+    isolation=st.sampled_from([Isolation.MPS, Isolation.MPS, Isolation.TIMESLICE]),
+    tenant=_tenant,
+)
+mps_ops_st = st.lists(
+    st.one_of(
+        st.tuples(st.just("place"), mps_st),
+        st.tuples(st.just("place"), mps_st),
+        st.tuples(st.just("release"), st.integers(0, 1000)),
+    ),
+    min_size=4,
+    max_size=40,
+)
 
 
 # --- the oracle -----------------------------------------------------------------------------
@@ -152,6 +177,7 @@ class Held:
     tier: str
     milli: int
     mem: int
+    tenant: str
 
 
 @dataclass
@@ -180,6 +206,8 @@ class Ledger:
             return tier != "mig" or r.gpu_milli == 1000 or d.compute_milli >= r.gpu_milli
         if any(h.tier != tier for h in held):
             return False
+        if tier == "mps" and any(h.tenant != r.tenant for h in held):
+            return False
         need_mem = r.gpu_memory_mib if r.gpu_memory_mib is not None else d.memory_mib * r.gpu_milli // 1000
         free = d.compute_milli - sum(h.milli for h in held)
         free_mem = d.memory_mib - sum(h.mem for h in held)
@@ -205,7 +233,7 @@ class Ledger:
             for j in pl.devices:
                 slot = self.devices[(pl.node, j)]
                 tier = expected_tier(r) or ""
-                held = Held(tier, pl.change.gpu_milli[j], pl.change.gpu_memory_mib[j])
+                held = Held(tier, pl.change.gpu_milli[j], pl.change.gpu_memory_mib[j], r.tenant)
                 if sign > 0:
                     slot.append(held)
                 else:
@@ -221,6 +249,9 @@ class Ledger:
             (tier,) = tiers
             if tier in ("exclusive", "mig"):
                 assert len(held) == 1, f"{tier} slice not alone on {i}/{j}"
+            if tier == "mps":
+                owners = {h.tenant for h in held}
+                assert len(owners) == 1, f"mps slices of tenants {owners} share {i}/{j}"
             assert (tier == "mig") == (d.mig_parent_uuid is not None), f"{tier} slice on {d.model}"
             assert sum(h.milli for h in held) <= d.compute_milli, f"compute over-committed on {i}/{j}"
             assert sum(h.mem for h in held) <= d.memory_mib, f"memory over-committed on {i}/{j}"
@@ -286,11 +317,19 @@ def test_tiers_never_mix_and_mig_only_on_instances(nodes: list[Node], ops: list,
     run_stream(nodes, ops, policy)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=nodes_st(), ops=mps_ops_st, policy=st.sampled_from(POLICIES))
+def test_mps_slices_of_two_tenants_never_share_a_device(nodes: list[Node], ops: list, policy: str) -> None:
+    """Random tenants on mps requests: a device's mps slices stay one tenant's, and whenever some
+    device could take a request under that rule the scheduler places it."""
+    run_stream(nodes, ops, policy)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(nodes=nodes_st(), ops=ops_st)
+@given(nodes=nodes_st(), ops=st.one_of(ops_st, mps_ops_st))
 def test_class_cache_knows_tiers(nodes: list[Node], ops: list) -> None:
     """Scores cached per node class give the decisions scoring every node afresh gives: the tier
-    and kind of each device are part of a node's class."""
+    and kind of each device, and the tenant owning its mps slices, are part of a node's class."""
     assert run_stream(nodes, ops, "default", cache=True) == run_stream(nodes, ops, "default", cache=False)
 
 
@@ -307,6 +346,27 @@ def test_explain_names_the_tier_a_device_holds() -> None:
     assert not d.ok and d.reasons is not None
     assert d.reasons.counts == {"device 0 holds mps slices": 1}
     assert sched.schedule(state, Request(gpu_count=1, gpu_milli=300, isolation=Isolation.MPS)).ok
+
+
+@pytest.mark.parametrize("policy", ["default", "bestfit"])  # cached per class / scored per node
+def test_mps_slices_of_a_device_belong_to_one_tenant(policy: str) -> None:
+    node = Node("n0", 64000, 262144, [Device(0, "nvidia", "A100", GPU_MIB, "GPU-0")])
+    state, sched = ClusterState.from_nodes([node]), Scheduler(make_scorer(policy))
+    mine = Request(gpu_count=1, gpu_milli=300, isolation=Isolation.MPS, tenant="a")
+    theirs = replace(mine, tenant="b")
+    first = sched.schedule(state, mine)
+    assert first.ok
+    d = sched.place(state, theirs)
+    assert not d.ok and d.reasons is not None
+    assert d.reasons.counts == {"device 0 holds another tenant's mps slices": 1}
+    second = sched.schedule(state, mine)
+    assert second.ok and second.placements[0].devices == [0]
+    for done in (first, second):  # the device is b's to take once a's last mps slice has gone
+        assert not sched.place(state, theirs).ok
+        Scheduler.release(state, done)
+    assert sched.schedule(state, theirs).ok
+    assert not sched.place(state, mine).ok
+    state.check_invariants()
 
 
 def test_mig_requests_and_whole_gpu_requests_keep_to_their_kind() -> None:

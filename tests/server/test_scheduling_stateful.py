@@ -130,6 +130,7 @@ class PoolMachine(RuleBasedStateMachine):
             mem: Counter[tuple[str, int]] = Counter()
             count: Counter[tuple[str, int]] = Counter()
             alone: set[tuple[str, int]] = set()
+            mps: dict[tuple[str, int], set[int]] = {}  # tenants holding mps slices of a device
             for a in held:
                 for sl in a.slices:
                     key = (sl["node"], sl["device_index"])
@@ -138,10 +139,14 @@ class PoolMachine(RuleBasedStateMachine):
                     count[key] += 1
                     if sl["isolation"] in ("exclusive", "mig"):
                         alone.add(key)
+                    if sl["isolation"] == "mps":
+                        mps.setdefault(key, set()).add(a.tenant_id)
             for key in milli:
                 assert milli[key] <= caps[key][0] and mem[key] <= caps[key][1], (key, milli[key], caps[key])
             for key in alone:
                 assert count[key] == 1, f"exclusive slice on {key} shares its device"
+            for key, tenants in mps.items():
+                assert len(tenants) == 1, f"mps slices of two tenants on {key}"
             for a in held:
                 assert len(set(a.nodes)) == a.request["gang_nodes"], "gang bound partly"
 

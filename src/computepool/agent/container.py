@@ -171,12 +171,17 @@ class Podman:
         """The container's name for a job key (`alloc#attempt`), unique per agent data dir."""
         return f"cpool-{self.agent_id}-{_NAME_BAD.sub('_', key.replace('#', '.'))}"[:250]
 
-    def run_argv(self, spec: JobSpec, run_dir: Path, uid: int, gid: int) -> list[str]:
-        """A foreground `podman run` for the job; raises ContainerError when it cannot start.
+    def prepare(self, spec: JobSpec) -> str:
+        """Check the job and get its image onto the node (a pull may take minutes); ContainerError if not.
 
-        Side effects: checks (or pulls, which blocks for as long) the image, and makes the job's
-        parent cgroup with its memory limit, so that nothing runs unlimited; `remove(key)` drops it.
+        The executor calls this before it takes its lock, so that a slow pull holds up nothing else;
+        `run_argv` then finds the image in the cache of recent checks. Returns the image reference.
         """
+        image = self._check_spec(spec)
+        self.ensure_image(image)
+        return image
+
+    def _check_spec(self, spec: JobSpec) -> str:
         ok, why = self.available()
         if not ok:
             raise ContainerError(why)
@@ -185,7 +190,16 @@ class Podman:
         bad = [p for p in spec.ports if not 0 < p < 65536]
         if bad:
             raise ContainerError(f"not a port: {bad[0]}")
-        self.ensure_image(spec.image)
+        return spec.image
+
+    def run_argv(self, spec: JobSpec, run_dir: Path, uid: int, gid: int) -> list[str]:
+        """A foreground `podman run` for the job; raises ContainerError when it cannot start.
+
+        Side effects: checks the image (at once after `prepare`; else it pulls, which blocks for as
+        long) and makes the job's parent cgroup with its memory limit, so that nothing runs
+        unlimited; `remove(key)` drops it.
+        """
+        image = self.prepare(spec)
         key = spec.key
         # no --rm: remove(key) removes it, once the agent has read how it ended
         argv = [
@@ -224,7 +238,7 @@ class Podman:
         if mps.startswith("/") and not mps.startswith(WORKDIR) and os.path.isdir(mps):
             argv.append(f"--volume={mps}:{mps}:rw,nosuid,nodev")  # the GPU's MPS daemon, for MPS slices
         argv += [f"--env={k}={v}" for k, v in env.items()]
-        argv += [spec.image, *spec.command]
+        argv += [image, *spec.command]
         return argv
 
     def _init_path(self) -> str:

@@ -45,6 +45,7 @@ from computepool.agent.jobspec import (
 from computepool.agent.launch import Launcher, default_env, which
 from computepool.agent.localstate import JobRecord, JobState, LocalState
 from computepool.agent.outcome import alive, explain_exit, kill_leftovers, read_exit
+from computepool.agent.removal import Remover
 from computepool.agent.sandbox import SandboxConfig
 from computepool.core.errors import InvalidInput
 
@@ -123,6 +124,7 @@ class Executor:
         self._live: dict[str, _Live] = {}
         self._ended: list[JobRecord] = []
         self._lock = threading.RLock()
+        self._remover = Remover(self._remove_now)  # `podman rm` runs off the lock (removal.py)
 
     # ---- starting -------------------------------------------------------------------------
 
@@ -143,6 +145,16 @@ class Executor:
             live = self._live.get(spec.key)
             if live is not None:
                 return live.rec
+        self._remover.wait_gone(spec.key)  # the same key again: its old container goes first
+        why = ""
+        try:
+            self.launcher.prepare(spec)  # outside the lock: a pull may take minutes
+        except Exception as e:
+            why = f"could not start: {e}"
+        with self._lock:
+            live = self._live.get(spec.key)
+            if live is not None:
+                return live.rec
             run_dir = self.run_dir(spec.allocation_id, spec.attempt)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / EXIT_FILE).unlink(missing_ok=True)
@@ -156,6 +168,8 @@ class Executor:
             )
             if spec.tenant:
                 rec.extra["tenant"] = spec.tenant
+            if why:
+                return self._fail(rec, why, None)
             try:
                 return self._start(spec, rec, run_dir)
             except Exception as e:  # the agent must survive whatever a bad job does
@@ -261,7 +275,7 @@ class Executor:
             return ended
 
     def wait(self, key: str, timeout: float | None = None) -> JobRecord:
-        """Block until the job ends (or the timeout passes); returns its record either way."""
+        """Block until the job ends and its container is gone (or the timeout passes); its record anyway."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
         while True:
@@ -273,11 +287,16 @@ class Executor:
                     rec = self.state.get(key)
                     if rec is None:
                         raise KeyError(key)
-                    return rec
+                    break
             if deadline is not None and time.monotonic() >= deadline:
                 return live.rec
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+        container = rec.extra.get("container")
+        if container:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._remover.wait_gone(container, left)
+        return rec
 
     def job_pids(self, key: str) -> set[int]:
         """Every live process of the job: its cgroup, else the leader and all its descendants."""
@@ -363,10 +382,17 @@ class Executor:
             cgroups.remove([Path(p) for p in paths.splitlines()])
 
     def _remove_container(self, rec: JobRecord) -> None:
-        """A container outlives its `podman run` client when that is killed: remove it by key."""
+        """A container outlives its `podman run` client when that is killed: remove it by key, soon and
+        off the lock (removal.py). How it ended (OOM included) is read before this is asked."""
         if rec.extra.get("container"):
-            with contextlib.suppress(Exception):  # idempotent; an unreachable podman is not fatal here
-                self._container_engine().remove(rec.extra["container"])
+            self._remover.submit(rec.extra["container"])
+
+    def _remove_now(self, key: str) -> None:
+        self._container_engine().remove(key)
+
+    def close(self) -> None:
+        """Finish the container removals still queued (the agent calls this when it stops)."""
+        self._remover.close()
 
     # ---- stopping -------------------------------------------------------------------------
 

@@ -97,6 +97,15 @@ class Launcher:
         argv, applied = wrap(spec.command, user, work, self.host, hidden_dir(work, self.data_dir), keep)
         return Launch(argv, env, work, None, ", ".join(applied))
 
+    def prepare(self, spec: JobSpec) -> None:
+        """A container job's image on the node before the executor takes its lock (a pull may take
+        minutes); raises ContainerError with the job's reason. Everything else is `launch`'s to say."""
+        if self.sandbox is None or self.host is None or not spec.image or not spec.tenant or not spec.command:
+            return
+        podman = self.container_engine()
+        if podman.available()[0]:  # else launch() says why containers cannot run here
+            podman.prepare(spec)
+
     def _plain(self, spec: JobSpec, run_dir: Path) -> Launch | str:
         user, why = resolve_user(spec.user)
         if why:

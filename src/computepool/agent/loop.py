@@ -145,6 +145,7 @@ class Agent:
                 self.watchdog.close()
             for t in threads:
                 t.join(timeout=1.0)
+            self.executor.close()  # the container removals still queued
             self.state.close()
         if self._fatal is not None:
             raise self._fatal

@@ -175,6 +175,7 @@ class Request:
         """Requests with equal keys score alike on every node (used for score caching).
 
         Host memory is left out: no score depends on it, and the scheduler checks it per node.
+        The tenant is in only for mps: a device's mps slices belong to one tenant at a time.
         """
         return (
             self.gpu_count,
@@ -185,4 +186,5 @@ class Request:
             self.sharing,
             self.tier,
             self.mig_profile,
+            self.tenant if self._tier == Isolation.MPS else "",
         )

@@ -4,8 +4,9 @@ Filters run per node class (see state.py), vectorised over classes and devices. 
 that rejects a node names its reason; counted over the pool they answer "why is it pending".
 
 Tier rules: a device holds slices of one tier at a time (timeslice with timeslice, mps with
-mps, an exclusive slice alone); `mig` requests go only to MIG instances, each taken whole, and
-every other request only to whole GPUs. A device taken whole gives at least the memory asked.
+mps of the same tenant, an exclusive slice alone); `mig` requests go only to MIG instances, each
+taken whole, and every other request only to whole GPUs. A device taken whole gives at least the
+memory asked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from computepool.core.request import Request, Sharing
 from computepool.core.resources import mig_base_model
 from computepool.scheduler.constraints import LABELS, OK, NodeConstraints, NodeRules
 from computepool.scheduler.state import (
+    TIER_MPS,
     TIER_NAME,
     TIER_NONE,
     TIER_TIMESLICE,
@@ -86,8 +88,11 @@ def device_need(state: ClusterState, view: View, req: Request) -> DeviceNeed:
             memory = (mem_cap * req.gpu_milli) // MILLI_PER_DEVICE
         else:
             memory = np.full_like(cap, req.gpu_memory_mib)
-        tier = view.gpu_tier
-        same_tier = (tier == TIER_NONE) | (tier == tier_code(req))
+        tier, t = view.gpu_tier, tier_code(req)
+        if t == TIER_MPS:  # one tenant's mps slices per device (one MPS server, one Unix user)
+            same_tier = (tier == TIER_NONE) | ((tier == t) & (view.gpu_owner == state.owner_id(req.tenant)))
+        else:
+            same_tier = (tier == TIER_NONE) | (tier == t)
         usable = allowed & (view.gpu_free >= milli) & (view.gpu_mem_free >= memory) & same_tier
     return DeviceNeed(milli=milli, memory=memory, allowed=allowed, usable=usable)
 
@@ -131,7 +136,12 @@ def node_feasible(state: ClusterState, req: Request) -> np.ndarray:
             mem = req.gpu_memory_mib
         dev = (state.gpu_free >= req.gpu_milli) & (state.gpu_mem_free >= mem)
         t, lock = tier_code(req), state.gpu_lock  # a whole GPU free of other tiers
-        dev &= (lock <= t) if t == TIER_TIMESLICE else ((lock == TIER_NONE) | (lock == t))
+        if t == TIER_TIMESLICE:
+            dev &= lock <= t
+        elif t == TIER_MPS:  # and of other tenants' mps slices
+            dev &= (lock == TIER_NONE) | ((lock == t) & (state.gpu_owner == state.owner_id(req.tenant)))
+        else:
+            dev &= (lock == TIER_NONE) | (lock == t)
         return ok & any_per_row(dev)
     need = device_need(state, state.node_view(), req)
     return ok & (need.usable.sum(axis=1) >= k)
@@ -195,7 +205,8 @@ def _reject_devices(
         else "no GPU with enough GPU memory free"
     )
     reject(fits.sum(axis=1) == 0, mem_label)
-    # room enough, but every such device holds slices of another tier: name the first one
+    # room enough, but every such device holds slices of another tier (or another tenant's mps
+    # slices): name the first one
     blocked = fits & ~need.usable
     rows = np.flatnonzero((count == 0) & blocked.any(axis=1))
     if len(rows):
@@ -204,7 +215,10 @@ def _reject_devices(
         for j, t in sorted(set(zip(first.tolist(), tiers.tolist(), strict=True))):
             hit = np.zeros(len(count), dtype=bool)
             hit[rows[(first == j) & (tiers == t)]] = True
-            reject(hit, f"device {j} holds {TIER_NAME.get(t, 'other')} slices")
+            if t == TIER_MPS and req.tier == Isolation.MPS:
+                reject(hit, f"device {j} holds another tenant's mps slices")
+            else:
+                reject(hit, f"device {j} holds {TIER_NAME.get(t, 'other')} slices")
 
 
 @dataclass

@@ -9,7 +9,7 @@ from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import Request
 from computepool.core.resources import mig_base_model
 from computepool.scheduler.filters import DeviceNeed
-from computepool.scheduler.state import LOCK_MIG, TIER_NONE, ClusterState, tier_code
+from computepool.scheduler.state import LOCK_MIG, TIER_MPS, TIER_NONE, ClusterState, tier_code
 from computepool.scheduler.views import View
 
 _BIG = np.iinfo(np.int64).max // 4
@@ -65,7 +65,7 @@ def pick_on_node(
     """Device bitmask for `req` on one node, in plain Python (a node has a handful of devices).
 
     how: "best" (least free compute, then memory, lowest index), "first", or "random". The
-    same rules as `filters.device_need`: kind (MIG or not), tier, whole-device size.
+    same rules as `filters.device_need`: kind (MIG or not), tier (and the mps owner), whole-device size.
     """
     k = req.gpu_count
     if k == 0:
@@ -88,6 +88,8 @@ def pick_on_node(
     want_profile = state.profile_id(req.mig_profile) if req.mig_profile is not None else None
     whole = req.whole_devices
     my_tier = tier_code(req)
+    owner = state.gpu_owner[node].tolist() if my_tier == TIER_MPS else None
+    me = state.owner_id(req.tenant)
     usable = []
     for j in range(len(free)):
         if cap[j] <= 0 or (allowed_ids is not None and model[j] not in allowed_ids):
@@ -109,6 +111,8 @@ def pick_on_node(
             if mem is None:
                 mem = (mem_cap[j] * req.gpu_milli) // MILLI_PER_DEVICE
             ok = free[j] >= req.gpu_milli and mem_free[j] >= mem and tier[j] in (TIER_NONE, my_tier)
+            if ok and owner is not None and tier[j] == TIER_MPS:
+                ok = owner[j] == me  # another tenant's mps slices: not shared
         if ok:
             usable.append(j)
     if len(usable) < k:

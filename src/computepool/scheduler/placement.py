@@ -292,6 +292,7 @@ class Scheduler:
             gpu_memory_mib=gpu_mem,
             tag=tag_of(req.gpu_count, req.fractional),
             tier=tier_code(req),
+            tenant=req.tenant,
         )
         return Placement(node=node, node_name=state.names[node], devices=devices, change=change, score=score)
 

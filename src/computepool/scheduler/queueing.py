@@ -3,7 +3,7 @@
 Each tenant (a partition, a team, a virtual cluster) has a *guaranteed* quota and an optional
 *limit*, in whole GPUs. Usage up to the guarantee is the tenant's own; usage above it is
 *borrowed* from idle capacity and is the first (and only) thing taken back when a tenant still
-within its guarantee needs GPUs. The Philly replay simulator (`sim/replay.py`) calls this module;
+within its guarantee needs GPUs. The Philly replay simulator (`sim/replay/`) calls this module;
 callers pass times and snapshots (free GPUs per node, running jobs) and apply the decisions
 themselves. The live pool applies the same rules to fractional, tiered and multi-resource
 requests in `server/scheduling/decide.py`, with a ranking of its own; docs/architecture.md says

@@ -1,11 +1,11 @@
 """The scheduler's view of the pool: free capacity as numpy arrays, and node classes.
 
 A *node class* is an exact node state (free and total capacity, device models and kinds, the
-isolation tier each device holds, what kinds of work it hosts). Nodes in the same class are
-interchangeable for every node-local score, so scores are computed once per (request kind,
-class) and cached: most of a large pool is in a handful of classes (all idle nodes of one type
-share one), and a placement moves one node to another class without touching the cache of any
-other.
+isolation tier each device holds and the tenant owning its mps slices, what kinds of work it
+hosts). Nodes in the same class are interchangeable for every node-local score, so scores are
+computed once per (request kind, class) and cached: most of a large pool is in a handful of
+classes (all idle nodes of one type share one), and a placement moves one node to another class
+without touching the cache of any other.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ TIER_NONE = 0
 TIER_CODE = {Isolation.TIMESLICE: 1, Isolation.MPS: 2, Isolation.EXCLUSIVE: 3, Isolation.MIG: 4}
 TIER_NAME = {code: str(t) for t, code in TIER_CODE.items()}
 TIER_TIMESLICE = TIER_CODE[Isolation.TIMESLICE]  # the lowest code: `lock <= TIER_TIMESLICE` is one test
+TIER_MPS = TIER_CODE[Isolation.MPS]
 LOCK_MIG = 8  # `gpu_lock` of a MIG instance: above every tier, so no share-tier test admits it
 
 
@@ -63,6 +64,7 @@ class Change:
     gpu_memory_mib: dict[int, int]
     tag: int
     tier: int = TIER_NONE  # the slices' tier (TIER_NONE: unknown, compatible with any)
+    tenant: str = ""  # whose slices: a device's mps slices belong to one tenant at a time
 
 
 @dataclass
@@ -72,7 +74,10 @@ class ClusterState:
     Each device also has a kind (`gpu_profile`: -1 for a whole GPU, else the index of its MIG
     profile in `profiles`; `gpu_parent` indexes its GPU's uuid in `parents`), the tier of the
     slices it holds (`gpu_tier`) and how many it holds (`gpu_slices`): a device holds one tier
-    at a time, and its tier is cleared when its last slice goes.
+    at a time, and its tier is cleared when its last slice goes. A device holding mps slices
+    also has an owner (`gpu_owner`, an index into `owners`): MPS runs one Unix user's server per
+    GPU, and every job runs as its tenant's user, so mps slices of two tenants would take turns
+    on the device instead of sharing it.
     """
 
     names: list[str]
@@ -93,14 +98,17 @@ class ClusterState:
     gpu_parent: np.ndarray  # (N, G) index into `parents` (MIG instances); -1 otherwise
     gpu_tier: np.ndarray  # (N, G) TIER_* of the slices held; TIER_NONE when none
     gpu_slices: np.ndarray  # (N, G) slices held
+    gpu_owner: np.ndarray  # (N, G) index into `owners` of the tenant whose mps slices it holds; else -1
     profiles: list[str]
     parents: list[str]
+    owners: list[str]  # tenants that hold or held mps slices (interned by `apply`)
     rules: NodeConstraints | None = None  # labels, taints, dedication (None: no node has any)
     idle_devices: np.ndarray = field(init=False)  # (N,) whole GPUs (not MIG instances) wholly free
     gpu_lock: np.ndarray = field(init=False)  # (N, G) gpu_tier, or LOCK_MIG for a MIG instance
     gpu_left: np.ndarray = field(init=False)  # (N,) free compute summed over devices
     class_of: np.ndarray = field(init=False)  # (N,) class id per node
     node_stamp: np.ndarray = field(init=False)  # (N,) stamp of the node's class instance
+    _owner_ids: dict[str, int] = field(init=False, default_factory=dict)
     _class_ids: dict[bytes, int] = field(init=False, default_factory=dict)
     _class_keys: list[bytes] = field(init=False, default_factory=list)
     _class_rows: np.ndarray = field(init=False)
@@ -113,6 +121,7 @@ class ClusterState:
 
     def __post_init__(self) -> None:
         self.uid = uuid.uuid4().hex  # identifies this state to score caches
+        self._owner_ids = {t: i for i, t in enumerate(self.owners)}
         n, g = self.gpu_free.shape
         self.gpu_lock = np.where(self.gpu_profile >= 0, LOCK_MIG, self.gpu_tier)
         self.idle_devices = (
@@ -182,8 +191,10 @@ class ClusterState:
             gpu_parent=gpu_parent,
             gpu_tier=np.zeros((n, g), dtype=np.int64),
             gpu_slices=np.zeros((n, g), dtype=np.int64),
+            gpu_owner=np.full((n, g), -1, dtype=np.int64),
             profiles=profiles,
             parents=parents,
+            owners=[],
         )
 
     def copy(self) -> ClusterState:
@@ -207,8 +218,10 @@ class ClusterState:
             gpu_parent=self.gpu_parent.copy(),
             gpu_tier=self.gpu_tier.copy(),
             gpu_slices=self.gpu_slices.copy(),
+            gpu_owner=self.gpu_owner.copy(),
             profiles=list(self.profiles),
             parents=list(self.parents),
+            owners=list(self.owners),
             rules=self.rules,
         )
 
@@ -233,6 +246,17 @@ class ClusterState:
             return self.profiles.index(name)
         except ValueError:
             return -2
+
+    def owner_id(self, tenant: str) -> int:
+        """The index of a tenant in `owners`; -2 (owns no device) when it never held mps slices."""
+        return self._owner_ids.get(tenant, -2)
+
+    def _owner_code(self, tenant: str) -> int:
+        i = self._owner_ids.get(tenant)
+        if i is None:
+            i = self._owner_ids[tenant] = len(self.owners)
+            self.owners.append(tenant)
+        return i
 
     def profiles_by_size(self) -> list[str]:
         """MIG profiles present, smallest first (by the largest memory, then compute, of its instances)."""
@@ -265,6 +289,7 @@ class ClusterState:
                 self.gpu_mem_cap[i],
                 self.gpu_tier[i],
                 self.gpu_profile[i],
+                self.gpu_owner[i],  # -1 except on devices holding mps slices: classes stay shared
             )
         ).astype(np.int64)
 
@@ -350,6 +375,8 @@ class ClusterState:
                 tier[j] = t
                 if self.gpu_profile[i, j] < 0:
                     self.gpu_lock[i, j] = t
+                if t == TIER_MPS:  # the first mps slice makes its tenant the device's owner
+                    self.gpu_owner[i, j] = self._owner_code(change.tenant)
         mem_free = self.gpu_mem_free[i]
         for j, m in change.gpu_memory_mib.items():
             mem_free[j] -= m
@@ -368,6 +395,7 @@ class ClusterState:
             slices[j] -= 1
             if slices[j] == 0:
                 self.gpu_tier[i, j] = TIER_NONE
+                self.gpu_owner[i, j] = -1
                 if self.gpu_profile[i, j] < 0:
                     self.gpu_lock[i, j] = TIER_NONE
         mem_free = self.gpu_mem_free[i]
@@ -412,3 +440,4 @@ class ClusterState:
         assert (self.gpu_tier[mig & held] == t_mig).all(), "non-MIG slice on a MIG instance"
         assert (self.gpu_tier[~mig] != t_mig).all(), "MIG slice on a whole GPU"
         assert (self.gpu_lock == np.where(mig, LOCK_MIG, self.gpu_tier)).all(), "gpu_lock out of date"
+        assert ((self.gpu_owner >= 0) == (self.gpu_tier == TIER_MPS)).all(), "mps owner out of date"

@@ -14,10 +14,10 @@ import numpy as np
 if TYPE_CHECKING:
     from computepool.scheduler.state import ClusterState
 
-# Columns of a class row; the seven per-device blocks follow, G wide each.
+# Columns of a class row; the eight per-device blocks follow, G wide each.
 CPU_FREE, MEM_FREE, CPU_CAP, MEM_CAP, KINDS = range(5)
 FIXED_COLUMNS = 5
-DEVICE_BLOCKS = 7
+DEVICE_BLOCKS = 8
 
 
 class View(Protocol):
@@ -53,6 +53,8 @@ class View(Protocol):
     def gpu_tier(self) -> np.ndarray: ...
     @property
     def gpu_profile(self) -> np.ndarray: ...
+    @property
+    def gpu_owner(self) -> np.ndarray: ...
 
 
 @dataclass
@@ -127,6 +129,10 @@ class NodeView:
     def gpu_profile(self) -> np.ndarray:
         return self._get(self.state.gpu_profile)
 
+    @property
+    def gpu_owner(self) -> np.ndarray:
+        return self._get(self.state.gpu_owner)
+
 
 @dataclass
 class ClassView:
@@ -196,6 +202,10 @@ class ClassView:
     @property
     def gpu_profile(self) -> np.ndarray:
         return self._block(6)
+
+    @property
+    def gpu_owner(self) -> np.ndarray:
+        return self._block(7)
 
 
 def any_per_row(mask: np.ndarray) -> np.ndarray:

@@ -99,6 +99,7 @@ class World:
                 mem,
                 tag_of(a.core.gpu_count, a.core.fractional),
                 tier_code(a.core),
+                a.tenant,  # a device's mps slices are one tenant's: released when the last goes
             )
             self.state.apply(ch)
             changes.append(ch)
