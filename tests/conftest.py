@@ -1,11 +1,16 @@
-"""Shared fixtures: the real Alibaba trace (read once per session) and tiny CSV files."""
+"""Shared fixtures: the real Alibaba trace (read once per session), tiny CSV files, and the container
+tests' image."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from computepool.agent.container import Podman
 from computepool.core import Node
 from computepool.sim.alibaba import Pod, load_nodes, load_pods
 from computepool.sim.csvread import traces_dir
@@ -73,3 +78,27 @@ def tiny_csvs(tmp_path: Path) -> tuple[Path, Path]:
     ]
     pods.write_text("\n".join([POD_HEADER, *rows]) + "\n")
     return nodes, pods
+
+
+TEST_IMAGE = "localhost/pybase:1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The container tests' image, built or loaded once by scripts/build-test-image.sh (cached)."""
+    if os.geteuid() != 0 or shutil.which("podman") is None:
+        pytest.skip("container jobs need root and podman")
+    ok, why = Podman(tmp_path_factory.mktemp("podman-probe")).available()
+    if not ok:
+        pytest.skip(f"podman unusable here: {why}")
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "build-test-image.sh"), TEST_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"test image {TEST_IMAGE} could not be built or loaded: {done.stderr.strip()[-300:]}")
+    return TEST_IMAGE

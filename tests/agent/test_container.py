@@ -22,21 +22,6 @@ from computepool.agent.executor import JobSpec
 
 IMAGE = "localhost/pybase:1"
 UID = 61990  # any uid: the container needs no passwd entry for it
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    probe = Podman(tmp_path_factory.mktemp("podman-probe"))
-    ok, why = probe.available()
-    if not ok:
-        pytest.skip(f"podman unusable here: {why}")
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "build-test-image.sh"), IMAGE], capture_output=True, text=True, timeout=900
-    )
-    if done.returncode != 0:
-        pytest.skip(f"test image {IMAGE} could not be built or loaded: {done.stderr.strip()[-300:]}")
-    return IMAGE
 
 
 @pytest.fixture

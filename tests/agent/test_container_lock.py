@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -25,24 +24,8 @@ from computepool.agent.localstate import JobRecord, JobState
 from computepool.agent.tenants import remove_tenant_user
 
 IMAGE = "localhost/pybase:1"
-ROOT = Path(__file__).resolve().parents[2]
 SLOW_S = 8.0  # how long the slow podman subcommands take
 PROMPT_S = 3.0  # "promptly": well under SLOW_S, with room for a loaded machine
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    if os.geteuid() != 0 or shutil.which("podman") is None:
-        pytest.skip("container jobs need root and podman")
-    ok, why = Podman(Path("/tmp/cpool-podman-probe")).available()
-    if not ok:
-        pytest.skip(f"podman unusable here: {why}")
-    if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
-        built = subprocess.run([str(ROOT / "scripts" / "build-test-image.sh"), IMAGE],
-                               capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
-        if built.returncode != 0:
-            pytest.skip(f"test image {IMAGE} unavailable: {built.stderr.strip()[-300:]}")
-    return IMAGE
 
 
 @pytest.fixture

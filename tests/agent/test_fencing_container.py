@@ -4,56 +4,20 @@ real executor) is stopped and its container removed once the node is out of cont
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from computepool.agent import fencing
 from computepool.agent.container import Podman
-from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
-from computepool.agent.tenants import remove_tenant_user
+from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec
 
 IMAGE = "localhost/pybase:1"
-ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def image() -> str:
-    if os.geteuid() != 0 or shutil.which("podman") is None:
-        pytest.skip("container jobs need root and podman")
-    if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
-        built = subprocess.run([str(ROOT / "scripts" / "build-test-image.sh"), IMAGE],
-                               capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
-        if built.returncode != 0:
-            pytest.skip(f"test image {IMAGE} unavailable: {built.stderr.strip()[-300:]}")
-    return IMAGE
-
-
-@pytest.fixture
-def setup(image: str) -> Iterator[tuple[Executor, str]]:
-    data = Path("/var/tmp") / f"cpool-fence-{uuid.uuid4().hex[:8]}"
-    data.mkdir()
-    tenant = f"t{uuid.uuid4().hex[:8]}"
-    ex = Executor(data / "agent", cgroup_base=None, kill_grace_s=2.0, sandbox=SandboxConfig())
-    yield ex, tenant
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    engine = Podman(data / "agent")
-    for key in engine.all_keys():
-        engine.remove(key)
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
-    remove_tenant_user(tenant)
-
-
-def test_a_fenced_container_job_is_stopped_and_its_container_removed(setup: tuple[Executor, str]) -> None:
-    ex, tenant = setup
+def test_a_fenced_container_job_is_stopped_and_its_container_removed(
+    container_executor: tuple[Executor, str],
+) -> None:
+    ex, tenant = container_executor
     code = (
         "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "print('ready', flush=True)\ntime.sleep(300)\n"

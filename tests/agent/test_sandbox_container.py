@@ -3,56 +3,15 @@ process jobs, with real rootful podman and the test image (built once by scripts
 
 from __future__ import annotations
 
-import os
 import pwd
-import shutil
-import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from computepool.agent.container import Podman
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
 from computepool.agent.localstate import JobState
-from computepool.agent.tenants import remove_tenant_user
 
 IMAGE = "localhost/pybase:1"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    if os.geteuid() != 0 or shutil.which("podman") is None:
-        pytest.skip("container jobs need root and podman")
-    ok, why = Podman(Path("/tmp/cpool-podman-probe")).available()
-    if not ok:
-        pytest.skip(f"podman unusable here: {why}")
-    if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
-        built = subprocess.run([str(ROOT / "scripts" / "build-test-image.sh"), IMAGE],
-                               capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
-        if built.returncode != 0:
-            pytest.skip(f"test image {IMAGE} unavailable: {built.stderr.strip()[-300:]}")
-    return IMAGE
-
-
-@pytest.fixture
-def setup(image: str) -> Iterator[tuple[Executor, str]]:
-    data = Path("/var/tmp") / f"cpool-ctr-{uuid.uuid4().hex[:8]}"
-    data.mkdir()
-    tenant = f"t{uuid.uuid4().hex[:8]}"
-    ex = Executor(data / "agent", cgroup_base=None, kill_grace_s=2.0, sandbox=SandboxConfig())
-    yield ex, tenant
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    engine = Podman(data / "agent")
-    for key in engine.all_keys():
-        engine.remove(key)
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
-    remove_tenant_user(tenant)
 
 
 def _spec(name: str, tenant: str, code: str, **kw: object) -> JobSpec:
@@ -68,8 +27,10 @@ def _wait_out(rec_run_dir: str, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"{text!r} never appeared in the job's output")
 
 
-def test_a_container_job_runs_as_its_tenant_and_is_removed_at_the_end(setup: tuple[Executor, str]) -> None:
-    ex, tenant = setup
+def test_a_container_job_runs_as_its_tenant_and_is_removed_at_the_end(
+    container_executor: tuple[Executor, str],
+) -> None:
+    ex, tenant = container_executor
     code = "import os; print(os.getuid(), os.getgid(), os.getcwd(), sorted(os.environ)); raise SystemExit(4)"
     rec = ex.start(_spec("c1", tenant, code, env={"SLICE": "1"}))
     assert rec.state is JobState.RUNNING, rec.reason
@@ -82,8 +43,8 @@ def test_a_container_job_runs_as_its_tenant_and_is_removed_at_the_end(setup: tup
     assert Podman(ex.data_dir).all_keys() == set()  # removed once its end was read
 
 
-def test_stopping_a_container_job_reaches_the_workload(setup: tuple[Executor, str]) -> None:
-    ex, tenant = setup
+def test_stopping_a_container_job_reaches_the_workload(container_executor: tuple[Executor, str]) -> None:
+    ex, tenant = container_executor
     code = (
         "import signal, sys, time\n"
         "signal.signal(signal.SIGTERM, lambda *_: (print('saved', flush=True), sys.exit(0)))\n"
@@ -108,8 +69,10 @@ def test_stopping_a_container_job_reaches_the_workload(setup: tuple[Executor, st
     assert Podman(ex.data_dir).all_keys() == set()  # the container went with its killed client
 
 
-def test_a_restarted_executor_adopts_a_running_container_job(setup: tuple[Executor, str]) -> None:
-    ex, tenant = setup
+def test_a_restarted_executor_adopts_a_running_container_job(
+    container_executor: tuple[Executor, str],
+) -> None:
+    ex, tenant = container_executor
     rec = ex.start(_spec("c4", tenant, "import time; print('ready', flush=True); time.sleep(3)"))
     _wait_out(rec.run_dir, "ready")
     again = Executor(ex.data_dir, ex.state, cgroup_base=None, sandbox=SandboxConfig())

@@ -30,7 +30,6 @@ pytestmark = [
 ]
 
 IMAGE = "localhost/pybase:1"
-ROOT = Path(__file__).resolve().parents[2]
 ENDED = ("released", "failed", "cancelled", "preempted", "lost")
 
 PROBE = r"""
@@ -56,19 +55,6 @@ out["own file"] = open("/work/mine.txt").read()
 out["processes seen"] = sorted(p for p in os.listdir("/proc") if p.isdigit())
 print(json.dumps(out), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    ok, why = Podman(tmp_path_factory.mktemp("podman-probe")).available()
-    if not ok:
-        pytest.skip(f"podman unusable here: {why}")
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "build-test-image.sh"), IMAGE], capture_output=True, text=True, timeout=900
-    )
-    if done.returncode != 0:
-        pytest.skip(f"test image {IMAGE} could not be built or loaded: {done.stderr.strip()[-300:]}")
-    return IMAGE
 
 
 class Node:
