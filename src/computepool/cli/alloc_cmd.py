@@ -27,15 +27,11 @@ from computepool.cli.pool_cmd import (
 )
 from computepool.client import AllocationRequest, PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
-from computepool.core.allocation import HOLDING, ISOLATIONS, LIVE, PENDING
-from computepool.core.errors import InvalidInput
+from computepool.client.options import build_request
+from computepool.core.allocation import HOLDING, LIVE, PENDING
 from computepool.core.quantities import (
     format_duration,
     format_mib,
-    parse_cpu_milli,
-    parse_duration_s,
-    parse_gpu_milli,
-    parse_memory_mib,
 )
 
 POLL_S = 0.5
@@ -122,53 +118,12 @@ def request_from_options(
     tolerations: list[str] | None = None,
     **extra: Any,
 ) -> AllocationRequest:
-    """The request body from the options `cpool alloc` and `cpool run` share (human units parsed here)."""
-    count, milli = parse_gpu_milli(gpus, "--gpus")
-    if count == 0 and (mig is not None or isolation == "mig"):
-        count, milli = 1, 1000  # a MIG instance is one device
-    models = [m.strip() for spec in model or [] for m in spec.replace(",", "|").split("|") if m.strip()]
-    if isolation is not None and isolation not in ISOLATIONS:
-        raise InvalidInput("--isolation", f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})")
-    return AllocationRequest(
-        gpus=count,
-        gpu_milli=milli or 1000,
-        gpu_memory_mib=parse_memory_mib(gpu_mem, "--gpu-mem") if gpu_mem else None,
-        cpu_milli=parse_cpu_milli(cpus, "--cpus"),
-        memory_mib=parse_memory_mib(mem, "--mem"),
-        models=models or None,
-        exclusive=exclusive,
-        isolation=isolation,  # checked against ISOLATIONS above
-        image=image,
-        ports=ports or None,
-        mig=mig,
-        node_selector=parse_selector(node_selector),
-        tolerations=parse_tolerations(tolerations),
-        time_limit=parse_duration_s(time_limit, "--time-limit") if time_limit is not None else None,
-        **extra,
-    )
-
-
-def parse_selector(items: list[str] | None, field: str = "--node-selector") -> dict[str, str] | None:
-    """`["gpu=a100", "zone=b"]` → {"gpu": "a100", "zone": "b"}; each item must be KEY=VALUE."""
-    out: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise InvalidInput(field, f"expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out or None
-
-
-def parse_tolerations(items: list[str] | None, field: str = "--toleration") -> list[str] | None:
-    """`["gpu=reserved", "maintenance"]`: KEY=VALUE, or a bare KEY for any value (the server checks
-    the characters and names the item it refuses)."""
-    out = []
-    for item in items or []:
-        key, sep, value = item.strip().partition("=")
-        if not key.strip():
-            raise InvalidInput(field, f"expected KEY=VALUE or KEY, got {item!r}")
-        out.append(f"{key.strip()}={value.strip()}" if sep else key.strip())
-    return out or None
+    """The request body from the options `cpool alloc` and `cpool run` share (client/options.py)."""
+    return build_request(
+        gpus=gpus, gpu_mem=gpu_mem, cpus=cpus, mem=mem, exclusive=exclusive, model=model,
+        isolation=isolation, image=image, ports=ports, mig=mig, node_selector=node_selector,
+        tolerations=tolerations, time_limit=time_limit, **extra,
+    )  # fmt: skip
 
 
 def environment(alloc: dict[str, Any]) -> dict[str, dict[str, str]]:

@@ -1,0 +1,101 @@
+"""The request options in human units (`gpus=0.5`, `mem="8GiB"`, `time_limit="1h"`), parsed once.
+
+`cpool alloc`, `cpool run` and the SDK's `Pool.function(...)` all build their request here, so an
+option means the same thing, and is refused with the same message, wherever it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from computepool.client.http import AllocationRequest
+from computepool.core.allocation import ISOLATIONS
+from computepool.core.errors import InvalidInput
+from computepool.core.quantities import parse_cpu_milli, parse_duration_s, parse_gpu_milli, parse_memory_mib
+
+Quantity = str | int | float
+
+
+def build_request(
+    *,
+    gpus: Quantity = 0,
+    gpu_mem: Quantity | None = None,
+    cpus: Quantity = 0,
+    mem: Quantity = 0,
+    exclusive: bool = False,
+    model: str | Sequence[str] | None = None,
+    isolation: str | None = None,
+    image: str | None = None,
+    ports: Sequence[int] | None = None,
+    mig: str | None = None,
+    node_selector: Sequence[str] | Mapping[str, str] | None = None,
+    tolerations: Sequence[str] | None = None,
+    time_limit: Quantity | None = None,
+    nodes: int = 1,
+    flag: str = "--",
+    **extra: Any,
+) -> AllocationRequest:
+    """The request body from human-unit options. `flag` prefixes the option names in errors
+    (`--gpus` for the CLI, `gpus` for the SDK). Quantities are per node; `nodes` > 1 is a gang."""
+
+    def name(opt: str) -> str:
+        return flag + (opt if flag == "--" else opt.replace("-", "_"))
+
+    count, milli = parse_gpu_milli(str(gpus), name("gpus"))
+    if count == 0 and (mig is not None or isolation == "mig"):
+        count, milli = 1, 1000  # a MIG instance is one device
+    specs = [model] if isinstance(model, str) else list(model or [])
+    models = [m.strip() for spec in specs for m in spec.replace(",", "|").split("|") if m.strip()]
+    if isolation is not None and isolation not in ISOLATIONS:
+        raise InvalidInput(
+            name("isolation"), f"unknown mode {isolation!r} (choose from {', '.join(ISOLATIONS)})"
+        )
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise InvalidInput(name("nodes"), f"must be a whole number of nodes, 1 or more, got {nodes!r}")
+    selector = (
+        {str(k): str(v) for k, v in node_selector.items()} or None
+        if isinstance(node_selector, Mapping)
+        else parse_selector(node_selector, name("node-selector"))
+    )
+    return AllocationRequest(
+        gpus=count,
+        gpu_milli=milli or 1000,
+        gpu_memory_mib=parse_memory_mib(gpu_mem, name("gpu-mem")) if gpu_mem else None,
+        cpu_milli=parse_cpu_milli(cpus, name("cpus")),
+        memory_mib=parse_memory_mib(mem, name("mem")),
+        models=models or None,
+        exclusive=exclusive,
+        isolation=isolation,  # checked against ISOLATIONS above
+        image=image,
+        ports=list(ports) if ports else None,
+        mig=mig,
+        node_selector=selector,
+        tolerations=parse_tolerations(tolerations, name("toleration")),
+        time_limit=parse_duration_s(time_limit, name("time-limit")) if time_limit is not None else None,
+        gang_nodes=nodes,
+        **extra,
+    )
+
+
+def parse_selector(items: Sequence[str] | None, field: str = "--node-selector") -> dict[str, str] | None:
+    """`["gpu=a100", "zone=b"]` → {"gpu": "a100", "zone": "b"}; each item must be KEY=VALUE."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InvalidInput(field, f"expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out or None
+
+
+def parse_tolerations(items: Sequence[str] | None, field: str = "--toleration") -> list[str] | None:
+    """`["gpu=reserved", "maintenance"]`: KEY=VALUE, or a bare KEY for any value (the server checks
+    the characters and names the item it refuses)."""
+    out = []
+    for item in items or []:
+        key, sep, value = item.strip().partition("=")
+        if not key.strip():
+            raise InvalidInput(field, f"expected KEY=VALUE or KEY, got {item!r}")
+        out.append(f"{key.strip()}={value.strip()}" if sep else key.strip())
+    return out or None
