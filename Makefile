@@ -1,27 +1,46 @@
 # Two entry points for a fresh machine: `make up` starts a pool here, `make test` runs the tests.
-PYTHON ?= python3
+#
+# `make up` runs the pool from the project's own virtual environment, .venv/ in this directory: it
+# is created the first time (python3 -m venv) with `pip install -e .` — what running needs, nothing
+# else — and reused after that (made again only when pyproject.toml changes). Nothing is installed
+# outside .venv/.
+# `make test` and `make lint` use $(PYTHON): .venv's python once it exists, else the python3 on the
+# PATH (CI installs '.[dev]' there first). They add the test tools ('.[dev]': pytest, hypothesis,
+# ruff, mypy) to that python only when pytest is missing from it.
+VENV ?= .venv
+PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 # Simulated devices unless this machine has NVIDIA GPUs (then NVML finds the real ones).
 SIMULATE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 2xA100-80GB,1xT4-16GB)
 
-.PHONY: setup up test test-fast lint report
+.PHONY: setup up dev-tools test test-fast lint report
 
-setup:
-	$(PYTHON) -m pip install -q -e '.[dev]'
+$(VENV)/.installed: pyproject.toml
+	@test -x $(VENV)/bin/python || python3 -m venv $(VENV) || { \
+	  echo "make: could not create $(VENV) (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
+	@echo "installing computepool and what it needs to run into $(VENV)/ (pip install -e .)"
+	$(VENV)/bin/python -m pip install -q -e .
+	@touch $@
+
+setup: $(VENV)/.installed
 
 up: setup
-	cpool up $(if $(SIMULATE),--simulate $(SIMULATE))
+	$(VENV)/bin/cpool up $(if $(SIMULATE),--simulate $(SIMULATE))
 
-test: setup
+dev-tools:
+	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || { \
+	  echo "installing the test tools ('.[dev]') for $(PYTHON)"; $(PYTHON) -m pip install -q -e '.[dev]'; }
+
+test: dev-tools
 	$(PYTHON) -m pytest -q
 
-test-fast: setup
+test-fast: dev-tools
 	$(PYTHON) -m pytest -q -m 'not slow'
 
 # The same three checks as CI (.ci/run): lint, formatting, types of the control plane.
-lint:
-	ruff check src tests
-	ruff format --check src tests
+lint: dev-tools
+	$(PYTHON) -m ruff check src tests
+	$(PYTHON) -m ruff format --check src tests
 	$(PYTHON) -m mypy
 
-report:
-	cpool sim report --out report
+report: setup
+	$(VENV)/bin/cpool sim report --out report

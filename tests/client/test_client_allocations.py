@@ -56,7 +56,7 @@ def test_alloc_bound_ps_explain_release(cli: Cli) -> None:
     [s] = a["slices"]
     assert (s["compute_milli"], s["memory_mib"]) == (500, 10240)
     env = a["environment"][s["node"]]
-    assert env == {"CUDA_VISIBLE_DEVICES": s["device_uuid"], "CPOOL_ALLOCATION": str(a["id"])}
+    assert env == {"CUDA_VISIBLE_DEVICES": s["device_uuid"], "CPOOL_ALLOCATION_ID": str(a["id"])}
 
     ps = json.loads(cli("ps", "--json").stdout)
     assert a["id"] in [x["id"] for x in ps]
@@ -75,8 +75,8 @@ def test_alloc_bound_ps_explain_release(cli: Cli) -> None:
 def test_alloc_prints_how_to_use_it(cli: Cli) -> None:
     r = cli("alloc", "--gpus", "2", "--model", "A100")
     assert r.exit_code == 0, r.output
-    assert "export CUDA_VISIBLE_DEVICES=GPU-" in r.stdout and "export CPOOL_ALLOCATION=" in r.stdout
-    alloc_id = r.stdout.split("export CPOOL_ALLOCATION=")[1].split()[0]
+    assert "export CUDA_VISIBLE_DEVICES=GPU-" in r.stdout and "export CPOOL_ALLOCATION_ID=" in r.stdout
+    alloc_id = r.stdout.split("export CPOOL_ALLOCATION_ID=")[1].split()[0]
     assert cli("release", alloc_id).exit_code == 0
 
 

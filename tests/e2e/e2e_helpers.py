@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,11 @@ class Pool:
     def state(self, alloc_id: int) -> str:
         return str(self.get(alloc_id)["state"])
 
-    def logs(self, alloc_id: int) -> str:
-        r = self.http.get(f"/api/v1/allocations/{alloc_id}/logs", params={"offset": 0})
+    def logs(self, alloc_id: int, stream: str = "stdout") -> str:
+        """The job's stdout (or stderr) so far: the API keeps the two apart, with an offset each."""
+        r = self.http.get(f"/api/v1/allocations/{alloc_id}/logs")
         assert r.status_code == 200, r.text
-        return str(r.json()["data"])
+        return str(r.json()[stream]["data"])
 
     def nodes(self) -> list[dict[str, Any]]:
         return list(self.http.get("/api/v1/nodes").json()["items"])
@@ -161,3 +163,28 @@ def job_pid(agent_dir: Path, alloc_id: int, attempt: int = 1) -> int:
         except (OSError, StopIteration, psutil.Error):
             continue
     raise ProcessLookupError(f"no process of job {alloc_id}#{attempt} with pid {inner} in its namespace")
+
+
+@contextlib.contextmanager
+def local_pool(tmp: Path, simulate: str = "1xA100-80GB") -> Iterator[tuple[dict[str, str], Pool]]:
+    """`cpool up` on a free port: the environment a `cpool` client needs to use it, and its API."""
+    data, port, log = tmp / "pool", free_port(), tmp / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cpool("up", "--simulate", simulate, "--data-dir", str(data), "--port", str(port)),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+        )  # fmt: skip
+    try:
+        wait_for("cpool up", lambda: "ComputePool is up" in log.read_text(), 60, log.read_text)
+        pool = Pool(f"https://127.0.0.1:{port}", data)
+        wait_for("the local node", lambda: [n["state"] for n in pool.nodes()] == ["ready"], 30)
+        env = child_env()
+        env["CPOOL_SERVER"] = f"https://127.0.0.1:{port}"
+        env["CPOOL_CA"] = str(data / "tls" / "cert.pem")
+        env["CPOOL_TOKEN"] = (data / "admin-token").read_text().strip()
+        try:
+            yield env, pool
+        finally:
+            pool.close()
+    finally:
+        stop(proc, signal.SIGINT, timeout=40)

@@ -162,7 +162,7 @@ def _ended(node: Node, client: httpx.Client, alloc_id: int, timeout: float = 90)
 
 def _logs(client: httpx.Client, alloc_id: int) -> str:
     def read() -> str:
-        return str(client.get(f"/api/v1/allocations/{alloc_id}/logs", params={"offset": 0}).json()["data"])
+        return str(client.get(f"/api/v1/allocations/{alloc_id}/logs").json()["stdout"]["data"])
 
     return str(wait_for("the job's output", read, 20))
 

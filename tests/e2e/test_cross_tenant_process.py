@@ -174,7 +174,7 @@ def test_a_tenant_reaches_nothing_of_another_tenant_or_of_the_pool(node: Node) -
         aid = _submit(a, [JOB_PYTHON, "-c", ATTACK, json.dumps(targets)])
         wait_for("A's job", lambda: a.get(f"/api/v1/allocations/{aid}").json()["state"] in
                  ("released", "failed"), 60, node.logs)  # fmt: skip
-        logs = a.get(f"/api/v1/allocations/{aid}/logs", params={"offset": 0}).json()["data"]
+        logs = a.get(f"/api/v1/allocations/{aid}/logs").json()["stdout"]["data"]
         outcome = json.loads(logs.strip().splitlines()[-1])
         seen = outcome.pop("other processes seen")
         listed = outcome.pop("listed")

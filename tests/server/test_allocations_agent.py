@@ -117,17 +117,19 @@ def test_logs_append_and_read(api: Api) -> None:
         == 409
     )
     first = api.ok("GET", url, headers=alice)
-    assert first == {"data": "héllo\nworerr\n", "next_offset": 14, "ended": False}
-    assert api.ok("GET", url, headers=alice, params={"offset": 7}) == {
-        "data": "worerr\n",
-        "next_offset": 14,
-        "ended": False,
-    }
+    assert (first["stdout"], first["stderr"]) == (
+        {"data": "héllo\nwor", "next": 10},
+        {"data": "err\n", "next": 4},
+    )  # the two streams apart, each in order
+    assert (first["rank"], first["ranks"], first["state"], first["ended"]) == (0, 1, "bound", False)
+    later = api.ok("GET", url, headers=alice, params={"stdout": 7, "stderr": 4})
+    assert (later["stdout"], later["stderr"]) == ({"data": "wor", "next": 10}, {"data": "", "next": 4})
+    assert api.get(url, headers=alice, params={"rank": 1}).json()["field"] == "rank"  # one member only
     assert api.get(url, headers=bob).status_code == 404
     got: dict[str, Any] = {}
 
     def follow() -> None:
-        got["answer"] = api.ok("GET", url, headers=alice, params={"offset": 14, "wait": 20})
+        got["answer"] = api.ok("GET", url, headers=alice, params={"stdout": 10, "stderr": 4, "wait": 20})
 
     t = threading.Thread(target=follow)
     t.start()
@@ -135,13 +137,11 @@ def test_logs_append_and_read(api: Api) -> None:
     assert "answer" not in got
     put(10, "ld\n")
     t.join(10)
-    assert got["answer"] == {"data": "ld\n", "next_offset": 17, "ended": False}
+    assert got["answer"]["stdout"] == {"data": "ld\n", "next": 13} and not got["answer"]["ended"]
     report(api, node, mine, {"allocation_id": job["id"], "attempt": 1, "state": "exited", "exit_code": 0})
-    assert api.ok("GET", url, headers=alice, params={"offset": 17, "wait": 5}) == {
-        "data": "",
-        "next_offset": 17,
-        "ended": True,
-    }
+    end = api.ok("GET", url, headers=alice, params={"stdout": 13, "stderr": 4, "wait": 5})
+    assert (end["stdout"]["data"], end["stderr"]["data"], end["ended"]) == ("", "", True)
+    assert (end["state"], end["exit_code"]) == ("released", 0)
 
 
 def test_node_lost_requeues_restartable_and_fails_the_rest(make_api: Any) -> None:

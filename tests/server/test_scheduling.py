@@ -32,7 +32,7 @@ def test_quota_limit_keeps_requests_pending(api: Api) -> None:
     cycle(api)
     assert get(api, first["id"])["state"] == "bound"
     s = get(api, second["id"])
-    assert s["state"] == "pending" and s["reason"].startswith("quota: gpu_milli limit 1000")
+    assert s["state"] == "pending" and s["reason"] == "quota: GPU limit 1 (using 1, asks 1)"  # user units
     ex = explain(api, second["id"], alice)
     assert ex["summary"].startswith("quota") and ex["quota"]["gpu_milli"] == {
         "used": 1000,

@@ -17,7 +17,7 @@ import ssl
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -184,10 +184,12 @@ class AgentApi:
         """`POST /nodes/join` → {node, credential, heartbeat_interval_s}."""
         return dict(self._call("POST", f"{API}/nodes/join", auth=False, json=body))
 
-    def heartbeat(self, devices_usage: list[dict[str, Any]]) -> dict[str, Any]:
-        return dict(
-            self._call("POST", f"{API}/nodes/{self.name}/heartbeat", json={"devices_usage": devices_usage})
-        )
+    def heartbeat(self, devices_usage: list[dict[str, Any]], address: str | None = None) -> dict[str, Any]:
+        """`address` (once after a start): where peers reach the node; "" = where the call comes from."""
+        body: dict[str, Any] = {"devices_usage": devices_usage}
+        if address is not None:
+            body["address"] = address
+        return dict(self._call("POST", f"{API}/nodes/{self.name}/heartbeat", json=body))
 
     def assignments(self, since: int | None, wait_s: float) -> dict[str, Any]:
         """Long-poll: answers at once when the list changed after `since`, else after about `wait_s`."""
@@ -208,3 +210,28 @@ class AgentApi:
     ) -> dict[str, Any]:
         body = {"attempt": attempt, "stream": stream, "offset": offset, "data": data}
         return dict(self._call("POST", f"{API}/allocations/{allocation_id}/logs", json=body))
+
+    # ---- blobs and file requests (agent/blobs.py) ----------------------------------------------
+
+    def _raw(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, API + path, headers=self._headers, **kw)
+        except httpx.HTTPError as e:
+            raise Unreachable(f"{self.server}: {type(e).__name__}: {e}".rstrip(": ")) from None
+        if r.status_code >= 500:
+            raise Unreachable(f"{self.server}: HTTP {r.status_code}: {_error_text(r)}")
+        if r.status_code >= 400:
+            raise ApiError(r.status_code, _error_text(r))
+        return r
+
+    def get_bytes(self, path: str) -> bytes:
+        """A raw GET under /api/v1 (a blob), with a generous timeout for large ones."""
+        return self._raw("GET", path, timeout=max(self.timeout_s, 600.0)).content
+
+    def put_file(self, path: str, body: BinaryIO) -> dict[str, Any]:
+        """A raw PUT of a file's bytes, streamed (the packed files of a request)."""
+        chunks = iter(lambda: body.read(1 << 20), b"")
+        return dict(self._raw("PUT", path, content=chunks, timeout=max(self.timeout_s, 600.0)).json())
+
+    def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._call("POST", f"{API}{path}", json=body))

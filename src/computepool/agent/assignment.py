@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from computepool.agent.gang import Gang
 from computepool.agent.localstate import job_key
 
 ASSIGNMENT_FILE = "assignment.json"
@@ -34,6 +35,9 @@ class Assignment:
     restartable: bool = False
     image: str | None = None
     ports: tuple[int, ...] = ()
+    gang: Gang | None = None  # a member of a gang over several nodes (agent/gang.py)
+    code: str | None = None  # sha256 of a tar.gz unpacked into the work dir before the start
+    stdin: str | None = None  # sha256 of the blob fed to the job's stdin
 
     @property
     def key(self) -> str:
@@ -55,6 +59,9 @@ class Assignment:
             restartable=bool(d.get("restartable", False)),
             image=str(d["image"]) if d.get("image") else None,
             ports=tuple(int(p) for p in d.get("ports") or ()),
+            gang=Gang.parse(d.get("gang")),
+            code=str(d["code"]) if d.get("code") else None,
+            stdin=str(d["stdin"]) if d.get("stdin") else None,
         )
 
 
@@ -79,6 +86,9 @@ def assignment_json(a: Assignment) -> dict[str, Any]:
         "restartable": a.restartable,
         "image": a.image,
         "ports": list(a.ports),
+        "gang": a.gang.to_json() if a.gang is not None else None,
+        "code": a.code,
+        "stdin": a.stdin,
     }
 
 

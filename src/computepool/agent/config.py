@@ -32,6 +32,7 @@ class AgentConfig:
     join_token: str | None = None
     ca: Path | None = None  # the control plane's CA (PEM); else a pinned or the system's (api.server_verify)
     name: str | None = None
+    address: str | None = None  # where gang peers reach this node; None: as the control plane sees it
     simulate: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     cgroup_base: Path | None = DEFAULT_CGROUP_BASE

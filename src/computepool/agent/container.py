@@ -237,6 +237,9 @@ class Podman:
         mps = env.get("CUDA_MPS_PIPE_DIRECTORY", "")
         if mps.startswith("/") and not mps.startswith(WORKDIR) and os.path.isdir(mps):
             argv.append(f"--volume={mps}:{mps}:rw,nosuid,nodev")  # the GPU's MPS daemon, for MPS slices
+        cache = env.get("CPOOL_CACHE_DIR", "")
+        if cache.startswith("/") and os.path.isdir(cache):
+            argv.append(f"--volume={cache}:{cache}:rw,nosuid,nodev")  # the tenant's cache, same path
         argv += [f"--env={k}={v}" for k, v in env.items()]
         argv += [image, *spec.command]
         return argv

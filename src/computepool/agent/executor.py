@@ -67,15 +67,16 @@ __all__ = [
 MIB = 1024 * 1024
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
-# $1 is the exit file; the rest is the command. stdin is the gate pipe until the agent says go.
+# $1 is the exit file, $2 the job's stdin (a file, or /dev/null); the rest is the command. stdin is
+# the gate pipe until the agent says go.
 # The wrapper outlives SIGTERM (a trap, which the command does not inherit) so that the command
 # gets its whole grace period and its exit status is still written.
 _WRAPPER = """\
 read -r _cpool_go || exit 125
-exec </dev/null
+exec <"$2" || exit 125
 trap : TERM
 _cpool_exit_file=$1
-shift
+shift 2
 "$@"
 _cpool_rc=$?
 (umask 077 && echo "$_cpool_rc" > "$_cpool_exit_file")
@@ -196,11 +197,13 @@ class Executor:
         user = launch.user
         as_user = user is not None and os.geteuid() == 0
 
+        stdin = spec.stdin or "/dev/null"
+        wrapper = ["/bin/sh", "-c", _WRAPPER, "cpool-job", str(run_dir / EXIT_FILE), stdin]
         gate_r, gate_w = os.pipe()
         try:
             with _log(run_dir / STDOUT_LOG) as out, _log(run_dir / STDERR_LOG) as err:
                 popen = subprocess.Popen(
-                    ["/bin/sh", "-c", _WRAPPER, "cpool-job", str(run_dir / EXIT_FILE), *launch.argv],
+                    [*wrapper, *launch.argv],
                     stdin=gate_r,
                     stdout=out,
                     stderr=err,

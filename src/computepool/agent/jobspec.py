@@ -35,6 +35,7 @@ class JobSpec:
     image: str | None = None  # None: a sandboxed process; else an OCI container through podman
     ports: tuple[int, ...] = ()  # container ports to publish (containers have no network otherwise)
     device_uuids: tuple[str, ...] = ()  # the slice's devices: a container sees only these
+    stdin: str | None = None  # a file the command reads as its stdin (default /dev/null)
 
     @property
     def key(self) -> str:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from computepool.agent.assignment import ASSIGNMENT_FILE, Assignment, assignment_json
+from computepool.agent.blobs import BlobCache, CodeUnavailable
 from computepool.agent.devices import NodeInventory, SimulatedBackend
 from computepool.agent.devices.simulated import SIM_MEMORY_FILE_ENV, SIM_MEMORY_FILE_NAME
 from computepool.agent.executor import Executor, JobSpec
@@ -28,6 +29,7 @@ from computepool.core.allocation import Isolation, Slice
 from computepool.core.errors import InvalidInput
 
 log = logging.getLogger("computepool.agent")
+WORKER_CA_FILE = ".cpool-ca.pem"  # in the job's work dir: the control plane's CA, for function workers
 
 
 class JobStarter:
@@ -40,8 +42,14 @@ class JobStarter:
         executor: Executor,
         data_dir: Path,
         watchdog: MemoryWatchdog | None,
+        server: str | None = None,
+        ca: Path | None = None,
     ) -> None:
+        """`server` and `ca`: how a function's worker reaches the control plane (`worker_env`)."""
         self.name = name
+        self.blobs: BlobCache | None = None  # set by the agent: fetches code and stdin (agent/blobs.py)
+        self.server = server
+        self.ca = ca
         self.inventory = inventory
         self.executor = executor
         self.state = executor.state
@@ -86,12 +94,17 @@ class JobStarter:
             run_dir.mkdir(parents=True, exist_ok=True)
             work_dir = self.executor.work_dir(a.allocation_id, a.attempt)  # the job's; run_dir is ours
             work_dir.mkdir(parents=True, exist_ok=True)
+            stdin = self._shipped(a, run_dir, work_dir)  # the run's code unpacked, its stdin in place
             env = slice_env(
                 a.allocation_id, a.attempt, resolved, work_dir, mps=self._mps_daemons(resolved),
                 user_env=a.env,
             )  # fmt: skip
+            if a.gang is not None:  # one member of a gang: its rank, peers and rendezvous
+                a.gang.check_master_port()
+                env |= a.gang.env()
             if isinstance(self.inventory.backend, SimulatedBackend):
                 env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
+            env |= self.worker_env(env, work_dir)
             (run_dir / ASSIGNMENT_FILE).write_text(json.dumps(assignment_json(a)))
             spec = JobSpec(
                 a.allocation_id,
@@ -105,12 +118,36 @@ class JobStarter:
                 image=a.image,
                 ports=a.ports,
                 device_uuids=tuple(s.device.uuid for s in resolved),
+                stdin=stdin,
             )
             rec = self.executor.start(spec)
         except (InvalidInput, IsolationUnavailable, OSError, ValueError, KeyError) as e:
             self._record_start_failure(a, run_dir, str(e))
             return None
         return rec, resolved
+
+    def _shipped(self, a: Assignment, run_dir: Path, work_dir: Path) -> str | None:
+        """Unpack the assignment's code into the work dir; its stdin file. Raises CodeUnavailable."""
+        if (a.code or a.stdin) and self.blobs is None:
+            raise CodeUnavailable("this agent cannot fetch blobs (no control plane connection)")
+        if a.code and self.blobs is not None:
+            self.blobs.unpack_code(a.code, work_dir)
+        if a.stdin and self.blobs is not None:
+            return str(self.blobs.stdin_file(a.stdin, run_dir))
+        return None
+
+    def worker_env(self, env: dict[str, str], work_dir: Path) -> dict[str, str]:
+        """A function's worker (its env holds CPOOL_WORKER_TOKEN) calls the control plane back: it
+        gets the agent's server URL and, when the agent pins a CA, a copy the job can read."""
+        if "CPOOL_WORKER_TOKEN" not in env or not self.server:
+            return {}
+        out = {"CPOOL_SERVER": self.server}
+        if self.ca is not None and self.ca.is_file():
+            copy = work_dir / WORKER_CA_FILE
+            copy.write_bytes(self.ca.read_bytes())
+            copy.chmod(0o644)
+            out["CPOOL_CA"] = str(copy)
+        return out
 
     def _record_start_failure(self, a: Assignment, run_dir: Path, reason: str) -> None:
         now = time.time()

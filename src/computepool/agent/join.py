@@ -7,9 +7,12 @@ heartbeat before the loop starts, so a refused one is replaced by a new join or 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
+import stat
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from computepool.agent import fencing
@@ -24,16 +27,44 @@ from computepool.agent.api import (
 )
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import DeviceInfo, NodeInventory
+from computepool.agent.sandbox import FIXED_PATH
 
 log = logging.getLogger("computepool.agent")
 
 _NAME_BAD = re.compile(r"[^a-z0-9_.-]+")
+_PYTHON = re.compile(r"python(3\.[0-9]+)")
 
 
 def default_node_name() -> str:
     """The host name, made into a valid node name (lower case, [a-z0-9_.-], at most 63)."""
     name = _NAME_BAD.sub("-", socket.gethostname().lower()).strip("-._")
     return (name or "node")[:63]
+
+
+def tenant_pythons(path: str = FIXED_PATH) -> list[str]:
+    """The Python versions ("3.11") a job can run here: `python3.X` on the PATH jobs get, executable
+    by anyone through every directory on the way (a tenant's user is no one special)."""
+    found: set[str] = set()
+    for folder in path.split(os.pathsep):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m = _PYTHON.fullmatch(name)
+            if m and _anyone_runs(Path(folder) / name):
+                found.add(m.group(1))
+    return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def _anyone_runs(exe: Path) -> bool:
+    try:
+        real = exe.resolve(strict=True)
+        if not real.stat().st_mode & stat.S_IXOTH or not real.is_file():
+            return False
+        return all(p.stat().st_mode & stat.S_IXOTH for p in (*real.parents, *exe.parents))
+    except OSError:
+        return False
 
 
 def _device_body(d: DeviceInfo) -> dict[str, Any]:
@@ -97,7 +128,10 @@ def join(config: AgentConfig, inventory: NodeInventory, api: AgentApi, name: str
         "memory_mib": inventory.cpu.memory_mib,
         "labels": labels,
         "devices": [_device_body(d) for d in inventory.devices],
+        "pythons": tenant_pythons(),  # a function needs its caller's Python on the node
     }
+    if config.address:
+        body["address"] = config.address
     try:
         answer = api.join(body)
     except Unreachable as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ from computepool.agent.sandbox import (
     SandboxConfig,
     hidden_dir,
     job_env,
+    prepare_cache,
     prepare_dirs,
     probe,
     wrap,
@@ -82,20 +83,40 @@ class Launcher:
             work.mkdir(mode=0o700, exist_ok=True)
         rec.extra["user"] = user.pw_name
         env = job_env(dict(spec.env), user, work)
+        try:
+            cache = self._cache_dir(spec.tenant, user)
+        except OSError as e:
+            return f"cannot prepare the tenant's cache dir: {e}"
+        if cache is not None:
+            env["CPOOL_CACHE_DIR"] = str(cache)
         if spec.image:
             podman = self.container_engine()
             ok, why = podman.available()
             if not ok:
                 return f"containers unavailable on this node: {why}"
             rec.extra["container"] = spec.key
+            if cache is not None:  # mounted at the same path (container.py)
+                spec = replace(spec, env={**spec.env, "CPOOL_CACHE_DIR": str(cache)})
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
             # podman (and conmon, which may drop files such as `oom` in its working directory) runs
             # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`
             return Launch(argv, env, run_dir, None, f"container {spec.image} through podman")
         mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
-        argv, applied = wrap(spec.command, user, work, self.host, hidden_dir(work, self.data_dir), keep)
+        hide = hidden_dir(work, self.data_dir)
+        argv, applied = wrap(spec.command, user, work, self.host, hide, keep, cache)
         return Launch(argv, env, work, None, ", ".join(applied))
+
+    def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:
+        """The tenant's cache (CPOOL_CACHE_DIR), kept between jobs: under `--cache-dir` for a root
+        agent; a non-root agent, which cannot hand dirs to other users, keeps it in its data dir."""
+        if self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
+            return None
+        if self.host.root:
+            return prepare_cache(self.sandbox.cache_root, tenant, user.pw_uid, user.pw_gid)
+        cache = self.data_dir / "cache" / tenant
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return cache
 
     def prepare(self, spec: JobSpec) -> None:
         """A container job's image on the node before the executor takes its lock (a pull may take
@@ -114,6 +135,9 @@ class Launcher:
         if user is not None:
             env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
         env["CPOOL_RUN_DIR"] = str(run_dir)
+        cache = self.data_dir / "cache" / (spec.tenant or "default")
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        env["CPOOL_CACHE_DIR"] = str(cache)
         env.update(spec.env)
         if user is not None and os.geteuid() == 0:
             for p in (run_dir, *run_dir.iterdir()):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pwd
 import random
 import signal
 import subprocess
@@ -31,8 +32,17 @@ from types import FrameType
 from typing import Any
 
 from computepool.agent import fencing
-from computepool.agent.api import AgentApi, ApiError, Credential, Unreachable, load_credential, server_verify
+from computepool.agent.api import (
+    SERVER_CERT_FILE,
+    AgentApi,
+    ApiError,
+    Credential,
+    Unreachable,
+    load_credential,
+    server_verify,
+)
 from computepool.agent.assignment import Assignment, saved_assignment
+from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
 from computepool.agent.executor import Executor
@@ -94,7 +104,13 @@ class Agent:
             if backend is not None
             else None
         )
-        self.starter = JobStarter(self.name, inventory, self.executor, config.data_dir, self.watchdog)
+        pinned = config.data_dir / SERVER_CERT_FILE
+        self.starter = JobStarter(
+            self.name, inventory, self.executor, config.data_dir, self.watchdog, server=config.server,
+            ca=config.ca or (pinned if pinned.exists() else None),
+        )  # fmt: skip
+        self.starter.blobs = BlobCache(config.data_dir, api)  # a run's code and stdin, by hash
+        self.files = FileAnswerer(api, config.data_dir, self.executor.work_dir, self._file_user)
         self.reports = Reporter(api, self.executor, self._refused)
         self.logs = LogShipper(api, self.executor, config.log_chunk_bytes, self._refused)
         self._lock = threading.Lock()
@@ -146,6 +162,7 @@ class Agent:
             for t in threads:
                 t.join(timeout=1.0)
             self.executor.close()  # the container removals still queued
+            self.files.close()
             self.state.close()
         if self._fatal is not None:
             raise self._fatal
@@ -214,11 +231,13 @@ class Agent:
 
     def _heartbeat_loop(self) -> None:
         backoff = Backoff(max_s=self.config.max_backoff_s)
+        address: str | None = self.config.address or ""  # said until a heartbeat is answered
         while not self._stop.is_set():
             interval = self.cred.heartbeat_interval_s
             try:
                 sent = fencing.now_s()
-                answer = self.api.heartbeat(self._usage())
+                answer = self.api.heartbeat(self._usage(), address)
+                address = None
                 interval = float(answer.get("heartbeat_interval_s") or interval)
                 self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
@@ -309,7 +328,12 @@ class Agent:
                     continue
                 desired[a.key] = a
             self._desired = desired
+        self.files.submit(answer.get("files") or [])  # users' file requests: packed on their own thread
         self._wake.set()
+
+    def _file_user(self, tenant: str) -> pwd.struct_passwd | None:
+        """Who packs a job's files: its tenant's user where jobs run as one (a sandboxing root agent)."""
+        return tenant_user(tenant) if self.executor.launcher.sandbox is not None else None
 
     # ---- the control loop --------------------------------------------------------------------
 

@@ -30,23 +30,28 @@ from computepool.agent.tenants import DEFAULT_UID_RANGE
 
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+DEFAULT_CACHE_ROOT = Path("/var/cache/computepool")
 
 # Runs as root inside the new namespaces, then starts the command as the tenant (the "$@").
 # $1 is the job's directory, $2 a directory to hide under an empty tmpfs (the agent's data dir, or
 # the highest ancestor of the job's directory the tenant could not pass), $3 another directory the
 # job must keep (its MPS daemon's pipes) or "". Where the job's own directory or that one was
 # hidden by the tmpfs or by the private /tmp, it is bound back in at the same path (through a
-# descriptor opened before, since the path itself leads elsewhere by then).
+# descriptor opened before, since the path itself leads elsewhere by then). $4 is the tenant's cache
+# dir (CPOOL_CACHE_DIR) or "", kept the same way.
 # It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
 # shell traps them (the command, in the same process group, gets the agent's signals itself) and
-# waits; when it exits the kernel kills whatever the job left in its namespace.
+# waits; when it exits the kernel kills whatever the job left in its namespace. The command keeps
+# this shell's stdin through a copy (fd 6): sh gives a background command /dev/null otherwise.
 _NS_INIT = """\
 _cpool_w=$1
 _cpool_hide=$2
 _cpool_keep=$3
-shift 3
+_cpool_cache=$4
+shift 4
 exec 3<"$_cpool_w" || exit 126
 if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
+if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
 mount -t tmpfs -o mode=1777,nosuid,nodev cpool-tmp /tmp || exit 126
 [ -d /dev/shm ] && mount -t tmpfs -o mode=1777,nosuid,nodev cpool-shm /dev/shm
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
@@ -60,10 +65,13 @@ _cpool_rebind() {
 }
 _cpool_rebind "$_cpool_w" /proc/self/fd/3
 if [ -n "$_cpool_keep" ]; then _cpool_rebind "$_cpool_keep" /proc/self/fd/4; fi
-exec 3<&- 4<&-
+if [ -n "$_cpool_cache" ]; then _cpool_rebind "$_cpool_cache" /proc/self/fd/5; fi
+exec 3<&- 4<&- 5<&-
 trap : TERM INT HUP
-"$@" &
+exec 6<&0
+"$@" <&6 6<&- &
 _cpool_p=$!
+exec 6<&-
 while :; do
     wait "$_cpool_p"
     _cpool_rc=$?
@@ -81,6 +89,7 @@ class SandboxConfig:
     single_tenant: bool = False
     namespaces: bool = True
     pids_max: int = DEFAULT_PIDS_MAX
+    cache_root: Path | None = DEFAULT_CACHE_ROOT  # per-tenant caches (CPOOL_CACHE_DIR); None: none
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,23 @@ def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
     return work
 
 
+def prepare_cache(root: Path, tenant: str, uid: int, gid: int) -> Path:
+    """The tenant's cache dir `<root>/<tenant>` (pip environments and the like, kept between jobs):
+    the tenant's own (0700) under a root dir others may pass but not list (0711)."""
+    root.mkdir(parents=True, exist_ok=True)
+    os.chown(root, 0, 0)
+    os.chmod(root, 0o711)
+    cache = root / tenant
+    cache.mkdir(mode=0o700, exist_ok=True)
+    st = cache.lstat()
+    if not cache.is_dir() or cache.is_symlink():
+        raise OSError(f"{cache} is not a directory")
+    if (st.st_uid, st.st_gid) != (uid, gid):
+        os.chown(cache, uid, gid, follow_symlinks=False)
+    os.chmod(cache, 0o700)
+    return cache
+
+
 def job_env(slice_env: dict[str, str], user: pwd.struct_passwd, work: Path) -> dict[str, str]:
     """The job's environment from scratch: the slice's and user's variables, a fixed PATH, who it is.
 
@@ -170,10 +196,11 @@ def wrap(
     host: HostSupport,
     hide: Path | None = None,
     keep: Path | None = None,
+    cache: Path | None = None,
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
 
-    `hide` is covered by an empty tmpfs in the job's mount namespace; `work` and `keep` stay.
+    `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache` stay.
     """
     applied: list[str] = []
     argv = list(command)
@@ -189,7 +216,8 @@ def wrap(
         # that exec, so the command itself is looked up and run with the tenant's rights alone
         argv = [*drop, "--", "/bin/sh", "-c", 'exec "$@"', "cpool-job", *argv]
     if host.namespaces and host.unshare is not None:
-        init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or "")]
+        init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
+                str(cache or "")]  # fmt: skip
         argv = [host.unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", *init, *argv]
         applied.append("own PID and mount namespaces, private /tmp and /dev/shm")
         if hide is not None:

@@ -69,6 +69,15 @@ def register(app: typer.Typer) -> None:
         name: Annotated[
             str | None, typer.Option("--name", help="Node name (default: the host name).")
         ] = None,
+        address: Annotated[
+            str | None,
+            typer.Option(
+                "--address",
+                envvar="CPOOL_AGENT_ADDRESS",
+                help="IP or host name where other nodes reach this one (MASTER_ADDR of the gangs whose "
+                "rank 0 it is); default: the address the control plane sees this agent's calls come from.",
+            ),
+        ] = None,
         label: Annotated[list[str], typer.Option("--label", help="Node label KEY=VALUE (repeatable).")] = [],  # noqa: B006
         cgroup_base: Annotated[
             str,
@@ -107,6 +116,15 @@ def register(app: typer.Typer) -> None:
                 "--uid-range", help="uids (and gids) for the tenants' users cpool-<tenant>, FIRST-LAST."
             ),
         ] = "61000-61999",
+        cache_dir: Annotated[
+            Path,
+            typer.Option(
+                "--cache-dir",
+                envvar="CPOOL_CACHE_ROOT",
+                help="Per-tenant caches kept between jobs (CPOOL_CACHE_DIR, e.g. the SDK's pip "
+                "environments): DIR/<tenant>, owned by the tenant's user.",
+            ),
+        ] = Path("/var/cache/computepool"),
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
@@ -120,10 +138,21 @@ def register(app: typer.Typer) -> None:
 
         os.umask(0o077)  # whatever the agent writes is its own: credential, records, logs
         try:
-            sandbox = SandboxConfig(uid_range=parse_uid_range(uid_range), single_tenant=single_tenant)
+            sandbox = SandboxConfig(
+                uid_range=parse_uid_range(uid_range),
+                single_tenant=single_tenant,
+                cache_root=cache_dir.absolute(),
+            )
         except InvalidInput as e:
             raise fail(f"--uid-range: {e.message}") from None
 
+        if address:
+            from computepool.core.address import check_address
+
+            try:
+                address = check_address(address, "--address")
+            except InvalidInput as e:
+                raise fail(str(e)) from None
         if log_level.lower() not in LOG_LEVELS:
             raise fail(f"--log-level: unknown level {log_level!r}")
         if not server.startswith(("http://", "https://")):
@@ -138,6 +167,7 @@ def register(app: typer.Typer) -> None:
             join_token=join_token or None,
             ca=ca.expanduser().absolute() if ca else None,
             name=name,
+            address=address or None,
             simulate=simulate,
             labels=_labels(label),
             cgroup_base=_cgroup_base(cgroup_base),

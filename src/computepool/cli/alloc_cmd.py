@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
@@ -10,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
+from rich.text import Text
 
 from computepool.cli.common import err_console, fail, print_json
 from computepool.cli.pool_cmd import (
@@ -30,8 +30,10 @@ from computepool.client.http import ENDED_STATES
 from computepool.client.options import build_request
 from computepool.core.allocation import HOLDING, LIVE, PENDING
 from computepool.core.quantities import (
+    format_amount,
     format_duration,
     format_mib,
+    resource_name,
 )
 
 POLL_S = 0.5
@@ -52,10 +54,27 @@ def state_text(a: dict[str, Any]) -> str:
 
 
 # The request options `cpool alloc` and `cpool run` share (parsed by `request_from_options`).
-GpusOpt = Annotated[str, typer.Option("--gpus", help="0.5 (a slice of one GPU), 1, 2, … or 250m.")]
+GpusOpt = Annotated[
+    str,
+    typer.Option(
+        "--gpus",
+        "--gpus-per-node",
+        help="Per node: 0.5 (a slice of one GPU), 1, 2, … or 250m; 0 for CPU only.",
+    ),
+]
 GpuMemOpt = Annotated[str | None, typer.Option("--gpu-mem", help="GPU memory per device, e.g. 10GiB.")]
-CpusOpt = Annotated[str, typer.Option("--cpus", help="Host CPUs, e.g. 2 or 500m.")]
-MemOpt = Annotated[str, typer.Option("--mem", help="Host memory, e.g. 4GiB.")]
+CpusOpt = Annotated[str, typer.Option("--cpus", help="Host CPUs per node, e.g. 2 or 500m.")]
+MemOpt = Annotated[str, typer.Option("--mem", help="Host memory per node, e.g. 4GiB.")]
+NodesOpt = Annotated[
+    int,
+    typer.Option(
+        "--nodes",
+        "--gang-nodes",
+        min=1,
+        help="Nodes, bound all-or-nothing and started together as one gang (each told MASTER_ADDR, "
+        "MASTER_PORT, NODE_RANK, WORLD_SIZE …); the other quantities are per node.",
+    ),
+]
 ExclusiveOpt = Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")]
 ModelOpt = Annotated[
     list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
@@ -75,6 +94,21 @@ TolerationOpt = Annotated[
 ]
 TimeLimitOpt = Annotated[
     str | None, typer.Option("--time-limit", help="End it after this long, e.g. 90m or 2h.")
+]
+ColocateOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--colocate",
+        help="A gang's nodes must all share one value of this node label, e.g. rack (waits otherwise).",
+    ),
+]
+NameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--name",
+        help="A label for people, not unique: lowercase letters, digits, '.', '_' and '-', starting with "
+        "a letter or digit, at most 63 characters (so `hold-t4`, not `holdT4`).",
+    ),
 ]
 
 
@@ -135,11 +169,24 @@ def environment(alloc: dict[str, Any]) -> dict[str, dict[str, str]]:
     for node, slices in by_node.items():
         slices.sort(key=lambda s: s["device_index"])
         devices = ",".join(s.get("device_uuid") or str(s["device_index"]) for s in slices)
-        env[node] = {"CUDA_VISIBLE_DEVICES": devices, "CPOOL_ALLOCATION": str(alloc["id"])}
+        env[node] = {"CUDA_VISIBLE_DEVICES": devices, "CPOOL_ALLOCATION_ID": str(alloc["id"])}
     if not env:  # CPU only: still name the allocation
         for node in alloc.get("nodes") or []:
-            env[str(node)] = {"CPOOL_ALLOCATION": str(alloc["id"])}
+            env[str(node)] = {"CPOOL_ALLOCATION_ID": str(alloc["id"])}
     return env
+
+
+def nodes_text(alloc: dict[str, Any]) -> str:
+    """`a,b`; for a gang, each member's state after its node, in rank order: `a:running,b:exited 3`."""
+    members = alloc.get("members") or []
+    if not members:
+        return ",".join(map(str, alloc.get("nodes") or []))
+    parts = []
+    for m in members:
+        code = m.get("exit_code")
+        state = m.get("state") or ""
+        parts.append(f"{m['node']}:{state}" + (f" {code}" if code not in (None, 0) else ""))
+    return ",".join(parts)
 
 
 def show_bound(alloc: dict[str, Any]) -> None:
@@ -161,11 +208,31 @@ def show_bound(alloc: dict[str, Any]) -> None:
                 s.get("isolation") or "",
             )
         show(t)
+    members = alloc.get("members") or []
+    if members:
+        g = table(None, "rank", "node", "address", "state")
+        for m in members:
+            g.add_row(str(m["rank"]), escape(m["node"]), escape(m.get("address") or ""), m.get("state") or "")
+        show(g)
     env = environment(alloc)
     for node, variables in env.items():
         say(f"# on {escape(node)}:" if len(env) > 1 else "# use it with:")
         for k, v in variables.items():
             say(f"export {k}={escape(v)}")
+
+
+def quota_table(quota: dict[str, Any]) -> Any:
+    """The tenant's quota as `cpool explain` shows it: one row per resource, in the units users type."""
+    t = table("quota of the tenant", "resource", "in use", "this request", "guaranteed", "limit")
+    rows = [("", res, e) for res, e in quota.items() if res != "models"]
+    rows += [(m, res, e) for m, per in (quota.get("models") or {}).items() for res, e in per.items()]
+    for model, res, e in rows:
+        t.add_row(
+            escape(resource_name(res, model)),
+            *(format_amount(res, e.get(k)) for k in ("used", "request", "guaranteed")),
+            "none" if e.get("limit") is None else format_amount(res, e["limit"]),
+        )
+    return t
 
 
 def _explain_quietly(pool: PoolClient, alloc_id: object) -> dict[str, Any] | None:
@@ -177,7 +244,8 @@ def _explain_quietly(pool: PoolClient, alloc_id: object) -> dict[str, Any] | Non
 
 
 def _pending_line(alloc_id: object, explain: dict[str, Any] | None) -> str:
-    if not explain:
+    # An explanation read just after binding speaks of the binding: no "pending: bound on …" line.
+    if not explain or explain.get("state") != PENDING:
         return f"allocation {alloc_id} pending"
     pos = explain.get("queue_position")
     where = f" (queue position {pos})" if pos is not None else ""
@@ -196,7 +264,7 @@ def wait_for_binding(
     spinner: AbstractContextManager[Any] = nullcontext()
     live = not quiet and err_console.is_terminal
     if live:
-        spinner = err_console.status(_pending_line(alloc_id, None))
+        spinner = err_console.status(Text(_pending_line(alloc_id, None)))
     last_line, next_explain = "", 0.0
     with spinner as status:
         while alloc.get("state") == PENDING:
@@ -213,9 +281,9 @@ def wait_for_binding(
                 line = _pending_line(alloc_id, _explain_quietly(pool, alloc_id))
                 next_explain = now + EXPLAIN_EVERY_S
                 if live:
-                    status.update(line)
+                    status.update(Text(line))  # the server's words as is, not markup
                 elif not quiet and line != last_line:
-                    err_console.print(line, highlight=False, soft_wrap=True)
+                    err_console.print(line, highlight=False, markup=False, soft_wrap=True)
                 last_line = line
             pause = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             alloc = pool.get_allocation(alloc_id, wait=pause, state=PENDING)  # answers on binding
@@ -239,9 +307,10 @@ def register(app: typer.Typer) -> None:
         node_selector: SelectorOpt = None,
         toleration: TolerationOpt = None,
         time_limit: TimeLimitOpt = None,
-        gang_nodes: Annotated[int, typer.Option("--gang-nodes", min=1, help="Nodes, all or none.")] = 1,
+        nodes: NodesOpt = 1,
+        colocate: ColocateOpt = None,
         priority: Annotated[int, typer.Option("--priority", help="Higher goes first.")] = 0,
-        name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,
+        name: NameOpt = None,
         tenant: Annotated[str | None, typer.Option("--tenant", help="Admins: on behalf of a tenant.")] = None,
         no_wait: Annotated[bool, typer.Option("--no-wait", help="Submit and return at once.")] = False,
         timeout: Annotated[
@@ -255,7 +324,8 @@ def register(app: typer.Typer) -> None:
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
-            tolerations=toleration, gang_nodes=gang_nodes, priority=priority, name=name, tenant=tenant,
+            tolerations=toleration, nodes=nodes, priority=priority, name=name, tenant=tenant,
+            colocate=colocate,
         )  # fmt: skip
         with open_client(server, token) as pool:
             out = pool.create_allocation(req)
@@ -338,7 +408,7 @@ def register(app: typer.Typer) -> None:
                 a.get("owner") or "",
                 state_text(a),
                 escape(request_text(a.get("request") or {})),
-                escape(",".join(map(str, a.get("nodes") or []))),
+                escape(nodes_text(a)),
                 short_time(a.get("created_at")),
                 escape(a.get("reason") or ""),
             )
@@ -375,25 +445,44 @@ def register(app: typer.Typer) -> None:
         for note in reasons.get("notes") or []:
             say(f"- {escape(str(note))}")
         if out.get("quota"):
-            say(f"quota: {escape(str(out['quota']))}")
+            show(quota_table(out["quota"]))
 
     @app.command("logs")
     @pool_command
     def logs(
         alloc_id: Annotated[str, typer.Argument(metavar="ID", help="Allocation id.")],
-        follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until it ends.")] = False,
+        follow: Annotated[
+            bool,
+            typer.Option(
+                "--follow",
+                "-f",
+                help="Keep printing until the job ends, then say how it ended (on stderr) and exit "
+                "with its exit code, as `cpool run` does.",
+            ),
+        ] = False,
+        rank: Annotated[
+            int | None,
+            typer.Option("--rank", min=0, help="Which member of a gang (0 = the first node; default 0)."),
+        ] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Print the output of an allocation's command."""
-        offset = 0
+        """Print the output of an allocation's command: its stdout on stdout, its stderr on stderr."""
+        from computepool.cli.logstream import copy_output, ended_line, exit_code
+
+        def whose(out: dict[str, Any]) -> None:
+            ranks = int(out.get("ranks") or 1)
+            if ranks > 1:
+                hint = "; --rank R shows another member" if rank is None else ""
+                err_console.print(
+                    f"(output of rank {out.get('rank', 0)} of {ranks}{hint})",
+                    highlight=False,
+                    markup=False,
+                    style="dim",
+                )
+
         with open_client(server, token, timeout=60.0) as pool:
-            while True:
-                out = pool.allocation_logs(alloc_id, offset=offset, wait=20.0 if follow else None)
-                sys.stdout.write(out.get("data") or "")
-                sys.stdout.flush()
-                offset = int(out.get("next_offset", offset))
-                if not follow or out.get("ended"):
-                    return
-                if not out.get("data"):
-                    time.sleep(POLL_S)  # a server that answers at once instead of long-polling
+            out = copy_output(pool, alloc_id, rank=rank or 0, follow=follow, first=whose)
+        if follow:
+            err_console.print(ended_line(alloc_id, out), highlight=False, markup=False, soft_wrap=True)
+            raise typer.Exit(exit_code(out))

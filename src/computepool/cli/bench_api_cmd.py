@@ -11,7 +11,6 @@ from rich.table import Table
 from computepool.cli.common import console, err_console, print_json
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.client import resolve_config
-from computepool.client.bench import BenchSettings, is_loopback, run_api_bench
 from computepool.core.errors import InvalidInput
 
 
@@ -43,6 +42,8 @@ def register(bench_app: typer.Typer) -> None:
         completed cycles per second. With an admin token it joins --nodes simulated nodes of its
         own for the run; other tokens use the pool's ready nodes.
         """
+        from computepool.client.bench import BenchSettings, is_loopback, run_api_bench  # aiohttp
+
         cfg = resolve_config(server, token)
         if not cfg.token:
             raise InvalidInput(

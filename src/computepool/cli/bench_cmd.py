@@ -9,11 +9,13 @@ import typer
 from rich.table import Table
 
 from computepool.cli.common import console, friendly_errors, print_json, progress_bar
-from computepool.scheduler.policies import POLICIES
-from computepool.sim.synthetic import run_bench
 
 
 def register(bench_app: typer.Typer) -> None:
+    from computepool.cli import bench_functions_cmd
+
+    bench_functions_cmd.register(bench_app)  # `cpool bench functions`
+
     @bench_app.command("scheduler")
     @friendly_errors
     def scheduler(
@@ -29,6 +31,9 @@ def register(bench_app: typer.Typer) -> None:
         placements_per_s counts place+commit decisions per second of scheduler time; releases of
         old allocations (to hold the pool near 85% allocated) are not counted in it.
         """
+        from computepool.scheduler.policies import POLICIES  # numpy: only when the command runs
+        from computepool.sim.synthetic import run_bench
+
         if policy not in POLICIES or policy == "fgd":
             raise ValueError(f"--policy: choose from {', '.join(p for p in POLICIES if p != 'fgd')}")
         with progress_bar("placing", not json_out) as update:

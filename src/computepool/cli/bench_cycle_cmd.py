@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from computepool.cli.common import console, err_console, friendly_errors, print_json
-from computepool.server.bench_cycle import CycleBenchSettings, run_cycle_bench
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -35,6 +34,8 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Fill a fresh database with NODES x GPUS and PENDING requests, then time the real
         controller's cycles: the first (many binds), steady ones, and ones after churn."""
+        from computepool.server.bench_cycle import CycleBenchSettings, run_cycle_bench  # the server
+
         s = CycleBenchSettings(
             nodes=nodes,
             gpus_per_node=gpus_per_node,

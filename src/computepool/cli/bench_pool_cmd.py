@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -12,15 +12,10 @@ from rich.table import Table
 from computepool.cli.common import console, err_console, print_json
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.client import resolve_config
-from computepool.client.bench import is_loopback
-from computepool.client.bench_pool import (
-    AgentsSettings,
-    JobsSettings,
-    LocalProcess,
-    run_agents_bench,
-    run_jobs_bench,
-)
 from computepool.core.errors import InvalidInput
+
+if TYPE_CHECKING:  # aiohttp and friends load only when a benchmark runs
+    from computepool.client.bench_pool import LocalProcess
 
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 AllowRemote = Annotated[bool, typer.Option("--allow-remote", help="Allow a server that is not on loopback.")]
@@ -29,6 +24,8 @@ AllowRemote = Annotated[bool, typer.Option("--allow-remote", help="Allow a serve
 def _target(
     server: str | None, token: str | None, allow_remote: bool, local: LocalProcess | None
 ) -> tuple[str, str]:
+    from computepool.client.bench import is_loopback
+
     if local is not None:
         return local.url, local.token
     cfg = resolve_config(server, token)
@@ -42,6 +39,8 @@ def _target(
 def _run_with(
     kind: str | None, run: Callable[[LocalProcess | None], dict[str, Any]], json_out: bool
 ) -> dict[str, Any]:
+    from computepool.client.bench_pool import LocalProcess
+
     if kind is None:
         return run(None)
     if not json_out:
@@ -114,6 +113,8 @@ def register(bench_app: typer.Typer) -> None:
         """
 
         def run(local: LocalProcess | None) -> dict[str, Any]:
+            from computepool.client.bench_pool import JobsSettings, run_jobs_bench
+
             url, tok = _target(server, token, allow_remote, local)
             s = JobsSettings(
                 server=url,
@@ -167,6 +168,8 @@ def register(bench_app: typer.Typer) -> None:
         """
 
         def run(local: LocalProcess | None) -> dict[str, Any]:
+            from computepool.client.bench_pool import AgentsSettings, run_agents_bench
+
             url, tok = _target(server, token, allow_remote, local)
             pid = local.server_pid() if local is not None else server_pid
             s = AgentsSettings(

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from computepool.core.errors import InvalidInput
 
@@ -33,7 +34,8 @@ def _default(o: object) -> object:
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    """Print `error: MESSAGE` as is — never read as markup, so `[a-z]` in a server's rule survives."""
+    err_console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -1,4 +1,9 @@
-"""The `cpool` command: one Typer app; each command group lives in its own module."""
+"""The `cpool` command: one Typer app; each command group lives in its own module.
+
+Start-up time is every command's latency: this module and the command modules import only what
+registering their options needs (typer, rich, the HTTP client); servers, databases, numpy and
+the simulator load inside the commands that use them.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,23 @@ app.add_typer(sim_app, name="sim")
 app.add_typer(bench_app, name="bench")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"cpool {version('computepool')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("cpool (version unknown: not installed)")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
+    _version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
     ca: Annotated[
         Path | None,
         typer.Option(
@@ -41,11 +61,13 @@ def _register() -> None:
         bench_cmd,
         bench_cycle_cmd,
         bench_pool_cmd,
+        cp_cmd,
         nodes_cmd,
         quota_cmd,
         run_cmd,
         server_cmd,
         sim_fill,
+        sim_gangs,
         sim_replay,
         sim_report,
         tenants_cmd,
@@ -55,6 +77,7 @@ def _register() -> None:
     sim_fill.register(sim_app)
     sim_replay.register(sim_app)
     sim_report.register(sim_app)
+    sim_gangs.register(sim_app)
     bench_cmd.register(bench_app)
     server_cmd.register(app)
     agent_cmd.register(app)
@@ -68,6 +91,7 @@ def _register() -> None:
     nodes_cmd.register(app)
     alloc_cmd.register(app)
     run_cmd.register(app)
+    cp_cmd.register(app)
     bench_api_cmd.register(bench_app)
     bench_cycle_cmd.register(bench_app)
     bench_pool_cmd.register(bench_app)

@@ -106,6 +106,7 @@ def show_nodes(nodes: list[dict[str, Any]], usage: Usage | None) -> None:
     cols = [
         "node",
         "state",
+        "address",
         *(["labels / rules"] if with_rules else []),
         "cpu / mem",
         "dev",
@@ -115,7 +116,8 @@ def show_nodes(nodes: list[dict[str, Any]], usage: Usage | None) -> None:
     cols += ["allocated compute", "allocated memory"] if usage is not None else ["uuid"]
     t = table(None, *cols)
     for n in nodes:
-        head = [escape(n["name"]), _state(n), *([escape(rules_text(n))] if with_rules else [])]
+        head = [escape(n["name"]), _state(n), escape(n.get("address") or "")]
+        head += [escape(rules_text(n))] if with_rules else []
         head.append(f"{cpus_text(n['cpu_milli'])} / {format_mib(n['memory_mib'])}")
         devices = n.get("devices") or []
         if not devices:

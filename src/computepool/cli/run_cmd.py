@@ -8,15 +8,21 @@ used to be. Ctrl-C cancels the job (or, with --detach, leaves it running).
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
+from rich.text import Text
 
 from computepool.cli.alloc_cmd import (
+    ColocateOpt,
     CpusOpt,
     ExclusiveOpt,
     GpuMemOpt,
@@ -26,6 +32,8 @@ from computepool.cli.alloc_cmd import (
     MemOpt,
     MigOpt,
     ModelOpt,
+    NameOpt,
+    NodesOpt,
     PortOpt,
     SelectorOpt,
     TimeLimitOpt,
@@ -34,47 +42,61 @@ from computepool.cli.alloc_cmd import (
     request_text,
     wait_for_binding,
 )
-from computepool.cli.common import err_console, fail
-from computepool.cli.pool_cmd import ServerOpt, TokenOpt, gpus_text, open_client, pool_command, table
-from computepool.client import PoolClient, PoolError
+from computepool.cli.common import console, err_console, fail
+from computepool.cli.logstream import copy_output, ended_line, exit_code
+from computepool.cli.pool_cmd import (
+    PIPE_WIDTH,
+    ServerOpt,
+    TokenOpt,
+    gpus_text,
+    open_client,
+    pool_command,
+    table,
+)
+from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, OutputOpt, WorkdirOpt
+from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.http import ENDED_STATES
 from computepool.core.allocation import LIVE
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_mib
 
-LOG_WAIT_S = 10.0
+
+class _Hangup(Exception):
+    """SIGTERM or SIGHUP arrived: the caller is going away, as with Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _stream_until_ended(pool: PoolClient, alloc_id: str) -> dict[str, Any]:
-    """Print the job's output as it comes; return the allocation once it ended and all is out."""
-    offset = 0
-    while True:
-        out = pool.allocation_logs(alloc_id, offset=offset, wait=LOG_WAIT_S)
-        data = out.get("data") or ""
-        if data:
-            sys.stdout.write(data)
-            sys.stdout.flush()
-        offset = int(out.get("next_offset", offset))
-        if out.get("ended") and not data:
-            alloc = pool.get_allocation(alloc_id)
-            if alloc.get("state") in ENDED_STATES:
-                return alloc
-        if not data and not out.get("ended"):
-            alloc = pool.get_allocation(alloc_id)
-            if alloc.get("state") in ENDED_STATES:
-                # the end is recorded; one more read drains what the agent sent last
-                rest = pool.allocation_logs(alloc_id, offset=offset)
-                sys.stdout.write(rest.get("data") or "")
-                sys.stdout.flush()
-                return alloc
-            time.sleep(0.2)  # a server that answered at once instead of long-polling
+_CALLER_GONE = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-def _exit_code(alloc: dict[str, Any]) -> int:
-    code = alloc.get("exit_code")
-    if isinstance(code, int):
-        return code if 0 <= code < 256 else 1
-    return 0 if alloc.get("state") == "released" else 1
+@contextlib.contextmanager
+def _ends_with_caller(mask: set[signal.Signals]) -> Iterator[None]:
+    """Turn SIGTERM (e.g. from `timeout`) and SIGHUP (a closed terminal) into `_Hangup`, so the job
+    is cancelled as with Ctrl-C instead of starting later with no one watching; then restore the
+    signal mask `mask` (signals held while the job was created arrive here)."""
+
+    def raise_hangup(signum: int, _frame: object) -> None:
+        raise _Hangup(signum)
+
+    before = {s: signal.signal(s, raise_hangup) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _cancel(pool: PoolClient, job_id: str, code: int) -> typer.Exit:
+    """Cancel the job; no further signal interrupts the cancel itself."""
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    with contextlib.suppress(PoolError, ServerUnreachable):
+        pool.cancel_allocation(job_id)
+    return fail(f"cancelled job {job_id}", code=code)
 
 
 def register(app: typer.Typer) -> None:
@@ -98,6 +120,8 @@ def register(app: typer.Typer) -> None:
         node_selector: SelectorOpt = None,
         toleration: TolerationOpt = None,
         time_limit: TimeLimitOpt = None,
+        gang_nodes: NodesOpt = 1,
+        colocate: ColocateOpt = None,
         restartable: Annotated[
             bool,
             typer.Option(
@@ -109,10 +133,15 @@ def register(app: typer.Typer) -> None:
                 "drained node lets it finish. A failing exit or a time limit is never retried.",
             ),
         ] = False,
-        name: Annotated[str | None, typer.Option("--name", help="A name for people.")] = None,
+        name: NameOpt = None,
         detach: Annotated[
             bool, typer.Option("--detach", "-d", help="Submit and return; Ctrl-C never cancels.")
         ] = False,
+        workdir: WorkdirOpt = None,
+        no_code: NoCodeOpt = False,
+        env: EnvOpt = None,
+        env_file: EnvFileOpt = None,
+        output: OutputOpt = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -125,10 +154,22 @@ def register(app: typer.Typer) -> None:
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
-            tolerations=toleration, name=name, command=command, restartable=restartable,
+            tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
+            colocate=colocate,
         )  # fmt: skip
+        from computepool.cli import ship  # archive and tar code: loaded by the command that ships
+
+        job_env, outputs = ship.parse_env(env, env_file), ship.check_outputs(output)
+        stdin = ship.read_stdin()
         with open_client(server, token, timeout=60.0) as pool:
-            job = pool.create_allocation(req)
+            req = ship.ship(pool, req, workdir=workdir, no_code=no_code, env=job_env, stdin=stdin)
+            # Signals wait while the job is created, so one arriving then still finds its id to cancel.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, _CALLER_GONE)
+            try:
+                job = pool.create_allocation(req)
+            finally:
+                if detach:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
             job_id = str(job["id"])
             if detach:
                 err_console.print(
@@ -137,24 +178,35 @@ def register(app: typer.Typer) -> None:
                 )
                 return
             try:
-                job = wait_for_binding(pool, job, None, quiet=False)
-                if job["state"] not in ENDED_STATES:
-                    err_console.print(
-                        f"job {job_id} {job['state']} on {', '.join(map(str, job.get('nodes') or []))}: "
-                        f"{escape(request_text(job.get('request') or {}))}",
-                        highlight=False,
-                        style="dim",
-                    )
-                    job = _stream_until_ended(pool, job_id)
+                with _ends_with_caller(held):
+                    job = wait_for_binding(pool, job, None, quiet=False)
+                    if job["state"] not in ENDED_STATES:
+                        nodes = list(dict.fromkeys(map(str, job.get("nodes") or [])))
+                        what = request_text(job.get("request") or {})
+                        err_console.print(
+                            f"job {job_id} {job['state']} on {', '.join(nodes)}"
+                            + (f": {what}" if what != "nothing" else "")
+                            + (f" (output of rank 0 of {len(nodes)})" if len(nodes) > 1 else ""),
+                            highlight=False,
+                            markup=False,
+                            style="dim",
+                        )
+                        job = copy_output(pool, job_id)
             except KeyboardInterrupt:
-                with contextlib.suppress(PoolError):
-                    pool.cancel_allocation(job_id)
-                raise fail(f"cancelled job {job_id}", code=130) from None
-        code = _exit_code(job)
+                raise _cancel(pool, job_id, 130) from None
+            except _Hangup as e:
+                raise _cancel(pool, job_id, 128 + e.signum) from None
+            fetch_errors = ship.fetch_outputs(pool, job_id, outputs, Path.cwd()) if outputs else []
+        code = exit_code(job)
+        for line in fetch_errors:
+            err_console.print(Text.assemble(("error:", "red"), " ", line), highlight=False)
+        if fetch_errors and code == 0:
+            code = 1
         if job["state"] != "released" or code != 0:
             err_console.print(
-                f"job {job_id} {job['state']}: {job.get('reason') or 'no reason given'}",
+                ended_line(job_id, job),
                 highlight=False,
+                markup=False,
                 style="dim" if job["state"] in ("released", "failed") else None,
             )
         raise typer.Exit(code)
@@ -171,18 +223,30 @@ def register(app: typer.Typer) -> None:
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """A live view of the pool: each device's allocated share and the work queued and running."""
-        with open_client(server, token) as pool, Live(console=err_console, auto_refresh=False) as live:
-            n = 0
-            while True:
-                live.update(_top_view(pool), refresh=True)
-                n += 1
-                if iterations and n >= iterations:
-                    return
-                try:
-                    time.sleep(interval)
-                except KeyboardInterrupt:
-                    return
+        """A live view of the pool: each device's allocated share and the work queued and running.
+
+        Into a pipe or file (not a terminal) it prints one plain snapshot per refresh instead.
+        """
+        live_view = console.is_terminal
+        with open_client(server, token) as pool:
+            plain = Console(file=sys.stdout, width=PIPE_WIDTH, no_color=True)
+            view = Live(console=console, auto_refresh=False) if live_view else contextlib.nullcontext()
+            with view as live:
+                n = 0
+                while True:
+                    snapshot = _top_view(pool)
+                    if live is not None:
+                        live.update(snapshot, refresh=True)
+                    else:
+                        plain.print(snapshot)
+                        sys.stdout.flush()
+                    n += 1
+                    if iterations and n >= iterations:
+                        return
+                    try:
+                        time.sleep(interval)
+                    except KeyboardInterrupt:
+                        return
 
 
 def _bar(share: float, width: int = 20) -> str:

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from computepool.cli.common import fail
 
@@ -48,6 +47,16 @@ def register(app: typer.Typer) -> None:
                 "--max-body-bytes", help="Larger request bodies are refused with 413 (default 1 MiB)."
             ),
         ] = 1 << 20,
+        blob_max_mib: Annotated[
+            int,
+            typer.Option(
+                "--blob-max-mib", help="Largest upload of code, stdin or job files, in MiB (default 256)."
+            ),
+        ] = 256,
+        tenant_blob_max_mib: Annotated[
+            int,
+            typer.Option("--tenant-blob-max-mib", help="Blob MiB one tenant may hold in all (default 2048)."),
+        ] = 2048,
         tls_cert: Annotated[
             Path | None,
             typer.Option(
@@ -58,6 +67,21 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--tls-key", envvar="CPOOL_TLS_KEY", help="PEM private key of --tls-cert."),
         ] = None,
+        topology_label: Annotated[
+            str | None,
+            typer.Option(
+                "--topology-label",
+                envvar="CPOOL_TOPOLOGY_LABEL",
+                help="Node label (e.g. rack or switch) whose value a gang's nodes prefer to share.",
+            ),
+        ] = None,
+        gang_ports: Annotated[
+            str,
+            typer.Option(
+                "--gang-ports",
+                help="FIRST-LAST: the ports a gang's rank-0 node may be given as MASTER_PORT.",
+            ),
+        ] = "29500-29999",
         audit_key_file: Annotated[
             Path | None,
             typer.Option(
@@ -69,11 +93,16 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Start the control plane; the first start writes an admin token to DATA_DIR/admin-token."""
+        from pydantic import ValidationError
+
         from computepool.server.run import serve
         from computepool.server.settings import ServerSettings
 
         if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise fail(f"--log-level: unknown level {log_level!r}")
+        first, sep, last = gang_ports.partition("-")
+        if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+            raise fail(f"--gang-ports: expected FIRST-LAST, e.g. 29500-29999, got {gang_ports!r}")
         try:
             settings = ServerSettings(
                 data_dir=data_dir.expanduser(),
@@ -86,9 +115,14 @@ def register(app: typer.Typer) -> None:
                 token_cache_s=token_cache_s,
                 log_level=log_level.lower(),
                 max_body_bytes=max_body_bytes,
+                blob_max_mib=blob_max_mib,
+                tenant_blob_max_mib=tenant_blob_max_mib,
                 tls_cert=tls_cert.expanduser() if tls_cert else None,
                 tls_key=tls_key.expanduser() if tls_key else None,
                 audit_key_file=audit_key_file.expanduser() if audit_key_file else None,
+                topology_label=topology_label,
+                gang_port_min=int(first),
+                gang_port_max=int(last),
             )
         except ValidationError as e:
             first = e.errors()[0]

@@ -10,11 +10,7 @@ import typer
 from rich.table import Table
 
 from computepool.cli.common import console, friendly_errors, print_json, progress_bar
-from computepool.scheduler.policies import POLICIES
-from computepool.sim.alibaba import load_nodes, load_pods
 from computepool.sim.csvread import traces_dir
-from computepool.sim.fill import run_fill
-from computepool.sim.sharing import static_vs_pooled
 
 POLICY_HELP = (
     "Scoring policy: random, dotprod, clustering, packing, bestfit, fgd (as published: it learns "
@@ -70,6 +66,10 @@ def register(sim_app: typer.Typer) -> None:
         ] = True,
     ) -> None:
         """Fill the cluster with the workload's pods (no departures) and measure what is left."""
+        from computepool.scheduler.policies import POLICIES  # numpy: only when the command runs
+        from computepool.sim.alibaba import load_nodes, load_pods
+        from computepool.sim.fill import run_fill
+
         if policy not in POLICIES:
             raise ValueError(f"--policy: unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
         cluster = cluster or default_cluster()
@@ -121,6 +121,9 @@ def register(sim_app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Whole-device static allocation against fractional pooling, same pods, same order."""
+        from computepool.sim.alibaba import load_nodes, load_pods
+        from computepool.sim.sharing import static_vs_pooled
+
         cluster = cluster or default_cluster()
         workload = workload or default_workload()
         nodes = load_nodes(cluster)

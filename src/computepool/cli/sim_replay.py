@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -15,15 +15,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from computepool.core.errors import InvalidInput
-from computepool.sim.philly import (
-    PUBLISHED_AVG_QUEUE_S,
-    Published,
-    load_jobs,
-    load_published,
-    load_vcs,
-    traces_dir,
-)
-from computepool.sim.replay import Parity, ReplayResult, calibrate, find_parity, replay
+
+if TYPE_CHECKING:  # numpy loads only when a replay runs
+    from computepool.sim.philly import Published
+    from computepool.sim.replay import Parity, ReplayResult
 
 _PER = (
     ("avg_queue_s", "queue s"),
@@ -186,6 +181,14 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     ) -> None:
         """Replay the Philly trace with queues: static VC partitions or one pooled cluster."""
+        from computepool.sim.philly import (
+            PUBLISHED_AVG_QUEUE_S,
+            load_jobs,
+            load_published,
+            load_vcs,
+            traces_dir,
+        )
+        from computepool.sim.replay import calibrate, find_parity, replay
 
         def fail(msg: str) -> NoReturn:
             typer.echo(f"error: {msg}", err=True)

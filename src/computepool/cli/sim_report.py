@@ -4,27 +4,25 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
 from computepool.cli.common import console, friendly_errors, progress_bar
-from computepool.scheduler.policies import POLICIES
-from computepool.sim.report import (
-    DEFAULT_MARGIN_PTS,
+from computepool.scheduler.policy_names import POLICIES
+from computepool.sim.report_config import (
     DEFAULT_SEEDS,
     DEFAULT_WORKLOADS,
-    MATCH_PTS,
     QUICK_POLICIES,
     QUICK_SEEDS,
     QUICK_WORKLOADS,
-    Report,
     ReportConfig,
-    build_report,
-    fmt,
 )
+
+if TYPE_CHECKING:  # numpy and matplotlib load only when a report is built
+    from computepool.sim.report import Report
 
 
 def _mark(ok: bool | None) -> str:
@@ -33,6 +31,7 @@ def _mark(ok: bool | None) -> str:
 
 def _print_summary(rep: Report) -> None:
     """A compact version of report.md's summary table that fits 80 columns."""
+    from computepool.sim.report import DEFAULT_MARGIN_PTS, MATCH_PTS, fmt
     table = Table(
         title="unallocated GPU % at arrived = 100%: ours (mean over seeds) vs published",
         box=box.SIMPLE_HEAD,
@@ -118,6 +117,7 @@ def register(sim_app: typer.Typer) -> None:
         ] = True,
     ) -> None:
         """Fill-up vs the FGD paper, static vs pooled, and the Philly replay, in one Markdown report."""
+        from computepool.sim.report import build_report
         cfg = ReportConfig.from_options(
             out, seeds=seeds, workloads=workloads, policies=policies, jobs=jobs, quick=quick, replay=replay
         )

@@ -214,6 +214,12 @@ def register(app: typer.Typer) -> None:
                 "clients give it with --ca or CPOOL_CA).",
             ),
         ] = True,
+        blob_max_mib: Annotated[
+            int, typer.Option("--blob-max-mib", min=1, help="Largest upload (code, stdin, job files), MiB.")
+        ] = 256,
+        tenant_blob_max_mib: Annotated[
+            int, typer.Option("--tenant-blob-max-mib", min=1, help="Blob MiB one tenant may hold in all.")
+        ] = 2048,
     ) -> None:
         """Start the control plane and a local agent; stay in the foreground until Ctrl-C."""
         from computepool.agent.devices import parse_spec
@@ -257,7 +263,8 @@ def register(app: typer.Typer) -> None:
         server = Child(
             "control plane",
             _cpool("server", "--data-dir", str(data_dir), "--host", host, "--port", str(port))
-            + (["--tls-cert", str(cert), "--tls-key", str(key)] if tls else []),
+            + (["--tls-cert", str(cert), "--tls-key", str(key)] if tls else [])
+            + ["--blob-max-mib", str(blob_max_mib), "--tenant-blob-max-mib", str(tenant_blob_max_mib)],
             logs / "server.log",
         )
         agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))

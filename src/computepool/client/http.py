@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 import httpx
 
+from computepool.client.blobs import BlobMethods
 from computepool.client.config import ClientConfig, normalise_server
 from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.core.allocation import ENDED, PENDING, IsolationName
@@ -67,6 +68,9 @@ class AllocationRequest:
     node_selector: Mapping[str, str] | None = None
     tolerations: Sequence[str] | None = None
     time_limit: int | str | None = None
+    colocate: str | None = None
+    code: str | None = None  # sha256 of a tar.gz blob unpacked into the job's work dir (put_blob)
+    stdin: str | None = None  # sha256 of a blob fed to the job's stdin
 
     def body(self) -> JSON:
         """Only the fields that are set: unset optionals keep the server's defaults."""
@@ -129,7 +133,7 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-class PoolClient:
+class PoolClient(BlobMethods):
     """A connection to one pool server with one bearer token.
 
     A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After
@@ -390,8 +394,19 @@ class PoolClient:
     def cancel_allocation(self, alloc_id: AllocId) -> JSON:
         return dict(self.request("POST", f"/allocations/{_seg(alloc_id)}/cancel"))
 
-    def allocation_logs(self, alloc_id: AllocId, offset: int = 0, wait: float | None = None) -> JSON:
-        params = {"offset": offset, "wait": wait}
+    def allocation_logs(
+        self,
+        alloc_id: AllocId,
+        stdout: int = 0,
+        stderr: int = 0,
+        *,
+        rank: int = 0,
+        wait: float | None = None,
+    ) -> JSON:
+        """Both streams of one member from their byte offsets: {stdout: {data, next}, stderr: …, ended}."""
+        params: dict[str, Any] = {"stdout": stdout, "stderr": stderr, "rank": rank}
+        if wait:
+            params["wait"] = wait
         return dict(self.request("GET", f"/allocations/{_seg(alloc_id)}/logs", params=params))
 
     def wait_allocation(

@@ -33,6 +33,7 @@ def build_request(
     tolerations: Sequence[str] | None = None,
     time_limit: Quantity | None = None,
     nodes: int = 1,
+    colocate: str | None = None,
     flag: str = "--",
     **extra: Any,
 ) -> AllocationRequest:
@@ -74,6 +75,7 @@ def build_request(
         tolerations=parse_tolerations(tolerations, name("toleration")),
         time_limit=parse_duration_s(time_limit, name("time-limit")) if time_limit is not None else None,
         gang_nodes=nodes,
+        colocate=colocate or None,
         **extra,
     )
 

@@ -140,3 +140,30 @@ def format_duration(seconds: int) -> str:
             out.append(f"{rest // size}{unit}")
             rest %= size
     return "".join(out) or "0s"
+
+
+# Quota resources (pool units) as people name and count them: (name, unit formatter).
+RESOURCE_WORDS: dict[str, tuple[str, str]] = {
+    "gpu_milli": ("GPU", "gpus"),
+    "gpu_memory_mib": ("GPU memory", "mib"),
+    "cpu_milli": ("CPU", "cpus"),
+    "memory_mib": ("memory", "mib"),
+}
+
+
+def resource_name(resource: str, model: str = "") -> str:
+    """`gpu_milli` → `GPU`; with a model, `A100 GPU`; unknown resources keep their own name."""
+    name = RESOURCE_WORDS.get(resource, (resource, ""))[0]
+    return f"{model} {name}" if model else name
+
+
+def format_amount(resource: str, value: int | float | None) -> str:
+    """A quota amount in the units users type: 1500 gpu_milli → `1.5`, 16384 MiB → `16GiB`."""
+    if value is None:
+        return "-"
+    kind = RESOURCE_WORDS.get(resource, ("", ""))[1]
+    if kind in ("gpus", "cpus"):
+        return f"{value / 1000:g}"
+    if kind == "mib":
+        return format_mib(int(value))
+    return f"{value:g}"

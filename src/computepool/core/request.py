@@ -64,6 +64,8 @@ class Request:
     tolerations: frozenset[str] = frozenset()
     isolation: Isolation | None = None
     mig_profile: str | None = None
+    # a gang's members all on nodes sharing one value of this node label (e.g. "rack"); None: any
+    colocate: str | None = None
     # derived in __post_init__ (read for every request the scheduler places)
     _tier: Isolation | None = field(init=False, repr=False, compare=False, default=None)
     _whole: bool = field(init=False, repr=False, compare=False, default=False)
@@ -117,6 +119,8 @@ class Request:
                 raise InvalidInput("sharing", "exclusive needs at least one device")
             if self.gpu_milli != MILLI_PER_DEVICE and self.tier != Isolation.MIG:
                 raise InvalidInput("sharing", "exclusive takes whole devices (gpu_milli must be 1000)")
+        if self.colocate is not None and (not isinstance(self.colocate, str) or not self.colocate):
+            raise InvalidInput("colocate", f"must be a node label key, got {self.colocate!r}")
         if self.models is not None:
             for m in self.models:
                 if not _MODEL_NAME.match(m):

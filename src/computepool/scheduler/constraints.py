@@ -195,6 +195,17 @@ class NodeConstraints:
             )
         return out
 
+    def label_column(self, key: str) -> tuple[np.ndarray, list[str]]:
+        """Per node, the index of its value of label `key` (-1: no such label), and the values."""
+        col = self._label_cols.get(key)
+        if col is None:
+            return np.full(self.n, -1, dtype=np.int64), []
+        vals = self._label_vals[key]
+        names = [""] * len(vals)
+        for v, i in vals.items():
+            names[i] = v
+        return col, names
+
     def owner_of(self, i: int) -> str | None:
         o = int(self.owner[i])
         return self.owners[o] if o >= 0 else None

@@ -121,7 +121,32 @@ def pick_on_node(
         usable.sort(key=lambda j: (free[j], mem_free[j], j))
     elif how == "random" and rng is not None:
         usable = [usable[i] for i in rng.permutation(len(usable))]
+    if k > 1 and state.gpu_link is not None:  # several devices: of one NVLink group when possible
+        usable = linked_choice(state.gpu_link[node].tolist(), usable, k)
     mask = 0
     for j in usable[:k]:
         mask |= 1 << j
     return mask
+
+
+def linked_choice(links: list[int], usable: list[int], k: int) -> list[int]:
+    """k of the `usable` devices (in order of preference) spanning the fewest NVLink groups.
+
+    One group holding k wins, the smallest such (big groups stay whole for bigger requests), then
+    the one holding the most preferred device; otherwise whole groups, largest first. A device
+    with no known group (-1) is a group of its own.
+    """
+    groups: dict[int, list[int]] = {}
+    for rank, j in enumerate(usable):
+        groups.setdefault(links[j] if links[j] >= 0 else -2 - rank, []).append(j)
+    if len(groups) == 1:
+        return usable[:k]
+    whole = [g for g in groups.values() if len(g) >= k]
+    if whole:
+        return min(whole, key=lambda g: (len(g), usable.index(g[0])))[:k]
+    out: list[int] = []
+    for g in sorted(groups.values(), key=lambda g: (-len(g), usable.index(g[0]))):
+        out.extend(g[: k - len(out)])
+        if len(out) == k:
+            break
+    return out

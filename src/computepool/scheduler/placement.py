@@ -25,6 +25,7 @@ from computepool.scheduler.filters import (
 )
 from computepool.scheduler.pickers import mask_to_devices, pick_on_node
 from computepool.scheduler.state import Change, ClusterState, tag_of, tier_code
+from computepool.scheduler.topology import place_colocated
 from computepool.scheduler.views import View
 
 
@@ -204,7 +205,20 @@ class Scheduler:
             self.scorer.observe(req)
         if req.tier == Isolation.MIG and req.mig_profile is None:
             return self._place_smallest_mig(state, req, explain, within)
+        if req.gang_nodes > 1 and (req.colocate or state.topology_label):
+            return place_colocated(self, state, req, explain, within)
         return self._place_members(state, req, explain, within)
+
+    def feasible_nodes(
+        self, state: ClusterState, req: Request, within: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Per node: could one member of `req` go there now (the same test as placing it)?"""
+        if self.direct:
+            ok = node_feasible(state, req)
+        else:
+            vals, _ = self._scores_for_nodes(state, req)
+            ok = np.isfinite(vals) & state.eligible(req) & (state.mem_free >= req.memory_mib)
+        return ok & within if within is not None else ok
 
     def _place_smallest_mig(
         self, state: ClusterState, req: Request, explain: bool, within: np.ndarray | None
@@ -221,6 +235,12 @@ class Scheduler:
             else Reasons(state.n_nodes, notes=["no node fits (not explained)"])
         )
         return Decision(request=req, reasons=reasons)
+
+    def place_members(
+        self, state: ClusterState, req: Request, explain: bool, within: np.ndarray | None
+    ) -> Decision:
+        """Members on distinct nodes, best first (the order is the gang's rank order), all or none."""
+        return self._place_members(state, req, explain, within)
 
     def _place_members(
         self, state: ClusterState, req: Request, explain: bool, within: np.ndarray | None
@@ -242,6 +262,8 @@ class Scheduler:
                     else Reasons(state.n_nodes, notes=["no node fits (not explained)"])
                 )
                 return decision
+            if req.gpu_count > 1 and state.gpu_link is not None and not self.direct:
+                mask = pick_on_node(state, best, req) or mask  # devices of one NVLink group first
             pl = self._placement(state, req, best, mask, score)
             decision.placements.append(pl)
             used.append(best)

@@ -14,6 +14,7 @@ import numpy as np
 
 from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import Request
+from computepool.scheduler import policy_names
 from computepool.scheduler.filters import DeviceNeed
 from computepool.scheduler.fragmentation import (
     TypicalKey,
@@ -315,7 +316,7 @@ class DefaultScorer:
         return first_fit(view, req, need)
 
 
-POLICIES = ("random", "dotprod", "clustering", "packing", "bestfit", "fgd", "default")
+POLICIES = policy_names.POLICIES  # also readable without numpy (the CLI's help)
 
 
 def make_scorer(name: str, *, seed: int = 0, typical: TypicalPods | None = None) -> Scorer:

@@ -103,6 +103,10 @@ class ClusterState:
     parents: list[str]
     owners: list[str]  # tenants that hold or held mps slices (interned by `apply`)
     rules: NodeConstraints | None = None  # labels, taints, dedication (None: no node has any)
+    # (N, G) NVLink group of each device, an index into `links`; -1: none known (see topology.py)
+    gpu_link: np.ndarray | None = None
+    links: list[str] = field(default_factory=list)
+    topology_label: str | None = None  # node label a gang's members prefer to share (e.g. "rack")
     idle_devices: np.ndarray = field(init=False)  # (N,) whole GPUs (not MIG instances) wholly free
     gpu_lock: np.ndarray = field(init=False)  # (N, G) gpu_tier, or LOCK_MIG for a MIG instance
     gpu_left: np.ndarray = field(init=False)  # (N,) free compute summed over devices
@@ -155,6 +159,8 @@ class ClusterState:
         gpu_parent = np.full((n, g), -1, dtype=np.int64)
         profiles: list[str] = []
         parents: list[str] = []
+        gpu_link = np.full((n, g), -1, dtype=np.int64)
+        links: dict[str, int] = {}
         for i, node in enumerate(nodes):
             for j, dev in enumerate(node.devices):
                 if dev.model not in model_ix:
@@ -163,6 +169,8 @@ class ClusterState:
                 gpu_cap[i, j] = dev.compute_milli
                 gpu_mem[i, j] = dev.memory_mib
                 gpu_model[i, j] = model_ix[dev.model]
+                if dev.link_group:
+                    gpu_link[i, j] = links.setdefault(dev.link_group, len(links))
                 if dev.mig_parent_uuid is not None:
                     profile = dev.mig_profile or mig_profile_of(dev.model)
                     if profile not in profiles:
@@ -195,6 +203,8 @@ class ClusterState:
             profiles=profiles,
             parents=parents,
             owners=[],
+            gpu_link=gpu_link if links else None,
+            links=list(links),
         )
 
     def copy(self) -> ClusterState:
@@ -223,6 +233,9 @@ class ClusterState:
             parents=list(self.parents),
             owners=list(self.owners),
             rules=self.rules,
+            gpu_link=None if self.gpu_link is None else self.gpu_link.copy(),
+            links=list(self.links),
+            topology_label=self.topology_label,
         )
 
     # --- sizes ----------------------------------------------------------------------------

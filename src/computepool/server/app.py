@@ -34,10 +34,13 @@ from computepool.server.limits import capped_receive, too_large
 from computepool.server.policy import Action
 from computepool.server.reclaim import Reclaimer
 from computepool.server.routers import api_routers, health
+from computepool.server.routers.blobs import RAW_UPLOADS
+from computepool.server.routers.functions import LARGE_BODIES, LARGE_BODY_BYTES
 from computepool.server.scheduling import Controller
 from computepool.server.services import audit as audit_checks
 from computepool.server.services.audit import record_refusal
 from computepool.server.services.bootstrap import ensure_admin
+from computepool.server.services.function_workers import Sweeper
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
 from computepool.store.migrate import upgrade
@@ -56,7 +59,8 @@ STARTUP_DB_WAIT_S = 30.0
 CHECKPOINT_EVERY_S = 1.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 log = logging.getLogger("computepool.server")
-_NO_WAKE = ("/heartbeat", "/logs")  # frequent telemetry; never changes a scheduling decision
+# frequent telemetry and function traffic; never changes a scheduling decision (new workers wake it)
+_NO_WAKE = ("/heartbeat", "/logs", "/worker/next", "/worker/output", "/results", "/calls")
 
 
 class RequestMiddleware:
@@ -84,6 +88,10 @@ class RequestMiddleware:
         started = time.perf_counter()
         status = 500
         limit: int = self.state.settings.max_body_bytes
+        if scope["method"] == "PUT" and RAW_UPLOADS.match(scope["path"]):
+            limit = 1 << 62  # raw blob bodies: streamed to disk, their own caps checked as they come
+        elif scope["method"] == "POST" and LARGE_BODIES.match(scope["path"]):
+            limit = max(limit, LARGE_BODY_BYTES)  # function arguments and results (their own caps)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -187,6 +195,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     controller.start()
     reclaimer: Reclaimer = app.state.reclaimer
     reclaimer.start()
+    sweeper = Sweeper(db, hub)
+    sweeper.start()
     checkpoints = asyncio.get_running_loop().create_task(_checkpoints(db), name="cpool-checkpoint")
     audit_watch = asyncio.get_running_loop().create_task(_audit_watch(app), name="cpool-audit-watch")
     log.info("control plane ready (database: %s)", db.dialect)
@@ -197,6 +207,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await sweeper.stop()
         await reclaimer.stop()
         await controller.stop()
         db.dispose()

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from sqlalchemy.orm import Session
+
+from computepool.core.allocation import HOLDING
 from computepool.server.caches import TokenCache
 from computepool.server.credentials import hash_secret, secret_matches, split_token
 from computepool.server.errors import Unauthorized
 from computepool.server.policy import Principal, Role
-from computepool.store import tokens
+from computepool.store import functions, tokens
 from computepool.store.db import Database, db_now
 
 
@@ -31,7 +34,12 @@ def authenticate(db: Database, bearer: str | None, cache: TokenCache | None = No
             return hit.principal
     with db.read() as s:
         tok = tokens.get(s, token_id)
-        if tok is None or not secret_matches(secret, tok.secret_hash):
+        if tok is None:  # not a user's or node's token: perhaps a function worker's
+            worker = _worker(s, token_id, secret)
+            if cache is not None:
+                cache.put(token_id, hash_secret(secret), worker, None)
+            return worker
+        if not secret_matches(secret, tok.secret_hash):
             raise Unauthorized("invalid token")
         if tok.revoked_at is not None:
             raise Unauthorized(f"token {token_id} was revoked")
@@ -50,3 +58,20 @@ def authenticate(db: Database, bearer: str | None, cache: TokenCache | None = No
         if cache is not None:
             cache.put(token_id, hash_secret(secret), principal, tok.expires_at)
         return principal
+
+
+def _worker(s: Session, token_id: str, secret: str) -> Principal:
+    """A function worker's principal, while its worker allocation holds (bound or active)."""
+    w = functions.worker_by_token(s, token_id)
+    if w is None or not secret_matches(secret, w.secret_hash):
+        raise Unauthorized("invalid token")
+    if w.state not in HOLDING:
+        raise Unauthorized(f"worker token of allocation {w.allocation_id} is no longer valid ({w.state})")
+    return Principal(
+        name=f"worker-{w.allocation_id}",
+        role=Role.WORKER,
+        tenant=w.tenant,
+        token_id=token_id,
+        worker=w.allocation_id,
+        function=w.function_id,
+    )

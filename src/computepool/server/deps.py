@@ -29,7 +29,7 @@ from computepool.server.schemas.common import MAX_ID
 
 ACTION_ATTR = "__cpool_action__"
 # Integer ids in paths, by parameter name: the kind of object they name, for the 404.
-ID_PARAMS = {"alloc_id": "allocation"}
+ID_PARAMS = {"alloc_id": "allocation", "fid": "function", "cid": "call"}
 _INTEGER = re.compile(r"^-?[0-9]+$")
 _bearer = HTTPBearer(auto_error=False, description="An API token `<id>.<secret>`.")
 

@@ -21,6 +21,7 @@ class Role(StrEnum):
     MEMBER = "member"  # uses the pool within their tenant
     VIEWER = "viewer"  # reads only (may still revoke their own tokens)
     NODE = "node"  # a node agent's credential, bound to that node
+    WORKER = "worker"  # a function worker's token: its own function's worker routes, while it holds
 
 
 HUMAN_ROLES = frozenset({Role.ADMIN, Role.TENANT_ADMIN, Role.MEMBER, Role.VIEWER})
@@ -58,6 +59,20 @@ class Action(StrEnum):
     NODE_REPORT = "node.report"  # the agent reports process states
     NODE_LOG_APPEND = "node.log.append"  # the agent ships job output
     METRICS_READ = "metrics.read"
+    FUNCTION_CREATE = "function.create"
+    FUNCTION_LIST = "function.list"
+    FUNCTION_GET = "function.get"
+    FUNCTION_DELETE = "function.delete"
+    FUNCTION_CALL = "function.call"  # submit calls
+    FUNCTION_RESULTS = "function.results.get"  # a POST that only reads (long-poll with many ids)
+    FUNCTION_CALL_CANCEL = "function.call.cancel"
+    WORKER_NEXT = "worker.next"  # a worker hands in a result and takes the next call
+    WORKER_OUTPUT = "worker.output"  # a worker streams a call's printed output
+    BLOB_PUT = "blob.put"  # upload bytes the tenant's requests then name (code, stdin)
+    BLOB_GET = "blob.get"  # read or HEAD a blob: the tenant's users, a node running work that names it
+    FILE_REQUEST = "allocation.files.create"  # ask a job's node for files from its work dir
+    FILE_GET = "allocation.files.get"
+    NODE_FILE_ANSWER = "node.files.answer"  # the agent hands in the packed files (or why not)
 
     @property
     def mutating(self) -> bool:
@@ -67,6 +82,8 @@ class Action(StrEnum):
         """
         if self in (Action.WHOAMI, Action.NODE_HEARTBEAT, Action.NODE_LOG_APPEND, Action.METRICS_READ):
             return False
+        if self in (Action.FUNCTION_CALL, Action.WORKER_NEXT, Action.WORKER_OUTPUT):
+            return False  # per-call traffic of remote functions, hundreds a second: not audited
         return self.split(".")[-1] not in ("list", "get", "verify")
 
 
@@ -107,6 +124,20 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.NODE_REPORT: frozenset({Role.NODE}),
     Action.NODE_LOG_APPEND: frozenset({Role.NODE}),
     Action.METRICS_READ: _ADMIN,
+    Action.FUNCTION_CREATE: _WRITERS,
+    Action.FUNCTION_LIST: _ALL,
+    Action.FUNCTION_GET: _ALL,
+    Action.FUNCTION_DELETE: _WRITERS,
+    Action.FUNCTION_CALL: _WRITERS,
+    Action.FUNCTION_RESULTS: _ALL,
+    Action.FUNCTION_CALL_CANCEL: _WRITERS,
+    Action.WORKER_NEXT: frozenset({Role.WORKER}),
+    Action.WORKER_OUTPUT: frozenset({Role.WORKER}),
+    Action.BLOB_PUT: _WRITERS,
+    Action.BLOB_GET: _ALL | {Role.NODE},
+    Action.FILE_REQUEST: _ALL,
+    Action.FILE_GET: _ALL,
+    Action.NODE_FILE_ANSWER: frozenset({Role.NODE}),
 }
 
 # Actions on tokens, where a member or viewer may only touch their own.
@@ -122,9 +153,13 @@ class Principal:
     tenant: str | None
     token_id: str
     node: str | None = None
+    worker: int | None = None  # a worker token: its allocation's id
+    function: int | None = None  # … and its function's id
 
     @property
     def actor(self) -> str:
+        if self.role is Role.WORKER:
+            return f"worker:{self.worker}"
         return f"node:{self.node}" if self.role is Role.NODE else f"user:{self.name}"
 
 
@@ -159,6 +194,9 @@ def authorize(principal: Principal, action: Action, target: Target | None = None
         raise Forbidden(f"role '{role}' may not {action}")
     if role is Role.ADMIN:
         return Scope()
+    own = ("function", str(principal.function))
+    if role is Role.WORKER and target is not None and (target.kind, target.name) != own:
+        raise Forbidden(f"this worker token belongs to function '{principal.function}' only")
     if target is not None:
         if target.tenant is not None and target.tenant != principal.tenant:
             raise NotFound.of(target.kind, target.name, target.field)

@@ -51,9 +51,30 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(
         default=1 << 20, ge=1024, le=1 << 30, description="Larger request bodies are refused with 413."
     )
+    blob_max_mib: int = Field(
+        default=256, ge=1, le=1 << 20, description="Largest blob one upload may store (code, stdin, files)."
+    )
+    tenant_blob_max_mib: int = Field(
+        default=2048, ge=1, le=1 << 24, description="Blob bytes one tenant may hold in all."
+    )
+    topology_label: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$",
+        description="Node label (e.g. rack) whose value a gang's nodes prefer to share.",
+    )
+    gang_port_min: int = Field(
+        default=29500, ge=1024, le=65535, description="Lowest master port of a gang's rank-0 node."
+    )
+    gang_port_max: int = Field(
+        default=29999, ge=1024, le=65535, description="Highest master port of a gang's rank-0 node."
+    )
 
     @model_validator(mode="after")
     def _thresholds(self) -> ServerSettings:
+        if self.gang_port_min > self.gang_port_max:
+            raise ValueError(
+                f"gang_port_min ({self.gang_port_min}) must not exceed gang_port_max ({self.gang_port_max})"
+            )
         if not self.heartbeat_interval_s < self.suspect_after_s < self.lost_after_s:
             raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from computepool.core.errors import InvalidInput
-from computepool.scheduler.policies import POLICIES
+from computepool.scheduler.policy_names import POLICIES
 from computepool.sim.csvread import traces_dir
 
 ALIBABA_DIR = "alibaba-v2023"

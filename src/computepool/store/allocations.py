@@ -213,6 +213,7 @@ def requeue(session: Session, alloc: Allocation, reason: str, now: datetime) -> 
     alloc.nodes, alloc.slices = [], []
     alloc.bound_at = alloc.started_at = alloc.ended_at = None
     alloc.exit_code = None
+    alloc.master_port, alloc.members = None, None  # a gang's next attempt gets a fresh port
     transition(session, alloc, "pending", reason, now)
 
 
@@ -352,32 +353,44 @@ def count_by(session: Session, state: str) -> dict[str, int]:
 
 
 # --- logs (offsets in UTF-8 bytes) -------------------------------------------------------------
-def stream_length(session: Session, alloc_id: int, attempt: int, stream: str) -> int:
+# A log is one (allocation, rank, stream): the agent writes it per attempt (`stream_offset`), readers
+# see each attempt's output after the previous one's (`pos`), stdout and stderr never mixed.
+def stream_length(session: Session, alloc_id: int, attempt: int, stream: str, rank: int = 0) -> int:
+    """Bytes of one attempt's stream of one gang member: where the agent's next chunk starts."""
     stmt = select(func.max(AllocationLog.stream_offset + AllocationLog.size)).where(
         AllocationLog.allocation_id == alloc_id,
-        AllocationLog.attempt == attempt,
+        AllocationLog.rank == rank,
         AllocationLog.stream == stream,
+        AllocationLog.attempt == attempt,
     )
     return int(session.execute(stmt).scalar_one() or 0)
 
 
-def log_length(session: Session, alloc_id: int) -> int:
+def log_length(session: Session, alloc_id: int, rank: int, stream: str) -> int:
+    """Bytes of a member's stream over all attempts: where a reader that has everything stands."""
     stmt = select(func.max(AllocationLog.pos + AllocationLog.size)).where(
-        AllocationLog.allocation_id == alloc_id
+        AllocationLog.allocation_id == alloc_id, AllocationLog.rank == rank, AllocationLog.stream == stream
     )
     return int(session.execute(stmt).scalar_one() or 0)
 
 
 def append_log(
-    session: Session, alloc_id: int, attempt: int, stream: str, stream_offset: int, data: str
+    session: Session,
+    alloc_id: int,
+    attempt: int,
+    stream: str,
+    stream_offset: int,
+    data: str,
+    rank: int = 0,
 ) -> None:
     session.add(
         AllocationLog(
             allocation_id=alloc_id,
             attempt=attempt,
+            rank=rank,
             stream=stream,
             stream_offset=stream_offset,
-            pos=log_length(session, alloc_id),
+            pos=log_length(session, alloc_id, rank, stream),
             size=len(data.encode()),
             data=data,
         )
@@ -385,11 +398,18 @@ def append_log(
     session.flush()
 
 
-def read_log(session: Session, alloc_id: int, offset: int, max_bytes: int) -> tuple[str, int]:
-    """About `max_bytes` of the combined log from byte `offset` (whole characters); (data, next offset)."""
+def read_log(
+    session: Session, alloc_id: int, rank: int, stream: str, offset: int, max_bytes: int
+) -> tuple[str, int]:
+    """About `max_bytes` of one member's stream from byte `offset` (whole characters); (data, next)."""
     stmt = (
         select(AllocationLog.pos, AllocationLog.data)
-        .where(AllocationLog.allocation_id == alloc_id, AllocationLog.pos + AllocationLog.size > offset)
+        .where(
+            AllocationLog.allocation_id == alloc_id,
+            AllocationLog.rank == rank,
+            AllocationLog.stream == stream,
+            AllocationLog.pos + AllocationLog.size > offset,
+        )
         .order_by(AllocationLog.pos)
     )
     out = bytearray()

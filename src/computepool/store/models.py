@@ -14,6 +14,7 @@ from sqlalchemy import (
     Boolean,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Table,
@@ -71,6 +72,10 @@ class Node(Base):
     # the tenant the node is set aside for; others borrow it as preemptible work, or never
     dedicated_tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id"), nullable=True)
     lending: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    # where a gang's peers reach this node (MASTER_ADDR of a gang whose rank 0 it is)
+    address: Mapped[str] = mapped_column(String(253), default="", server_default="")
+    # Python versions ("3.11") a tenant's job can run on this node, as its agent reported them
+    pythons: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
     joined_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
@@ -214,6 +219,9 @@ class Allocation(Base):
     nodes: Mapped[list[str]] = mapped_column(JSON)
     slices: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # a gang over several nodes, per attempt: rank 0's rendezvous port and each member's state
+    master_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    members: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     bound_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
@@ -249,13 +257,16 @@ class AllocationNode(Base):
 
 class AllocationLog(Base):
     """A chunk of a job's output. Offsets and `size` count UTF-8 bytes, as the agent reads its files;
-    `pos` is the chunk's place in the allocation's combined log (both streams, arrival order)."""
+    `stream_offset` is the chunk's place in its attempt's stream as the agent wrote it, `pos` its place
+    in the (allocation, rank, stream) log readers page through, attempts one after the other."""
 
     __tablename__ = "allocation_logs"
+    __table_args__ = (Index("ix_allocation_logs_read", "allocation_id", "rank", "stream", "pos"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer, server_default="0")
     stream: Mapped[str] = mapped_column(String(8))
     stream_offset: Mapped[int] = mapped_column(BigInteger)
     pos: Mapped[int] = mapped_column(BigInteger)
@@ -272,3 +283,102 @@ class SchedulerLease(Base):
     holder: Mapped[str] = mapped_column(String(64))
     term: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Blob(Base):
+    """A content-addressed blob a tenant holds (code archive, stdin, fetched files); the bytes are a
+    file under the server's data dir, shared by every tenant that holds them, counted for each."""
+
+    __tablename__ = "blobs"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(HASH_LEN), primary_key=True, index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    last_used_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class FileRequest(Base):
+    """A user's ask for files a job wrote: the node's agent packs `path` from the job's work dir (as
+    the tenant's user) into a blob of the tenant, or says why it could not."""
+
+    __tablename__ = "file_requests"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str] = mapped_column(String(NAME_LEN), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(1024))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    blob_sha256: Mapped[str | None] = mapped_column(String(HASH_LEN), nullable=True)
+    size: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    error: Mapped[str] = mapped_column(String(1024), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class Function(Base):
+    """A registered remote Python function of a tenant: the per-worker request and how workers run.
+
+    `spec_hash` makes registration idempotent per tenant; `failures` counts consecutive workers
+    that ended failed before claiming a call (see services/function_workers.py)."""
+
+    __tablename__ = "functions"
+    __table_args__ = (UniqueConstraint("tenant_id", "spec_hash", name="uq_functions_tenant_spec"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"), index=True)
+    owner: Mapped[str] = mapped_column(String(NAME_LEN))
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    spec_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    python: Mapped[str] = mapped_column(String(16))
+    keep_warm_s: Mapped[int] = mapped_column(Integer)
+    max_workers: Mapped[int] = mapped_column(Integer)
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    last_failure: Mapped[str] = mapped_column(String(1024), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class FunctionWorker(Base):
+    """A worker allocation of a function and its bearer token (only the SHA-256 of the secret).
+
+    `ended` flips once the control plane has seen its allocation end and settled its calls."""
+
+    __tablename__ = "function_workers"
+
+    allocation_id: Mapped[int] = mapped_column(
+        ForeignKey("allocations.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    function_id: Mapped[int] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"), index=True)
+    token_id: Mapped[str] = mapped_column(String(TOKEN_ID_LEN), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    ended: Mapped[bool] = mapped_column(Boolean, default=False, index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class FunctionCall(Base):
+    """One call of a function: its pickled arguments and, once ended, its result or error.
+
+    `args` and `result` hold base64 text as the API carries it; `output` is what the call printed."""
+
+    __tablename__ = "function_calls"
+    __table_args__ = (Index("ix_function_calls_queue", "function_id", "state", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    function_id: Mapped[int] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"))
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    args: Mapped[str] = mapped_column(Text)
+    ok: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    result: Mapped[str | None] = mapped_column(Text, nullable=True)
+    traceback: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    output: Mapped[str] = mapped_column(Text, default="")
+    worker_allocation_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

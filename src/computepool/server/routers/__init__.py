@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from computepool.server.routers import agent, allocations, audit, identity, nodes, quotas, tenants
+from computepool.server.routers import (
+    agent,
+    allocations,
+    audit,
+    blobs,
+    functions,
+    identity,
+    nodes,
+    quotas,
+    tenants,
+)
 
 
 def api_routers() -> list[APIRouter]:
@@ -18,10 +28,12 @@ def api_routers() -> list[APIRouter]:
     """
     return [
         allocations.router,
+        functions.router,
         nodes.router,
         agent.router,
         identity.router,
         tenants.router,
         quotas.router,
         audit.router,
+        blobs.router,
     ]

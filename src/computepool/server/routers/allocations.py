@@ -21,7 +21,7 @@ from computepool.server.schemas.allocations import (
     ExplainOut,
     LogsOut,
 )
-from computepool.server.schemas.common import Items
+from computepool.server.schemas.common import MAX_ID, Items
 from computepool.server.services import allocations
 
 router = APIRouter(tags=["allocations"])
@@ -126,21 +126,29 @@ def cancel(
     return allocations.cancel(ctx, alloc_id, hub)
 
 
-@router.get("/allocations/{alloc_id}/logs", summary="A job's output from `offset` (long-poll with wait)")
+@router.get(
+    "/allocations/{alloc_id}/logs",
+    summary="A job's stdout and stderr from per-stream offsets (long-poll with wait)",
+)
 async def read_logs(
     alloc_id: int,
     ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_GET))],
     hub: Annotated[Hub, Depends(get_hub)],
-    offset: Annotated[int, Query(ge=0, le=2**62, description="Characters already read.")] = 0,
+    stdout: Annotated[int, Query(ge=0, le=2**62, description="Bytes of stdout already read.")] = 0,
+    stderr: Annotated[int, Query(ge=0, le=2**62, description="Bytes of stderr already read.")] = 0,
+    rank: Annotated[
+        int, Query(ge=0, le=MAX_ID, description="Which gang member's output (0 = the first node).")
+    ] = 0,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for new output.")] = 0,
 ) -> LogsOut:
     deadline = time.monotonic() + wait
+    offsets = {"stdout": stdout, "stderr": stderr}
     while True:
         ev = hub.subscribe(f"logs:{alloc_id}")
         try:
-            out = await run_in_threadpool(allocations.read_log, ctx, alloc_id, offset)
+            out = await run_in_threadpool(allocations.read_log, ctx, alloc_id, rank, offsets)
             left = deadline - time.monotonic()
-            if out.data or out.ended or left <= 0:
+            if out.stdout.data or out.stderr.data or out.ended or left <= 0:
                 return out
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))

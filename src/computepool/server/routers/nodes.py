@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires, unauthenticated
@@ -39,15 +39,21 @@ def create_join_token(
     summary="Join the pool (authenticated by the join token in the body)",
     responses={401: {"description": "Unknown, expired or used-up join token"}},
 )
-def join(body: NodeJoin, ctx: Annotated[Ctx, Depends(unauthenticated(Action.NODE_JOIN))]) -> NodeJoined:
-    return nodes.join(ctx, body)
+def join(
+    body: NodeJoin, request: Request, ctx: Annotated[Ctx, Depends(unauthenticated(Action.NODE_JOIN))]
+) -> NodeJoined:
+    return nodes.join(ctx, body, request.client.host if request.client else None)
 
 
 @router.post("/nodes/{name}/heartbeat", summary="A node reports it is alive (node credential)")
 def heartbeat(
-    name: str, ctx: Annotated[Ctx, Depends(requires(Action.NODE_HEARTBEAT))], body: Heartbeat | None = None
+    name: str,
+    request: Request,
+    ctx: Annotated[Ctx, Depends(requires(Action.NODE_HEARTBEAT))],
+    body: Heartbeat | None = None,
 ) -> HeartbeatOut:
-    return nodes.heartbeat(ctx, name, body or Heartbeat())
+    peer = request.client.host if request.client else None
+    return nodes.heartbeat(ctx, name, body or Heartbeat(), peer)
 
 
 @router.get("/nodes", summary="Nodes with their devices and state")

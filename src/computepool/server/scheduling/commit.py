@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from computepool.core.allocation import HOLDING
 from computepool.server.scheduling.decide import Plan
+from computepool.server.services import gangs
 from computepool.store import allocations as store
 from computepool.store import scheduling as sql
 from computepool.store.db import Database, db_now
@@ -23,12 +24,15 @@ class CommitResult:
     nodes: set[str] = field(default_factory=set)
 
 
-def commit(db: Database, plan: Plan, holder: str, term: int) -> CommitResult:
+def commit(
+    db: Database, plan: Plan, holder: str, term: int, *, gang_ports: tuple[int, int] = gangs.DEFAULT_PORTS
+) -> CommitResult:
     """Write the cycle's decisions in one transaction, fenced by the lease term.
 
     Raises LostLease (writing nothing) when another replica holds the lease or a newer term.
     Decisions about allocations that changed since the snapshot (cancelled, released) are skipped.
     Binds, the bulk of a busy cycle, are written a few statements for all of them.
+    A gang bound over several nodes also gets its master port from `gang_ports` and its members.
     """
     res = CommitResult()
     with db.write() as s:
@@ -57,6 +61,7 @@ def commit(db: Database, plan: Plan, holder: str, term: int) -> CommitResult:
         if plan.binds:
             heads = sql.bind_heads(s, [b.id for b in plan.binds])
             bound = sql.write_binds(s, plan.binds, heads, term, now, sql.node_names(s))
+            gangs.reserve(s, (gangs.BoundGang(b.id, b.attempt, b.nodes) for b in bound), gang_ports)
             res.bound.extend(b.id for b in bound)
             res.nodes.update(n for b in bound for n in b.nodes)
         store.set_reasons(s, plan.reasons)

@@ -108,7 +108,8 @@ class Controller:
             plan = decide(snap)
             t2 = time.perf_counter()
             try:
-                result = commit(self.db, plan, self.holder, term)
+                ports = (self.settings.gang_port_min, self.settings.gang_port_max)
+                result = commit(self.db, plan, self.holder, term, gang_ports=ports)
             except LostLease:
                 self._term = None
                 if self.acquire() != term:  # another replica schedules now

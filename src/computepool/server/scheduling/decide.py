@@ -18,10 +18,14 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from computepool.core import Request
 from computepool.scheduler.filters import Reasons
 from computepool.scheduler.placement import Decision, Scheduler
 from computepool.scheduler.policies import make_scorer
+from computepool.scheduler.reservation import Reservation
+from computepool.server.scheduling import backfill
 from computepool.server.scheduling.quota import (
     host_usage,
     over_limit,
@@ -93,7 +97,8 @@ def build_world(snap: Snapshot) -> tuple[World, list[Live], list[Stop]]:
         gone = [n for n in a.nodes if n not in world.index]
         if gone:
             why = "lost" if gone[0] in world.by_name else "removed from the pool"
-            reason = f"node {gone[0]} {why}"
+            member = f" (rank {a.nodes.index(gone[0])} of the gang)" if len(a.nodes) > 1 else ""
+            reason = f"node {gone[0]}{member} {why}"
             stops.append(Stop(a.id, a.attempt, a.tenant, a.nodes, "failed", reason, requeue=a.restartable))
             continue
         drained = next((n for n in a.nodes if world.by_name[n].draining), None)
@@ -130,6 +135,14 @@ class _Cycle:
     failed_kinds: dict[Kind, int] = field(default_factory=dict)  # kind → `world.freed` at last failure
     waiting: dict[Kind, list[int]] = field(default_factory=dict)  # kind → pending ids that did not fit
     victims_taken: set[int] = field(default_factory=set)
+    reservation: Reservation | None = None  # nodes kept for the oldest waiting gang (backfill.py)
+
+    def keep_off(self, a: Live) -> np.ndarray | None:
+        """The nodes `a` may use beside the reservation: None (all) unless it would delay the gang."""
+        res = self.reservation
+        if res is None or a.id == res.gang:
+            return None
+        return res.within(backfill.time_limit_s(a))  # pending: it would end its limit from now
 
 
 def _serve_pending(snap: Snapshot, world: World, sched: Scheduler, running: list[Live], plan: Plan) -> None:
@@ -152,18 +165,19 @@ def _serve_pending(snap: Snapshot, world: World, sched: Scheduler, running: list
     heap = [(rank(t), t) for t in sorted(queues)]
     heapq.heapify(heap)
     cycle = _Cycle(snap, world, sched, running, plan)
+    cycle.reservation = backfill.plan(snap, world, sched, running)
     first: dict[Kind, Request] = {}
     while heap:
         _, t = heapq.heappop(heap)
         a = queues[t][ptr[t]]
         ptr[t] += 1
-        first.setdefault(_kind(world, a.core), a.core)
+        first.setdefault(_kind(world, a.core, cycle.keep_off(a)), a.core)
         _serve_one(cycle, a)
         if ptr[t] < len(queues[t]):
             heapq.heappush(heap, (rank(t), t))
     # Why the rest waits, explained once per kind against the pool as the cycle leaves it.
     for kind, ids in cycle.waiting.items():
-        text = str(world.reasons(first[kind]))
+        text = _why_waiting(cycle, first[kind], ids, restricted=kind[-1])
         for i in ids:
             plan.reasons[i] = text
     # Only reasons that changed are written: a steady pool costs no writes.
@@ -180,7 +194,8 @@ def _serve_one(c: _Cycle, a: Live) -> None:
     if refused is not None:
         plan.reasons[a.id] = refused
         return
-    kind = _kind(world, req)
+    keep_off = c.keep_off(a)
+    kind = _kind(world, req, keep_off)
     guaranteed = within_guarantee(used, a.est, quota)
     owner = world.owns_nodes(a.tenant)  # may take its dedicated nodes back from borrowers
     if c.failed_kinds.get(kind) == world.freed and not guaranteed and not owner:
@@ -190,10 +205,10 @@ def _serve_one(c: _Cycle, a: Live) -> None:
         c.failed_kinds[kind] = world.freed
         c.waiting.setdefault(kind, []).append(a.id)
         return
-    d = _place(c, req)
+    d = _place(c, req, keep_off)
     stmt = world.statement()
     if not d.ok and (guaranteed or owner):
-        d = _preempt(c, a, stmt, lent_only=not guaranteed)
+        d = _preempt(c, a, stmt, lent_only=not guaranteed, keep_off=keep_off)
     if d.ok:
         nodes, slices = world.slices_for(d, isolation_of(a.request))
         exact = slices_usage(slices, world.model_of) + host_usage(req, len(nodes))
@@ -229,23 +244,45 @@ def _serve_one(c: _Cycle, a: Live) -> None:
     c.waiting.setdefault(kind, []).append(a.id)
 
 
-def _kind(world: World, req: Request) -> Kind:
+def _kind(world: World, req: Request, keep_off: np.ndarray | None = None) -> Kind:
     """Requests of one kind fail alike in a cycle: same shape and, where nodes have rules, the
-    same selector, tolerations and (with dedicated nodes) tenant."""
+    same selector, tolerations and (with dedicated nodes) tenant; the same colocation; and kept
+    off a reservation's nodes or not (always the last item)."""
     rules = world.state.rules
-    return (req.kind_key(), req.memory_mib, req.gang_nodes, rules.key(req) if rules is not None else ())
+    return (
+        req.kind_key(),
+        req.memory_mib,
+        req.gang_nodes,
+        rules.key(req) if rules is not None else (),
+        req.colocate,
+        keep_off is not None,
+    )
 
 
-def _place(c: _Cycle, req: Request) -> Decision:
-    """Place on the preferred nodes first: an owner on its dedicated nodes, others off them."""
+def _place(c: _Cycle, req: Request, keep_off: np.ndarray | None = None) -> Decision:
+    """Place on the preferred nodes first: an owner on its dedicated nodes, others off them; never
+    on nodes `keep_off` leaves out (a reservation's)."""
     rules = c.world.state.rules
     tiers = rules.preference(req) if rules is not None else [None]
     d = Decision(request=req, reasons=Reasons(0))
     for within in tiers:
+        if keep_off is not None:
+            within = keep_off if within is None else within & keep_off
         d = c.sched.place(c.world.state, req, observe=False, explain=False, within=within)
         if d.ok:
             break
     return d
+
+
+def _why_waiting(c: _Cycle, req: Request, ids: list[int], *, restricted: bool) -> str:
+    """Why pending requests of one kind wait, against the pool as the cycle leaves it."""
+    world, res = c.world, c.reservation
+    if restricted and res is not None and c.sched.place(world.state, req, observe=False, explain=False).ok:
+        return backfill.held_back(c.snap, res)  # it would fit, but on the reserved nodes
+    reasons = world.reasons(req)  # with the topology rule's note when that is why a gang waits
+    if res is not None and res.gang in ids:
+        reasons.notes.append(backfill.reserved_note(c.snap, world, res))
+    return str(reasons)
 
 
 def _borrow_note(world: World, d: Decision) -> str:
@@ -265,7 +302,9 @@ def _preempted_why(world: World, v: Live, a: Live) -> str:
     return f"preempted: borrowed capacity reclaimed by tenant {a.tenant} (allocation {a.id})"
 
 
-def _preempt(c: _Cycle, a: Live, stmt: Statement, *, lent_only: bool = False) -> Decision:
+def _preempt(
+    c: _Cycle, a: Live, stmt: Statement, *, lent_only: bool = False, keep_off: np.ndarray | None = None
+) -> Decision:
     """Evict other tenants' borrowed allocations in `stmt`, cheapest first, until `a` fits; keep
     only the ones needed. Returns the decision; when it is not ok, `stmt` is rolled back.
 
@@ -291,7 +330,7 @@ def _preempt(c: _Cycle, a: Live, stmt: Statement, *, lent_only: bool = False) ->
             continue
         stmt.evict(v)
         removed.append(v)
-        d = c.sched.place(world.state, a.core, observe=False, explain=False)
+        d = c.sched.place(world.state, a.core, observe=False, explain=False, within=keep_off)
         if d.ok:
             break
     if not d.ok:
@@ -301,7 +340,7 @@ def _preempt(c: _Cycle, a: Live, stmt: Statement, *, lent_only: bool = False) ->
     for v in reversed(removed[:-1]):
         cp = stmt.checkpoint()
         stmt.restore(v)
-        again = c.sched.place(world.state, a.core, observe=False, explain=False)
+        again = c.sched.place(world.state, a.core, observe=False, explain=False, within=keep_off)
         if again.ok:
             d = again
         else:
@@ -318,7 +357,7 @@ def never_fits(snap: Snapshot, req: Request) -> str | None:
     if not snap.nodes:
         return None  # nodes may still join
     # Node rules are left out: labels, taints and dedication change, and nodes may join with others.
-    req = replace(req, node_selector=(), tolerations=frozenset())
+    req = replace(req, node_selector=(), tolerations=frozenset(), colocate=None)
     world = World(snap, empty=True)
     sched = Scheduler(make_scorer("bestfit"))
     if sched.place(world.state, req, observe=False, explain=False).ok:

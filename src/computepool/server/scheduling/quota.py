@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from computepool.core import InvalidInput, Isolation, Request, Sharing
+from computepool.core.quantities import format_amount, resource_name
 
 Key = tuple[str, str]  # (GPU model or "" for the whole pool, resource)
 Usage = Counter[Key]
@@ -39,6 +40,7 @@ def to_core(req: dict[str, Any]) -> Request:
             tolerations=frozenset(req.get("tolerations") or ()),
             isolation=Isolation(req["isolation"]) if req.get("isolation") else None,
             mig_profile=req.get("mig"),
+            colocate=req.get("colocate"),
         )
     except InvalidInput as e:
         raise InvalidInput(_CORE_FIELD.get(e.where, e.where), e.message) from e
@@ -96,8 +98,10 @@ def over_limit(used: Usage, add: Usage, quota: QuotaMap) -> str | None:
         limit = quota[key][1]
         if used[key] + amount > limit:
             model, res = key
-            where = f"{res} of {model}" if model else res
-            return f"quota: {where} limit {limit} (using {used[key]}, asks {amount})"
+            return (
+                f"quota: {resource_name(res, model)} limit {format_amount(res, limit)} "
+                f"(using {format_amount(res, used[key])}, asks {format_amount(res, amount)})"
+            )
     return None
 
 

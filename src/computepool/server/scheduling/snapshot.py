@@ -29,6 +29,7 @@ class DevSnap:
     compute_milli: int
     uuid: str
     mig_parent_uuid: str | None = None  # a MIG instance: its GPU (the profile is in `model`)
+    link_group: str = ""  # NVLink peers share one (scheduler/topology.py)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class Snapshot:
     weights: dict[str, float]
     quotas: dict[str, QuotaMap]
     live: list[Live]
+    now: datetime | None = None  # the database's clock when read: time limits' ends are measured from it
+    topology_label: str | None = None  # the node label gangs prefer to share (ServerSettings)
 
 
 def node_state(age_s: float, settings: ServerSettings) -> str:
@@ -159,7 +162,7 @@ class SnapshotCache:
         ]
         weights, quotas = sql.tenants_and_quotas(s)
         if not live:
-            return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=[])
+            return Snapshot(nodes, weights, quotas, [], now, settings.topology_label)
         heads = store.live_heads(s)
         stale = [
             i
@@ -179,4 +182,4 @@ class SnapshotCache:
             keep[i] = a
             current.append(a)
         self._live = keep
-        return Snapshot(nodes=nodes, weights=weights, quotas=quotas, live=current)
+        return Snapshot(nodes, weights, quotas, current, now, settings.topology_label)

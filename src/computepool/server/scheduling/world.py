@@ -17,8 +17,10 @@ from computepool.core import Device, Node, Request
 from computepool.core.resources import mig_profile_of
 from computepool.scheduler.constraints import NodeConstraints, NodeRules
 from computepool.scheduler.filters import Reasons, explain
-from computepool.scheduler.placement import Decision
+from computepool.scheduler.placement import Decision, Scheduler
+from computepool.scheduler.policies import make_scorer
 from computepool.scheduler.state import Change, ClusterState, tag_of, tier_code
+from computepool.scheduler.topology import why_spread
 from computepool.server.scheduling.quota import Usage, host_usage, slices_usage
 from computepool.server.scheduling.snapshot import Live, Snapshot
 
@@ -45,6 +47,7 @@ class World:
                         d.memory_mib,
                         d.uuid,
                         d.compute_milli,
+                        link_group=d.link_group,
                         mig_parent_uuid=d.mig_parent_uuid,
                         mig_profile=mig_profile_of(d.model) if d.mig_parent_uuid is not None else "",
                     )
@@ -59,6 +62,7 @@ class World:
             self.state.rules = NodeConstraints(
                 [NodeRules(n.labels, n.taints, n.dedicated_to, n.lending) for n in self.nodes]
             )
+            self.state.topology_label = snap.topology_label
         self.usage: dict[str, Usage] = {t: Counter() for t in snap.weights}
         self.changes: dict[int, list[Change]] = {}
         self.held: dict[int, Usage] = {}
@@ -164,6 +168,10 @@ class World:
             r.notes.append("no nodes in the pool")
         if req.gang_nodes > 1:
             r.notes.append(f"gang needs {req.gang_nodes} nodes at once")
+        if req.colocate is not None and req.gang_nodes > 1 and self.nodes:
+            spread = why_spread(Scheduler(make_scorer("bestfit")), self.state, req)
+            if spread is not None:
+                r.notes.append(spread)
         return r
 
 

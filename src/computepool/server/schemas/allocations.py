@@ -9,6 +9,7 @@ from pydantic import Field, StrictInt, StringConstraints
 
 from computepool.core.allocation import AllocationState, IsolationName
 from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
+from computepool.server.schemas.blobs import PendingFile, Sha256
 from computepool.server.schemas.common import (
     MAX_CPU_MILLI,
     MAX_ID,
@@ -115,6 +116,14 @@ class AllocationCreate(In):
         default=None,
         description="End the work after this long bound: seconds, or 90s, 15m, 2h, 1d.",
     )
+    colocate: LabelKey | None = Field(
+        default=None,
+        description="A gang's nodes must all share one value of this node label (e.g. rack).",
+    )
+    code: Sha256 | None = Field(
+        default=None, description="A tar.gz blob of the tenant's, unpacked into the job's work dir first."
+    )
+    stdin: Sha256 | None = Field(default=None, description="A blob of the tenant's, fed to the job's stdin.")
 
 
 class RequestOut(Out):
@@ -139,6 +148,9 @@ class RequestOut(Out):
     node_selector: dict[str, str] | None = None
     tolerations: list[str] | None = None
     time_limit: int | None = Field(default=None, description="Seconds.")
+    colocate: str | None = None
+    code: str | None = None
+    stdin: str | None = None
 
 
 class SliceOut(Out):
@@ -154,6 +166,31 @@ class EventOut(Out):
     at: datetime
     state: str
     reason: str
+
+
+MemberState = Literal["starting", "running", "exited", "failed", "lost", "stopped"]
+
+
+class MemberOut(Out):
+    """One node of a gang (an allocation over several nodes), for the current attempt."""
+
+    rank: int = Field(description="The node's place in `nodes`; rank 0 hosts the rendezvous.")
+    node: str
+    address: str = Field(description="Where the other members reach this node.")
+    state: MemberState
+    exit_code: int | None
+    reason: str
+
+
+class GangOut(Out):
+    """What one member of a gang is told: enough for torchrun and torch.distributed (env://)."""
+
+    rank: int = Field(description="This node's rank (NODE_RANK).")
+    size: int = Field(description="Members (NNODES).")
+    master_addr: str = Field(description="Rank 0's address (MASTER_ADDR).")
+    master_port: int = Field(description="A port reserved on rank 0 for this attempt (MASTER_PORT).")
+    peers: list[str] = Field(description="Every member's address, in rank order (CPOOL_PEERS).")
+    nproc_per_node: int = Field(description="Processes per node: its GPUs, at least 1 (NPROC_PER_NODE).")
 
 
 class AllocationOut(Out):
@@ -177,6 +214,9 @@ class AllocationOut(Out):
     started_at: datetime | None
     ended_at: datetime | None
     events: list[EventOut]
+    members: list[MemberOut] = Field(
+        default_factory=list, description="A gang's members in rank order; empty for one node."
+    )
 
 
 class ReasonsOut(Out):
@@ -208,6 +248,9 @@ class Assignment(Out):
     restartable: bool
     image: str | None = None
     ports: list[int] | None = None
+    gang: GangOut | None = Field(default=None, description="Set for a member of a gang over several nodes.")
+    code: str | None = Field(default=None, description="Blob to unpack into the work dir before the start.")
+    stdin: str | None = Field(default=None, description="Blob to feed to the job's stdin.")
 
 
 class Assignments(Out):
@@ -216,6 +259,9 @@ class Assignments(Out):
     )
     term: int = Field(description="The scheduler term now in force.")
     assignments: list[Assignment]
+    files: list[PendingFile] = Field(
+        default_factory=list, description="File requests this node's agent should answer (packed job files)."
+    )
 
 
 class Report(In):
@@ -259,7 +305,20 @@ class LogAppended(Out):
     next_offset: int = Field(description="The stream's length now: where the next chunk starts.")
 
 
+class StreamOut(Out):
+    data: str = Field(description="The stream's text from the offset asked (attempts one after another).")
+    next: int = Field(description="The offset to ask for next (UTF-8 bytes).")
+
+
 class LogsOut(Out):
-    data: str
-    next_offset: int
-    ended: bool = Field(description="The allocation has ended: no more output will come.")
+    stdout: StreamOut
+    stderr: StreamOut
+    rank: int = Field(description="Whose output this is: the gang member's rank (0 for a single node).")
+    ranks: int = Field(description="Members of the allocation (gang nodes); `rank` is below it.")
+    attempt: int
+    state: AllocationState
+    exit_code: int | None
+    reason: str
+    ended: bool = Field(
+        description="The allocation has ended and both streams were read to their end: no more output."
+    )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
+from computepool.core.address import MAX_ADDRESS_LEN, check_address
 from computepool.core.request import MAX_DEVICES_PER_NODE
 from computepool.server.schemas.common import (
     MAX_CPU_MILLI,
@@ -25,6 +26,17 @@ Uuid = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:/-]{
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/@ -]{0,63}$")]
 MAX_TAINTS = 16
+PythonVersion = Annotated[
+    str,
+    StringConstraints(pattern=r"^3\.[0-9]{1,2}$"),
+    Field(description="A CPython minor version, e.g. 3.11."),
+]
+Address = Annotated[
+    str,
+    StringConstraints(max_length=MAX_ADDRESS_LEN + 2),
+    AfterValidator(lambda v: check_address(v, "address") if v else v),
+    Field(description="An IP address or host name the node's peers reach it at."),
+]
 # `key` (any value of the taint) or `key=value` (that taint only), as Kubernetes' Exists / Equal
 Toleration = Annotated[
     str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}(=[A-Za-z0-9_.:/@ -]{0,63})?$")
@@ -65,6 +77,12 @@ class NodeJoin(In):
     memory_mib: int = Field(strict=True, ge=0, le=MAX_MEMORY_MIB, description="Schedulable host memory.")
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_LABELS)
     devices: list[DeviceIn] = Field(default_factory=list, max_length=MAX_DEVICES_PER_NODE)
+    address: Address | None = Field(
+        default=None, description="Where a gang's peers reach this node; default: where the join came from."
+    )
+    pythons: list[PythonVersion] | None = Field(
+        default=None, max_length=32, description="Python versions a tenant's job can run here, e.g. 3.11."
+    )
 
     @model_validator(mode="after")
     def _unique_indexes(self) -> NodeJoin:
@@ -84,6 +102,14 @@ class DeviceUsageIn(In):
 
 class Heartbeat(In):
     devices_usage: list[DeviceUsageIn] = Field(default_factory=list, max_length=MAX_DEVICES_PER_NODE)
+    address: Address | None = Field(
+        default=None,
+        description="Set the node's address (an agent sends it once after it starts); empty: the "
+        "address this heartbeat comes from; absent: unchanged.",
+    )
+    pythons: list[PythonVersion] | None = Field(
+        default=None, max_length=32, description="Set the Python versions the node provides (absent: same)."
+    )
 
 
 class DeviceOut(Out):
@@ -117,6 +143,8 @@ class NodeOut(Out):
         description="The tenant it is set aside for (shown to admins and to that tenant's users)."
     )
     lending: bool = Field(description="A dedicated node's idle capacity may be borrowed, preemptibly.")
+    address: str = Field(default="", description="Where a gang's peers reach this node.")
+    pythons: list[str] = Field(default_factory=list, description="Python versions jobs can run here.")
     joined_at: datetime
     last_heartbeat_at: datetime
 

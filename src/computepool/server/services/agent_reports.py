@@ -28,6 +28,8 @@ from computepool.server.schemas.allocations import (
     SliceOut,
     StaleOut,
 )
+from computepool.server.services import blobs as blob_service
+from computepool.server.services import gangs
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
 from computepool.store import nodes as node_store
@@ -66,13 +68,18 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 restartable=a.restartable,
                 image=a.request.get("image"),
                 ports=a.request.get("ports"),
+                gang=gangs.gang_of(a, name),
+                code=a.request.get("code"),
+                stdin=a.request.get("stdin"),
             )
             for a in store.holding_on(s, name)
             if a.command is not None
         ]
         term = store.current_term(s)
-    digest = hashlib.sha256(json.dumps([i.model_dump(mode="json") for i in items], sort_keys=True).encode())
-    return Assignments(version=int(digest.hexdigest()[:15], 16), term=term, assignments=items)
+        files = blob_service.pending_for(s, name)
+    seen = [i.model_dump(mode="json") for i in items] + [f.model_dump(mode="json") for f in files]
+    digest = hashlib.sha256(json.dumps(seen, sort_keys=True).encode())
+    return Assignments(version=int(digest.hexdigest()[:15], 16), term=term, assignments=items, files=files)
 
 
 def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
@@ -98,7 +105,12 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
                 continue
             accepted.append(a.id)
             before = a.state
-            if r.state == "running":
+            if gangs.is_gang(a):  # members of several nodes: the gang moves as a whole (gangs.py)
+                members = list(a.nodes)  # a requeue clears them; all must hear of it
+                gangs.apply_report(s, a, name, r, now)
+                if a.state != before:
+                    touched.update(members)
+            elif r.state == "running":
                 if a.state == "bound":
                     a.started_at = _utc(r.started_at) or now
                     store.transition(s, a, "active", f"started on {name}", now)
@@ -139,13 +151,14 @@ def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended
             raise Forbidden(f"allocation '{alloc_id}' does not run on node '{principal.node}'")
         if body.attempt != a.attempt:
             raise Conflict(f"attempt {body.attempt} is not current (now {a.attempt})", "attempt")
-        end = store.stream_length(s, alloc_id, body.attempt, body.stream)
+        rank = list(dict.fromkeys(a.nodes)).index(principal.node)  # members in rank order (rank 0 first)
+        end = store.stream_length(s, alloc_id, body.attempt, body.stream, rank)
         if body.offset > end:
             raise Conflict(f"offset {body.offset} is past the end of {body.stream} ({end})", "offset")
         raw = body.data.encode()
         data = raw[end - body.offset :].decode(errors="ignore") if end > body.offset else body.data
         if data:
-            store.append_log(s, alloc_id, body.attempt, body.stream, end, data)
+            store.append_log(s, alloc_id, body.attempt, body.stream, end, data, rank)
     if data:
         hub.notify(f"logs:{alloc_id}")
     return LogAppended(next_offset=end + len(data.encode()))

@@ -28,6 +28,7 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.policy import Target, authorize
+from computepool.server.scheduling.backfill import about_reservation
 from computepool.server.schemas.allocations import (
     AllocationCreate,
     AllocationOut,
@@ -37,8 +38,11 @@ from computepool.server.schemas.allocations import (
     ReasonsOut,
     RequestOut,
     SliceOut,
+    StreamOut,
 )
 from computepool.server.schemas.common import Items
+from computepool.server.services import blobs as blob_service
+from computepool.server.services import gangs
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
 from computepool.store.db import db_now
@@ -54,9 +58,9 @@ def _out(a: Allocation, events: Sequence[AllocationEvent], tenant: str | None = 
         name=a.name,
         tenant=tenant or a.tenant.name,
         owner=a.owner,
-        request=RequestOut.model_validate(a.request),
+        request=RequestOut.model_validate(_hidden(a.request)),
         command=a.command,
-        env=a.env,
+        env=_hide_secrets(a.env),
         restartable=a.restartable,
         state=a.state,  # type: ignore[arg-type]
         reason=a.reason,
@@ -70,6 +74,7 @@ def _out(a: Allocation, events: Sequence[AllocationEvent], tenant: str | None = 
         started_at=a.started_at,
         ended_at=a.ended_at,
         events=[EventOut(at=e.at, state=e.state, reason=e.reason) for e in events],
+        members=gangs.members_out(a),
     )
 
 
@@ -143,6 +148,9 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "node_selector": dict(sorted(body.node_selector.items())) if body.node_selector else None,
         "tolerations": sorted(set(body.tolerations)) if body.tolerations else None,
         "time_limit": time_limit,
+        "colocate": body.colocate,
+        "code": body.code,
+        "stdin": body.stdin,
     }
 
 
@@ -223,6 +231,31 @@ def _admit(ctx: Ctx, core: Request, tenant: str) -> int:
     return shape.tenant_ids[tenant]
 
 
+def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, Any], int]:
+    """The request as stored and its tenant's id, once it passes every check of POST /allocations
+    (for requests the control plane makes itself, such as function workers)."""
+    req = _normalise(body, tenant)
+    try:
+        core = scheduling.to_core(req)
+    except InvalidInput as e:
+        raise Invalid(f"{e.where}: {e.message}", e.where) from e
+    return req, _admit(ctx, core, tenant)
+
+
+SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN"})  # given to the job by its env, never shown back
+
+
+def _hide_secrets(env: dict[str, str] | None) -> dict[str, str] | None:
+    if not env or SECRET_ENV.isdisjoint(env):
+        return env
+    return {k: ("(hidden)" if k in SECRET_ENV else v) for k, v in env.items()}
+
+
+def _hidden(req: dict[str, Any]) -> dict[str, Any]:
+    env = req.get("env")
+    return req if not env or SECRET_ENV.isdisjoint(env) else dict(req, env=_hide_secrets(env))
+
+
 def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple[AllocationOut, bool]:
     """Store a pending allocation (201), or return the one this caller made with `key` (200)."""
     caller = ctx.caller()
@@ -246,6 +279,7 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
     try:
         with ctx.db.write() as s:
             now = db_now(s)
+            blob_service.claim(s, tenant_id, req, now)  # code and stdin: blobs the tenant holds
             alloc_id = store.insert_pending(
                 s,
                 {
@@ -376,6 +410,8 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
         refused = scheduling.over_limit(used, ask, quota)
         if refused is not None:
             summary = refused
+        elif about_reservation(a.reason):  # the cycle's word: held back by, or holding, a reservation
+            summary = a.reason
         elif counts or notes:
             summary = str(reasons)
         else:
@@ -388,7 +424,8 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
         )
         position = next((i + 1 for i, x in enumerate(mine) if x.id == a.id), None)
     elif a.state in store.HOLDING:
-        summary = f"{a.state} on {', '.join(a.nodes) or 'no node'} ({a.slices} slices)"
+        held = f"{a.slices} device slice{'s' if a.slices != 1 else ''}" if a.slices else "no devices"
+        summary = f"{a.state} on {', '.join(dict.fromkeys(a.nodes)) or 'no node'} ({held})"
         summary = "; ".join([summary, *holding])  # time left, idle warning
     else:
         summary = f"{a.state}: {a.reason}"
@@ -431,9 +468,32 @@ def cancel(ctx: Ctx, alloc_id: int, hub: Hub) -> AllocationOut:
     return _end(ctx, alloc_id, hub, state="cancelled", allowed=store.LIVE)
 
 
-def read_log(ctx: Ctx, alloc_id: int, offset: int) -> LogsOut:
+def read_log(ctx: Ctx, alloc_id: int, rank: int, offsets: dict[str, int]) -> LogsOut:
+    """Both streams of one gang member from their offsets, in one read (one request per poll)."""
     with ctx.db.read() as s:
         a = _visible(s, ctx, alloc_id)
-        data, nxt = store.read_log(s, alloc_id, offset, MAX_LOG_READ)
-        ended = a.state in store.ENDED and nxt >= store.log_length(s, alloc_id)
-        return LogsOut(data=data, next_offset=max(nxt, offset), ended=ended)
+        ranks = int(a.request.get("gang_nodes") or 1)
+        if rank >= ranks:
+            raise Invalid(
+                f"rank: allocation {alloc_id} has {ranks} member{'s' if ranks > 1 else ''}: "
+                f"rank {rank} is not one (ranks 0..{ranks - 1})",
+                "rank",
+            )
+        streams: dict[str, StreamOut] = {}
+        drained = True
+        for stream, offset in offsets.items():
+            data, nxt = store.read_log(s, alloc_id, rank, stream, offset, MAX_LOG_READ)
+            nxt = max(nxt, offset)
+            streams[stream] = StreamOut(data=data, next=nxt)
+            drained = drained and nxt >= store.log_length(s, alloc_id, rank, stream)
+        return LogsOut(
+            stdout=streams["stdout"],
+            stderr=streams["stderr"],
+            rank=rank,
+            ranks=ranks,
+            attempt=a.attempt,
+            state=a.state,  # type: ignore[arg-type]
+            exit_code=a.exit_code,
+            reason=a.reason,
+            ended=a.state in store.ENDED and drained,
+        )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
+from computepool.core.address import check_address
+from computepool.core.errors import InvalidInput
 from computepool.core.tls import file_fingerprint, split_pin, with_pin
 from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret, secret_matches, split_token
@@ -28,6 +30,8 @@ from computepool.server.schemas.nodes import (
 )
 from computepool.server.services.audit import record
 from computepool.server.settings import ServerSettings
+from computepool.store import functions as fn_store
+from computepool.store import gangs as gang_store
 from computepool.store import nodes, tenants, tokens
 from computepool.store.db import db_now
 from computepool.store.models import ApiToken, JoinToken, Node
@@ -85,6 +89,8 @@ def _out(n: Node, now: datetime, settings: ServerSettings, viewer: Principal | N
         dedicated=n.dedicated_tenant_id is not None,
         dedicated_to=_dedicated_to(n, viewer),
         lending=n.lending,
+        address=n.address or "",
+        pythons=list(n.pythons or []),
         joined_at=n.joined_at,
         last_heartbeat_at=n.last_heartbeat_at,
     )
@@ -113,7 +119,17 @@ def create_join_token(ctx: Ctx, body: JoinTokenCreate) -> JoinTokenCreated:
         return JoinTokenCreated(id=tok.id, token=token, expires_at=tok.expires_at, single_use=tok.single_use)
 
 
-def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
+def _address(given: str | None, peer: str | None) -> str:
+    """The node's address: the one it gave, else the one its call came from (as a stored address)."""
+    if given:
+        return given
+    try:
+        return check_address(peer or "", "address")
+    except InvalidInput:
+        return ""  # e.g. a test client without a socket: peers fall back to the node's name
+
+
+def join(ctx: Ctx, body: NodeJoin, peer: str | None = None) -> NodeJoined:
     parts = split_token(split_pin(body.join_token)[0])  # the certificate pin is the agent's business
     if parts is None:
         raise Unauthorized("join_token: malformed (expected '<id>.<secret>' from POST /api/v1/join-tokens)")
@@ -139,6 +155,9 @@ def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
             devices=[DeviceSpec(**d.model_dump()) for d in body.devices],
             now=now,
         )
+        node.address = _address(body.address, peer)
+        s.flush()  # written before anything expires the session's objects
+        fn_store.set_pythons(s, node.name, body.pythons or [])
         cred = new_secret()
         tokens.add(
             s,
@@ -169,7 +188,7 @@ def join(ctx: Ctx, body: NodeJoin) -> NodeJoined:
     return joined
 
 
-def heartbeat(ctx: Ctx, name: str, body: Heartbeat) -> HeartbeatOut:
+def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> HeartbeatOut:
     authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
     usage = [DeviceUsage(u.index, u.used_memory_mib, u.utilization_pct) for u in body.devices_usage]
     with ctx.db.write() as s:
@@ -182,6 +201,10 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat) -> HeartbeatOut:
             ) from None
         if got is None:
             raise NotFound.of("node", name)
+        if body.address is not None:  # an agent that (re)started says where peers reach it
+            gang_store.set_address(s, name, _address(body.address, peer))
+        if body.pythons is not None:  # an agent that (re)started says which Pythons jobs can run
+            fn_store.set_pythons(s, name, body.pythons)
     return HeartbeatOut(
         node=name,
         state="ready",
@@ -250,6 +273,7 @@ def update(ctx: Ctx, name: str, body: NodeSettings | NodePatch) -> NodeOut:
             tenant = tenants.get(s, owner)
             if tenant is None:
                 raise Invalid(f"dedicated_to: tenant '{owner}' not found", "dedicated_to")
+        labels |= fn_store.python_labels(node.pythons or [])  # kept from what the agent reported
         nodes.set_rules(s, node, labels=labels, taints=taints, dedicated_to=tenant, lending=lending)
         detail = {"labels": node.labels, "taints": node.taints, "dedicated_to": owner, "lending": lending}
         record(s, ctx, f"node:{name}", detail=detail)

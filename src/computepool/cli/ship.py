@@ -1,0 +1,154 @@
+"""What `cpool run` sends with a job and brings back: the code directory, stdin, environment and
+the files named by `--output`.
+
+The directory (the current one, or `--workdir`) goes as a deterministic tar.gz (client/archive.py)
+whose sha256 the server may hold already: then nothing is sent again. Everything here happens
+before the allocation is created, so a refusal (over a cap, a bad env line) leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from dataclasses import replace
+from pathlib import Path, PurePosixPath
+
+from computepool.cli.common import err_console
+from computepool.client import AllocationRequest, PoolClient, PoolError
+from computepool.client.archive import pack_with_stats, safe_extract, scan
+from computepool.core.errors import InvalidInput
+
+MIB = 1 << 20
+MAX_CODE_BYTES = 1 << 30  # what a directory may hold before packing it is refused outright
+MAX_STDIN_BYTES = 1 << 30
+_ENV_KEY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.1f} MiB" if n >= 100 * 1024 else f"{n / 1024:.1f} KiB"
+
+
+def _env_pair(text: str, where: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise InvalidInput(where, f"expected KEY=VALUE, got {text!r}")
+    if key[0] not in _ENV_KEY_FIRST or not all(c.isalnum() or c == "_" for c in key) or not key.isascii():
+        raise InvalidInput(where, f"{key!r} is not a variable name (letters, digits, '_'; not first a digit)")
+    return key, value
+
+
+def parse_env(pairs: list[str] | None, env_file: Path | None) -> dict[str, str] | None:
+    """`--env-file` lines (KEY=VALUE, `# comments`, blank lines, an optional `export `), then `--env`
+    pairs over them. A bad line names the file and its line number."""
+    env: dict[str, str] = {}
+    if env_file is not None:
+        try:
+            lines = env_file.expanduser().read_text().splitlines()
+        except OSError as e:
+            raise InvalidInput("--env-file", f"cannot read {env_file}: {e.strerror or e}") from None
+        for n, raw in enumerate(lines, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            line = line.removeprefix("export ").lstrip()
+            key, value = _env_pair(line, f"--env-file {env_file}:{n}")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            env[key] = value
+    for pair in pairs or []:
+        key, value = _env_pair(pair, "--env")
+        env[key] = value
+    return env or None
+
+
+def read_stdin(enabled: bool = True) -> bytes | None:
+    """What is piped into `cpool run` (a pipe or a file, not a terminal or /dev/null), capped."""
+    if not enabled or sys.stdin is None:
+        return None
+    try:
+        fd = sys.stdin.fileno()
+        mode = os.fstat(fd).st_mode
+    except (OSError, ValueError):
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return None  # a terminal, /dev/null or another device, a socket: nothing to send
+    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+    if len(data) > MAX_STDIN_BYTES:
+        raise InvalidInput(
+            "stdin", f"more than {MAX_STDIN_BYTES // MIB} MiB piped in: pass a file with the code"
+        )
+    return data
+
+
+def check_outputs(outputs: list[str] | None) -> list[str]:
+    """`--output` paths: relative to the job's work dir, never leaving it."""
+    out: list[str] = []
+    for raw in outputs or []:
+        p = PurePosixPath(raw)
+        if not raw or p.is_absolute() or ".." in p.parts or str(p) == ".":
+            raise InvalidInput("--output", f"{raw!r}: give a path inside the job's work dir, e.g. out/")
+        out.append(str(p))
+    return out
+
+
+def ship(
+    pool: PoolClient,
+    req: AllocationRequest,
+    *,
+    workdir: Path | None,
+    no_code: bool,
+    env: dict[str, str] | None,
+    stdin: bytes | None,
+) -> AllocationRequest:
+    """Upload the code directory and stdin (unless the pool holds them) and name them in the request."""
+    changes: dict[str, object] = {}
+    if env:
+        changes["env"] = {**(req.env or {}), **env}
+    if not no_code:
+        root = (workdir or Path.cwd()).expanduser()
+        if not root.is_dir():
+            raise InvalidInput("--workdir", f"{root}: not a directory")
+        seen = scan(root)
+        if seen.bytes_in > MAX_CODE_BYTES:
+            raise InvalidInput(
+                "--workdir",
+                f"{root} holds {_size(seen.bytes_in)} to ship (more than {MAX_CODE_BYTES // MIB} MiB): "
+                "ship a smaller one with --workdir, leave files out with .cpoolignore, or use --no-code",
+            )
+        data, stats = pack_with_stats(root)
+        try:
+            sha, sent = pool.put_blob_info(data)
+        except PoolError as e:
+            raise PoolError(e.status, f"code ({root}): {e.message}", e.field) from None
+        note = "uploaded" if sent else "already on the pool"
+        err_console.print(
+            f"code: {_size(len(data))}, {stats.files} files ({note})",
+            style="dim",
+            highlight=False,
+            markup=False,
+        )
+        changes["code"] = sha
+    if stdin is not None:
+        try:
+            changes["stdin"] = pool.put_blob(stdin)
+        except PoolError as e:
+            raise PoolError(e.status, f"stdin: {e.message}", e.field) from None
+    return replace(req, **changes) if changes else req  # type: ignore[arg-type]
+
+
+def fetch_outputs(pool: PoolClient, job_id: str, outputs: list[str], base: Path) -> list[str]:
+    """Bring each `--output` path back under `base` (same relative path); the errors, one line each."""
+    errors: list[str] = []
+    for path in outputs:
+        try:
+            data = pool.fetch_files(job_id, path)
+            safe_extract(data, base)
+        except (PoolError, ValueError, OSError) as e:
+            message = e.message if isinstance(e, PoolError) else str(e)
+            errors.append(f"--output {path}: {message}")
+            continue
+        err_console.print(f"output: {path} → {base / path}", style="dim", highlight=False, markup=False)
+    return errors

@@ -1,0 +1,37 @@
+"""The options of `cpool run` that ship code, stdin and environment, and fetch results (cli/ship.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+WorkdirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--workdir",
+        help="Ship this directory as the job's work dir (default: the current one), honouring "
+        ".gitignore and .cpoolignore; unchanged code is not uploaded again.",
+    ),
+]
+NoCodeOpt = Annotated[
+    bool, typer.Option("--no-code", help="Ship no directory: the job starts in an empty one.")
+]
+EnvOpt = Annotated[
+    list[str] | None,
+    typer.Option("--env", help="KEY=VALUE in the job's environment (repeat it).", show_default=False),
+]
+EnvFileOpt = Annotated[
+    Path | None,
+    typer.Option("--env-file", help="KEY=VALUE lines (# comments) for the job's environment; --env wins."),
+]
+OutputOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--output",
+        help="A file or directory (relative to the job's work dir) to fetch here when the job ends "
+        "(repeat it); `cpool cp ID:PATH .` fetches later.",
+        show_default=False,
+    ),
+]

@@ -1,0 +1,210 @@
+"""A directory as a deterministic tar.gz: the code a run or a function ships to the pool.
+
+Deterministic (names sorted, mtime 0, owner 0:0, gzip header without a time) so the same files
+always give the same bytes, hence the same sha256: an unchanged directory is recognised by the
+server (`HEAD /blobs/{sha}`) and never sent twice. `.gitignore` files (at any depth) and a root
+`.cpoolignore` (and the repository's `.git/info/exclude`) are honoured with git's own matching
+rules (pathspec); `.git` is always left out, and so are links that lead out of the tree.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import stat
+import tarfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pathspec
+
+from computepool.core.tarsafe import UnsafeArchive, safe_extract, sha256_hex
+
+__all__ = ["ArchiveStats", "UnsafeArchive", "pack", "pack_with_stats", "safe_extract", "scan", "sha256_hex"]
+
+IGNORE_FILES = (".git/info/exclude", ".gitignore", ".cpoolignore")  # at the root; deeper: .gitignore
+ALWAYS_SKIPPED = frozenset({".git"})
+TREE_SKIPPED = frozenset({"__pycache__"})
+
+
+@dataclass(frozen=True)
+class ArchiveStats:
+    files: int
+    bytes_in: int  # the files' sizes, before compression
+
+
+@dataclass(frozen=True)
+class _Rules:
+    base: PurePosixPath  # the directory (relative to the root) whose ignore files these are
+    spec: pathspec.GitIgnoreSpec
+
+
+def _read_rules(directory: Path, base: PurePosixPath, names: tuple[str, ...]) -> list[_Rules]:
+    out: list[_Rules] = []
+    for name in names:
+        path = directory / name
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()
+            out.append(_Rules(base, pathspec.GitIgnoreSpec.from_lines(lines)))
+    return out
+
+
+def _ignored(rel: PurePosixPath, is_dir: bool, rules: list[_Rules]) -> bool:
+    """Git's precedence: the deepest rule that matches decides (a `!` pattern re-includes)."""
+    verdict = False
+    for r in rules:
+        try:
+            sub = rel.relative_to(r.base) if r.base != PurePosixPath(".") else rel
+        except ValueError:
+            continue
+        text = str(sub) + ("/" if is_dir else "")
+        result = r.spec.check_file(text)
+        if result.include is not None:
+            verdict = bool(result.include)
+    return verdict
+
+
+def _walk(root: Path) -> Iterator[tuple[PurePosixPath, Path]]:
+    """(archive name, path) of every file, dir and in-tree link of `root` not ignored, sorted."""
+    real_root = root.resolve()
+
+    def visit(
+        directory: Path, rel: PurePosixPath, rules: list[_Rules]
+    ) -> Iterator[tuple[PurePosixPath, Path]]:
+        here = rules + _read_rules(
+            directory, rel, IGNORE_FILES if rel == PurePosixPath(".") else (".gitignore",)
+        )
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name in ALWAYS_SKIPPED:
+                continue
+            name = PurePosixPath(entry.name) if rel == PurePosixPath(".") else rel / entry.name
+            path = Path(entry.path)
+            is_link = entry.is_symlink()
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if _ignored(name, is_dir, here):
+                continue
+            if is_link:
+                try:
+                    path.resolve(strict=True).relative_to(real_root)
+                except (OSError, ValueError):
+                    continue  # dangling, or leaving the tree: not shipped
+                yield name, path
+            elif is_dir:
+                yield name, path
+                yield from visit(path, name, here)
+            elif entry.is_file(follow_symlinks=False):
+                yield name, path
+
+    yield from visit(root, PurePosixPath("."), [])
+
+
+def _info(name: str, st: os.stat_result, kind: bytes, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    executable = bool(st.st_mode & stat.S_IXUSR)
+    info.mode = 0o755 if kind == tarfile.DIRTYPE or executable else 0o644
+    if kind == tarfile.SYMTYPE:
+        info.mode = 0o777
+        info.linkname = link
+    return info
+
+
+def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: frozenset[str]) -> ArchiveStats:
+    files = size = 0
+    for name, path in _walk(root) if not skip else _walk_all(root, skip):
+        arcname = f"{prefix}/{name}" if prefix else str(name)
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            tar.addfile(_info(arcname, st, tarfile.SYMTYPE, os.readlink(path)))
+        elif stat.S_ISDIR(st.st_mode):
+            tar.addfile(_info(arcname, st, tarfile.DIRTYPE))
+        else:
+            info = _info(arcname, st, tarfile.REGTYPE)
+            with path.open("rb") as f:
+                data = f.read()
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            files += 1
+            size += len(data)
+    return ArchiveStats(files, size)
+
+
+def _walk_all(root: Path, skip: frozenset[str]) -> Iterator[tuple[PurePosixPath, Path]]:
+    """A whole local package (no ignore files), minus `skip` names and links leaving it, sorted."""
+    real_root = root.resolve()
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip and d not in ALWAYS_SKIPPED)
+        here = Path(dirpath)
+        rel = here.relative_to(root)
+        for name in sorted([*dirs, *files]):
+            path = here / name
+            if name in skip or name.endswith(".pyc"):
+                continue
+            if path.is_symlink():
+                try:
+                    path.resolve(strict=True).relative_to(real_root)
+                except (OSError, ValueError):
+                    continue
+            elif not (path.is_file() or path.is_dir()):
+                continue
+            yield PurePosixPath(rel / name), path
+
+
+def scan(root: Path) -> ArchiveStats:
+    """What `pack(root)` would hold (files and their bytes), without reading them."""
+    files = size = 0
+    for _name, path in _walk(root):
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode):
+            files, size = files + 1, size + st.st_size
+    return ArchiveStats(files, size)
+
+
+def pack_with_stats(
+    root: Path | None,
+    *,
+    extra_files: Mapping[str, bytes] | None = None,
+    extra_trees: Mapping[str, Path] | None = None,
+) -> tuple[bytes, ArchiveStats]:
+    """`pack`, and how many files and bytes went in."""
+    raw = io.BytesIO()
+    files = size = 0
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        if root is not None:
+            if not root.is_dir():
+                raise NotADirectoryError(f"{root}: not a directory")
+            got = _add_tree(tar, root, "", frozenset())
+            files, size = files + got.files, size + got.bytes_in
+        for prefix, tree in sorted((extra_trees or {}).items()):
+            clean = str(PurePosixPath(prefix)).strip("/")
+            got = _add_tree(tar, tree, clean, TREE_SKIPPED)
+            files, size = files + got.files, size + got.bytes_in
+        for name, data in sorted((extra_files or {}).items()):
+            info = tarfile.TarInfo(str(PurePosixPath(name)).lstrip("/"))
+            info.mtime, info.mode, info.size = 0, 0o644, len(data)
+            tar.addfile(info, io.BytesIO(data))
+            files, size = files + 1, size + len(data)
+    out = io.BytesIO()
+    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=6, filename="") as gz:
+        gz.write(raw.getvalue())
+    return out.getvalue(), ArchiveStats(files, size)
+
+
+def pack(
+    root: Path | None,
+    *,
+    extra_files: Mapping[str, bytes] | None = None,
+    extra_trees: Mapping[str, Path] | None = None,
+) -> bytes:
+    """A deterministic tar.gz of `root` (ignore files honoured), plus `extra_files` (archive name →
+    bytes) and `extra_trees` (archive prefix → a local directory, shipped whole minus __pycache__)."""
+    return pack_with_stats(root, extra_files=extra_files, extra_trees=extra_trees)[0]

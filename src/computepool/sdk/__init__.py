@@ -1,0 +1,16 @@
+"""The Python SDK: `Pool` and `@pool.function` (remote functions on pooled slices), see docs/sdk.md."""
+
+from __future__ import annotations
+
+from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
+from computepool.sdk.pool import Handle, Pool, RemoteFunction
+
+__all__ = [
+    "CallCancelled",
+    "Handle",
+    "IncompatiblePython",
+    "Pool",
+    "RemoteError",
+    "RemoteFunction",
+    "RemoteTraceback",
+]

@@ -1,0 +1,345 @@
+"""The remote side of a pool function: claims calls from the control plane, runs them, sends results.
+
+It runs with the node's Python, not the caller's environment, so it uses the standard library and
+cloudpickle alone (cloudpickle ships beside it, in `__cpool__/lib`). The SDK ships it in the code
+archive as `__cpool__/worker.py`; the agent unpacks that into the job's work dir and starts
+`python3.X -u __cpool__/worker.py` there, as the tenant's user, with:
+
+- CPOOL_SERVER, CPOOL_WORKER_TOKEN (and CPOOL_CA): how to reach `POST /worker/next` and `/worker/output`;
+- CPOOL_KEEP_WARM_S: how long to wait for another call once idle (0: one call, then exit);
+- CPOOL_PIP (JSON list): requirements; built once per node into $CPOOL_CACHE_DIR/envs/<hash>;
+- CPOOL_SYS_PATH (JSON list): the caller's import roots, relative to the work dir.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.parse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FUNCTION_FILE = os.path.join(HERE, "function.pkl")
+FIRST_CALL_WAIT_S = 60.0  # a worker is started for a waiting call: it should come at once
+LONG_POLL_S = 20.0
+FLUSH_EVERY_S = 0.2
+PIP_TAIL_LINES = 15
+
+
+def trace(what: str) -> None:
+    """With CPOOL_WORKER_TRACE set, when each step happened (wall clock), on the job's stderr."""
+    if os.environ.get("CPOOL_WORKER_TRACE"):
+        print(f"cpool worker {time.time():.3f} {what}", file=sys.stderr, flush=True)
+
+
+class Refused(Exception):
+    """The control plane no longer accepts this worker's token (its allocation ended)."""
+
+
+class Api:
+    """JSON over one kept-alive HTTP(S) connection to the control plane, with the worker's token."""
+
+    def __init__(self) -> None:
+        url = urllib.parse.urlsplit(os.environ["CPOOL_SERVER"])
+        self.https = url.scheme == "https"
+        self.host = url.hostname or "127.0.0.1"
+        self.port = url.port or (443 if self.https else 80)
+        self.base = url.path.rstrip("/") + "/api/v1"
+        self.headers = {
+            "Authorization": "Bearer " + os.environ["CPOOL_WORKER_TOKEN"],
+            "Content-Type": "application/json",
+        }
+        ca = os.environ.get("CPOOL_CA")
+        self.context = ssl.create_default_context(cafile=ca or None) if self.https else None
+        self.conn: http.client.HTTPConnection | None = None
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        if self.conn is None:
+            if self.https:
+                self.conn = http.client.HTTPSConnection(self.host, self.port, context=self.context)
+            else:
+                self.conn = http.client.HTTPConnection(self.host, self.port)
+        self.conn.timeout = timeout
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(timeout)
+        return self.conn
+
+    def post(self, path: str, body: dict, timeout: float = 30.0, tries: int = 5) -> dict:
+        data = json.dumps(body).encode()
+        for attempt in range(tries):
+            try:
+                conn = self._connect(timeout)
+                conn.request("POST", self.base + path, body=data, headers=self.headers)
+                r = conn.getresponse()
+                text = r.read()
+            except (OSError, http.client.HTTPException):
+                self.close()
+                if attempt + 1 == tries:
+                    raise
+                time.sleep(min(0.2 * 2**attempt, 3.0))
+                continue
+            if 200 <= r.status < 300:
+                return json.loads(text) if text else {}
+            if r.status in (401, 403, 404, 410):
+                raise Refused(f"{path}: HTTP {r.status} {text[:300]!r}")
+            if attempt + 1 == tries:
+                raise RuntimeError(f"{path}: HTTP {r.status} {text[:300]!r}")
+            time.sleep(min(0.2 * 2**attempt, 3.0))
+        raise RuntimeError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class Output:
+    """What the running call prints, sent to the control plane every FLUSH_EVERY_S and at its end."""
+
+    def __init__(self) -> None:
+        self.api: Api | None = None
+        self.call: int | None = None
+        self.parts: list[str] = []
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.wake = threading.Event()
+        threading.Thread(target=self._run, name="cpool-output", daemon=True).start()
+
+    def add(self, text: str) -> None:
+        with self.lock:
+            if self.call is not None:
+                self.parts.append(text)
+
+    def begin(self, call_id: int) -> None:
+        with self.lock:
+            self.call, self.parts = call_id, []
+
+    def end(self) -> None:
+        self.flush()
+        with self.lock:
+            self.call = None
+
+    def flush(self) -> None:
+        with self.send_lock:
+            with self.lock:
+                call, data, self.parts = self.call, "".join(self.parts), []
+            if call is None or not data:
+                return
+            if self.api is None:
+                self.api = Api()
+            # output is best effort: the call's result matters more
+            with contextlib.suppress(OSError, RuntimeError, Refused, http.client.HTTPException, ValueError):
+                self.api.post("/worker/output", {"id": call, "data": data}, tries=3)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(FLUSH_EVERY_S)
+            if self.parts:
+                self.flush()
+
+
+class Stream:
+    """sys.stdout / sys.stderr while a call runs: text goes to the call's output, and to the job's log."""
+
+    def __init__(self, output: Output, original: object) -> None:
+        self.output = output
+        self.original = original
+        self.encoding = getattr(original, "encoding", "utf-8")
+        self.errors = getattr(original, "errors", "strict")
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        self.output.add(text)
+        return len(text)
+
+    def writelines(self, lines: object) -> None:
+        for line in lines:  # type: ignore[attr-defined]
+            self.write(line)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return int(self.original.fileno())  # type: ignore[attr-defined]
+
+
+def setup_sys_path() -> None:
+    """The caller's import roots first (relative to the work dir), then the shipped cloudpickle."""
+    while HERE in sys.path:
+        sys.path.remove(HERE)
+    roots = json.loads(os.environ.get("CPOOL_SYS_PATH") or '["."]')
+    for rel in reversed(roots):
+        sys.path.insert(0, os.path.normpath(os.path.join(ROOT, rel)))
+    sys.path.append(os.path.join(HERE, "lib"))
+
+
+def env_dir(requirements: list[str]) -> str:
+    """Where the environment of these requirements lives: one per requirement set and Python version."""
+    cache = os.environ.get("CPOOL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cpool")
+    key = json.dumps(sorted(requirements)) + f"\n{sys.version_info[0]}.{sys.version_info[1]}"
+    return os.path.join(cache, "envs", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def build_env(requirements: list[str]) -> str:
+    """The environment's directory, built now unless it is there: under a lock, so workers of the
+    node build it once; into a temporary dir renamed when complete, so a half build is never used.
+    Raises RuntimeError with pip's last lines when the build fails."""
+    final = env_dir(requirements)
+    if os.path.isdir(final):
+        return final
+    os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+    with open(final + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(final):
+            return final
+        tmp = final + ".building"
+        shutil.rmtree(tmp, ignore_errors=True)
+        steps = [
+            [sys.executable, "-m", "venv", tmp],
+            [os.path.join(tmp, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check",
+             "--no-input", *requirements],
+        ]  # fmt: skip
+        for argv in steps:
+            done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-PIP_TAIL_LINES:])
+                what = "pip install " + " ".join(requirements) if "pip" in argv else "python -m venv"
+                raise RuntimeError(f"{what} failed on this node (exit {done.returncode}):\n{tail}")
+        os.rename(tmp, final)
+    return final
+
+
+def bootstrap() -> str | None:
+    """Re-exec in the requirements' environment when CPOOL_PIP asks for one; else why it can't be had."""
+    requirements = json.loads(os.environ.get("CPOOL_PIP") or "[]")
+    if not requirements:
+        return None
+    try:
+        final = build_env(requirements)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return str(e)
+    if os.path.realpath(sys.prefix) != os.path.realpath(final):
+        python = os.path.join(final, "bin", "python")
+        sys.stdout.flush()
+        os.execv(python, [python, "-u", os.path.abspath(__file__)])
+    return None
+
+
+def dump(value: object, ok: bool, tb: str | None) -> tuple[bool, str, str | None]:
+    """The pickled value (ok) or exception; what cannot be pickled becomes an error naming its type."""
+    import cloudpickle
+
+    try:
+        return ok, base64.b64encode(cloudpickle.dumps(value)).decode(), tb
+    except Exception as e:  # noqa: BLE001 - any pickling failure is reported, not raised
+        kind = type(value).__module__ + "." + type(value).__qualname__
+        if ok:
+            err: Exception = TypeError(f"the function's result, of type {kind}, could not be pickled: {e}")
+        else:
+            err = RuntimeError(f"{kind}: {value} (the exception could not be pickled: {e})")
+        return False, base64.b64encode(cloudpickle.dumps(err)).decode(), tb
+
+
+class Runner:
+    """Holds the function (unpickled at the first call) and runs calls with their output captured."""
+
+    def __init__(self, output: Output, broken: str | None) -> None:
+        self.output = output
+        self.broken = broken
+        self.fn = None
+
+    def run(self, call: dict) -> dict:
+        import cloudpickle
+
+        cid = call["id"]
+        self.output.begin(cid)
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Stream(self.output, saved[0]), Stream(self.output, saved[1])  # type: ignore[assignment]
+        tb = None
+        try:
+            if self.broken:
+                raise RuntimeError(self.broken)
+            if self.fn is None:
+                with open(FUNCTION_FILE, "rb") as f:
+                    self.fn = cloudpickle.load(f)
+            args, kwargs = cloudpickle.loads(base64.b64decode(call["args"]))
+            value, ok = self.fn(*args, **kwargs), True
+        except (Exception, SystemExit) as e:  # the caller's exception: it goes back to the caller
+            value, ok, tb = e, False, traceback.format_exc()
+        finally:
+            sys.stdout, sys.stderr = saved
+            self.output.end()
+        ok, result, tb = dump(value, ok, tb)
+        return {"id": cid, "ok": ok, "result": result, "traceback": tb}
+
+
+def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
+    """Claim, run, report until idle for `keep_warm_s` (0: after one call) or told to stop."""
+    done: dict | None = None
+    served, stopping = 0, False
+    started = time.monotonic()
+    last = started
+    while True:
+        now = time.monotonic()
+        if stopping or (served and keep_warm_s <= 0):
+            left = 0.0
+        elif served == 0:
+            left = started + max(keep_warm_s, FIRST_CALL_WAIT_S) - now
+        else:
+            left = last + keep_warm_s - now
+        if left <= 0 and done is None:
+            return served
+        wait = max(0.0, min(left, LONG_POLL_S))
+        trace("next" + (" (result in)" if done else ""))
+        answer = api.post("/worker/next", {"done": done, "wait_s": round(wait, 3)}, timeout=wait + 30)
+        trace("claimed" if answer.get("call") else "no call")
+        done = None
+        stopping = stopping or bool(answer.get("stop"))
+        call = answer.get("call")
+        if call:
+            done = runner.run(call)
+            served += 1
+            last = time.monotonic()
+
+
+def main() -> int:
+    trace("started")
+    setup_sys_path()
+    broken = bootstrap()
+    if broken:
+        print(broken, file=sys.stderr, flush=True)
+    api = Api()
+    runner = Runner(Output(), broken)
+    try:
+        served = serve(api, runner, float(os.environ.get("CPOOL_KEEP_WARM_S") or 0))
+    except Refused as e:
+        print(f"cpool worker: the control plane ended this worker ({e})", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        api.close()
+    print(f"cpool worker: served {served} call(s); exiting", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

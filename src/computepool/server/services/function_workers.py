@@ -1,0 +1,248 @@
+"""Function workers: starting them, their two routes, and settling those whose allocation ended.
+
+A worker is an ordinary allocation of the function's tenant and owner, named fn-<name>, running
+the registered request's command with three more variables: CPOOL_FUNCTION_ID,
+CPOOL_WORKER_TOKEN (a bearer token minted for this allocation, stored hashed, valid only while
+the allocation is bound or active, good for nothing but /worker/next and /worker/output of its
+own function) and CPOOL_KEEP_WARM_S. Workers are started when calls wait, none is idle and fewer
+than max_workers are live; a worker exits by itself after keep_warm_s without a call (0: after
+one call, the server answers `stop`).
+
+The sweep (`Sweeper`, once a second in every replica) settles workers whose allocation ended:
+a call it had claimed fails with "worker ended: <state> (<reason>)". When two workers in a row
+end failed before claiming any call (the command is missing, the image cannot be pulled …), the
+function's waiting calls fail with that reason instead of waiting forever; the count starts over,
+so later calls try a fresh worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from computepool.core.allocation import HOLDING, LIVE
+from computepool.server.context import Ctx
+from computepool.server.credentials import new_secret
+from computepool.server.errors import Conflict, Forbidden, Invalid
+from computepool.server.hub import Hub
+from computepool.server.policy import Target, authorize
+from computepool.server.schemas.functions import Done, NextCall, NextOut, OutputIn, OutputOut
+from computepool.server.services import blobs as blob_service
+from computepool.store import allocations as alloc_store
+from computepool.store import functions as store
+from computepool.store.db import Database, db_now
+
+log = logging.getLogger("computepool.server")
+FAILURES_BEFORE_GIVING_UP = 2
+SWEEP_EVERY_S = 1.0
+
+
+def fn_key(fid: int) -> str:
+    """Hub key of a function's call queue (its waiting workers)."""
+    return f"fn:{fid}"
+
+
+def results_key(fid: int) -> str:
+    """Hub key of a function's results and output (its waiting callers)."""
+    return f"fnres:{fid}"
+
+
+# --- starting and stopping workers --------------------------------------------------------------
+def ensure_workers(s: Session, fn: store.FunctionRow, now: datetime) -> int:
+    """Start the workers the function's waiting calls need (caller holds the function's row lock)."""
+    if fn.deleted:
+        return 0
+    live, idle = store.worker_load(s, fn.id)
+    need = min(fn.max_workers - live, store.pending_count(s, fn.id) - idle)
+    if need <= 0:
+        return 0
+    try:  # the code archive must still be the tenant's (blobs expire unused)
+        blob_service.claim(s, fn.tenant_id, fn.request, now)
+    except Invalid as e:
+        store.fail_pending(s, fn.id, f"worker not started: request.{e.message}", now)
+        return 0
+    for _ in range(need):
+        _start_worker(s, fn, now)
+    return need
+
+
+def _start_worker(s: Session, fn: store.FunctionRow, now: datetime) -> int:
+    secret = new_secret()
+    env = dict(fn.request.get("env") or {})
+    env.update(
+        CPOOL_FUNCTION_ID=str(fn.id),
+        CPOOL_WORKER_TOKEN=secret.token,
+        CPOOL_KEEP_WARM_S=str(fn.keep_warm_s),
+    )
+    req: dict[str, Any] = dict(fn.request, env=env)
+    alloc_id = alloc_store.insert_pending(
+        s,
+        {
+            "name": req.get("name") or f"fn-{fn.name}"[:63],
+            "tenant_id": fn.tenant_id,
+            "owner": fn.owner,
+            "idempotency_key": None,
+            "request": req,
+            "priority": int(req.get("priority") or 0),
+            "command": req.get("command"),
+            "env": env,
+            "restartable": False,
+        },
+        now,
+    )
+    store.add_worker(s, alloc_id, fn.id, secret.id, secret.secret_hash, now)
+    return alloc_id
+
+
+def cancel_workers(s: Session, alloc_ids: Sequence[int], why: str, now: datetime) -> list[str]:
+    """Cancel these worker allocations (those still live); the nodes to wake."""
+    nodes: list[str] = []
+    for alloc_id in alloc_ids:
+        head = alloc_store.lock_head(s, alloc_id)
+        if head is None or head.state not in LIVE:
+            continue
+        alloc_store.end(s, head, "cancelled", why, now)
+        nodes.extend(head.nodes)
+    return nodes
+
+
+# --- the worker's routes ------------------------------------------------------------------------
+def _check(ctx: Ctx, s: Session) -> tuple[int, int, store.WorkerHead]:
+    """(worker allocation, function, their state) of the calling worker, while its allocation holds."""
+    p = ctx.caller()
+    assert p.worker is not None and p.function is not None
+    authorize(p, ctx.action, Target("function", str(p.function), tenant=p.tenant))
+    head = store.worker_head(s, p.worker)
+    if head is None or head.state not in HOLDING:
+        state = head.state if head is not None else "gone"
+        raise Forbidden(f"worker allocation {p.worker} is {state}: its token is no longer valid")
+    return p.worker, p.function, head
+
+
+def _not_claimed(s: Session, cid: int, worker: int, field: str) -> None:
+    """Why a result or output for `cid` was not taken: 409 unless the call ended meanwhile (cancelled)."""
+    found = store.call_of(s, cid)
+    if found is None or found[1] != worker:
+        raise Conflict(f"call {cid} was not claimed by this worker", field)
+
+
+def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
+    """Record the result handed in (a call this worker claimed), then claim the oldest waiting call."""
+    with ctx.db.write() as s:
+        worker, fid, head = _check(ctx, s)
+        now = db_now(s)
+        if done is not None and not store.finish(
+            s, done.id, worker, done.ok, done.result, done.traceback, now
+        ):
+            _not_claimed(s, done.id, worker, "done.id")
+        if head.deleted or (done is not None and head.keep_warm_s == 0):
+            got = None
+            stop = True
+        else:
+            got = store.claim_next(s, fid, worker, now)
+            stop = False
+    if done is not None:
+        hub.notify(results_key(fid))
+    return NextOut(call=None if got is None else NextCall(id=got[0], args=got[1]), stop=stop)
+
+
+def claim(ctx: Ctx, hub: Hub) -> NextOut:
+    """A waiting worker's re-check: read first, and take the write lock only when a call waits."""
+    p = ctx.caller()
+    assert p.function is not None
+    with ctx.db.read() as s:
+        _, _, head = _check(ctx, s)
+        if head.deleted:
+            return NextOut(call=None, stop=True)
+        if store.pending_count(s, p.function) == 0:
+            return NextOut(call=None, stop=False)
+    return next_call(ctx, None, hub)
+
+
+def output(ctx: Ctx, body: OutputIn, hub: Hub) -> OutputOut:
+    with ctx.db.write() as s:
+        worker, fid, _ = _check(ctx, s)
+        accepted = store.append_output(s, body.id, worker, body.data)
+        if not accepted:
+            _not_claimed(s, body.id, worker, "id")
+    if body.data and accepted:
+        hub.notify(results_key(fid))
+    return OutputOut(accepted=accepted)
+
+
+# --- the sweep ----------------------------------------------------------------------------------
+def sweep(db: Database) -> set[int]:
+    """Settle ended workers and start the workers waiting calls need; the functions touched."""
+    touched: set[int] = set()
+    with db.read() as s:
+        ended = store.ended_workers(s)
+        waiting = store.functions_waiting(s)
+    for w in ended:
+        with db.write() as s:
+            if not store.settle_worker(s, w.allocation_id):
+                continue  # another replica settled it
+            now = db_now(s)
+            why = f"worker ended: {w.state}" + (f" ({w.reason})" if w.reason else "")
+            store.fail_calls_of_worker(s, w.allocation_id, why, now)
+            fn = store.get_function(s, w.function_id, lock=True)
+            if fn is not None:
+                if w.claimed or w.state != "failed":
+                    if fn.failures:
+                        store.set_failures(s, fn.id, 0, "")
+                elif fn.failures + 1 >= FAILURES_BEFORE_GIVING_UP:
+                    n = store.fail_pending(s, fn.id, f"{why}; {fn.failures + 1} workers in a row failed", now)
+                    store.set_failures(s, fn.id, 0, why)
+                    if n:
+                        log.info("function %d: %d waiting calls failed: %s", fn.id, n, why)
+                else:
+                    store.set_failures(s, fn.id, fn.failures + 1, why)
+        touched.add(w.function_id)
+    for fid in set(waiting) | touched:
+        with db.read() as s:
+            fn = store.get_function(s, fid)
+            if fn is None or fn.deleted:
+                continue
+            live, idle = store.worker_load(s, fid)
+            if min(fn.max_workers - live, store.pending_count(s, fid) - idle) <= 0:
+                continue
+        with db.write() as s:
+            fn = store.get_function(s, fid, lock=True)
+            if fn is not None and ensure_workers(s, fn, db_now(s)):
+                touched.add(fid)
+    return touched
+
+
+class Sweeper:
+    """Runs `sweep` once a second on the app's loop (in a thread), and wakes whom it concerns."""
+
+    def __init__(self, db: Database, hub: Hub) -> None:
+        self.db = db
+        self.hub = hub
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="cpool-function-sweep")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            try:
+                touched = await asyncio.to_thread(sweep, self.db)
+            except Exception as e:  # the database away: the next round tries again
+                log.debug("function sweep skipped: %s", e)
+                continue
+            if touched:
+                self.hub.notify(*(results_key(f) for f in touched), *(fn_key(f) for f in touched))
+                self.hub.wake_scheduler()

@@ -1,0 +1,232 @@
+"""Remote Python functions for users: register, list, delete, submit calls, read results, cancel.
+
+A function is a tenant's, seen by its users like allocations (another tenant's answers 404).
+Its workers are ordinary allocations of the registered per-worker request; which and when is
+in function_workers.py. Registration is idempotent: the same spec from the same tenant answers
+the same id, and a deleted function registered again comes back under its old id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+from computepool.server.context import Ctx
+from computepool.server.errors import Conflict, Invalid, NotFound
+from computepool.server.hub import Hub
+from computepool.server.policy import Target, authorize
+from computepool.server.schemas.common import Items
+from computepool.server.schemas.functions import (
+    CallIds,
+    CallOut,
+    CallsIn,
+    FunctionCreate,
+    FunctionOut,
+    ResultsIn,
+    ResultsOut,
+)
+from computepool.server.services import allocations, function_workers
+from computepool.server.services import blobs as blob_service
+from computepool.server.services.audit import record
+from computepool.server.services.function_workers import fn_key, results_key
+from computepool.store import functions as store
+from computepool.store.db import db_now
+
+
+def _out(fn: store.FunctionRow, live: int, pending: int) -> FunctionOut:
+    return FunctionOut(
+        id=fn.id,
+        name=fn.name,
+        tenant=fn.tenant,
+        owner=fn.owner,
+        python=fn.python,
+        keep_warm_s=fn.keep_warm_s,
+        max_workers=fn.max_workers,
+        workers_live=live,
+        calls_pending=pending,
+    )
+
+
+def _visible(ctx: Ctx, fn: store.FunctionRow | None, fid: int) -> store.FunctionRow:
+    if fn is None or fn.deleted:
+        raise NotFound.of("function", fid)
+    authorize(ctx.caller(), ctx.action, Target("function", str(fid), tenant=fn.tenant))
+    return fn
+
+
+def _spec_hash(body: FunctionCreate, tenant: str) -> str:
+    spec = body.model_dump(mode="json", exclude_none=True)
+    spec["request"]["tenant"] = tenant
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_python(ctx: Ctx, python: str) -> None:
+    with ctx.db.read() as s:
+        since = db_now(s) - timedelta(seconds=ctx.settings.suspect_after_s)
+        provided = store.pythons_of_ready_nodes(s, since)
+    if python in provided:
+        return
+    offer = (
+        "provide " + ", ".join(sorted(provided, key=lambda v: tuple(int(p) for p in v.split("."))))
+        if provided
+        else "report no Python version (no ready node, or agents too old to say)"
+    )
+    raise Invalid(f"this function needs Python {python} (the caller's); the pool's nodes {offer}", "python")
+
+
+def register(ctx: Ctx, body: FunctionCreate) -> tuple[FunctionOut, bool]:
+    """Store the function (201) or answer the one this tenant registered with the same spec (200)."""
+    caller = ctx.caller()
+    req = body.request
+    tenant = req.tenant or caller.tenant or ""
+    if req.tenant is not None:
+        authorize(caller, ctx.action, Target("tenant", req.tenant, tenant=req.tenant, field="request.tenant"))
+    if req.command is None:
+        raise Invalid("request.command: a worker needs a start command", "request.command")
+    if req.gang_nodes != 1:
+        raise Invalid("request.gang_nodes: a function's worker runs on one node", "request.gang_nodes")
+    _check_python(ctx, body.python)
+    selector = dict(req.node_selector or {}) | store.python_labels([body.python])
+    worker = req.model_copy(
+        update={"name": f"fn-{body.name}"[:63], "node_selector": selector, "restartable": False}
+    )
+    try:
+        stored, tenant_id = allocations.admitted(ctx, worker, tenant)
+    except Invalid as e:  # name the field as the caller sent it: inside `request`
+        field = f"request.{e.field}" if e.field else "request"
+        message = f"request.{e.message}" if e.message.startswith(f"{e.field}:") else e.message
+        raise Invalid(message, field) from e
+    spec = _spec_hash(body, tenant)
+    with ctx.db.write() as s:
+        now = db_now(s)
+        try:
+            blob_service.claim(s, tenant_id, stored, now)  # the code archive: a blob the tenant holds
+        except Invalid as e:
+            raise Invalid(f"request.{e.message}", f"request.{e.field}") from e
+        found = store.by_spec(s, tenant_id, spec)
+        if found is not None:
+            if found.deleted:
+                store.revive(s, found.id)
+                record(s, ctx, f"function:{found.id}", tenant=tenant, detail={"revived": True}, now=now)
+            live, pending = store.counts(s, [found.id])[found.id]
+            return _out(found, live, pending), False
+        fid = store.insert_function(
+            s,
+            {
+                "tenant_id": tenant_id,
+                "owner": caller.name,
+                "name": body.name,
+                "spec_hash": spec,
+                "request": stored,
+                "python": body.python,
+                "keep_warm_s": body.keep_warm_s,
+                "max_workers": body.max_workers,
+                "created_at": now,
+            },
+        )
+        record(s, ctx, f"function:{fid}", tenant=tenant, detail={"name": body.name}, now=now)
+        fn = store.get_function(s, fid)
+        assert fn is not None
+        return _out(fn, 0, 0), True
+
+
+def list_all(ctx: Ctx) -> Items[FunctionOut]:
+    scope = authorize(ctx.caller(), ctx.action)
+    with ctx.db.read() as s:
+        fns = store.list_functions(s, scope.tenant)
+        counts = store.counts(s, [f.id for f in fns])
+    return Items[FunctionOut](items=[_out(f, *counts[f.id]) for f in fns])
+
+
+def get(ctx: Ctx, fid: int) -> FunctionOut:
+    with ctx.db.read() as s:
+        fn = _visible(ctx, store.get_function(s, fid), fid)
+        live, pending = store.counts(s, [fid])[fid]
+    return _out(fn, live, pending)
+
+
+def delete(ctx: Ctx, fid: int, hub: Hub) -> FunctionOut:
+    """Cancel its waiting and running calls and its workers; the function is gone from listings."""
+    with ctx.db.write() as s:
+        fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
+        now = db_now(s)
+        store.mark_deleted(s, fid, now)
+        store.fail_pending(s, fid, "function deleted", now, state="cancelled")
+        store.cancel_running(s, fid, "function deleted", now)
+        nodes = function_workers.cancel_workers(s, store.live_worker_ids(s, fid), "function deleted", now)
+        record(s, ctx, f"function:{fid}", tenant=fn.tenant, now=now)
+    hub.notify(fn_key(fid), results_key(fid), *(f"node:{n}" for n in nodes))
+    hub.wake_scheduler()
+    return _out(fn, 0, 0)
+
+
+def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub) -> CallIds:
+    """Queue the calls in one transaction; start workers when none is idle and fewer than max live."""
+    with ctx.db.write() as s:
+        fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
+        now = db_now(s)
+        ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now)
+        started = function_workers.ensure_workers(s, fn, now)
+    hub.notify(fn_key(fid))
+    if started:
+        hub.wake_scheduler()
+    return CallIds(ids=ids)
+
+
+def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
+    """The calls among `ids` that ended or printed past their offset (possibly none)."""
+    wanted = set(body.ids)
+    with ctx.db.read() as s:
+        _visible(ctx, store.get_function(s, fid), fid)
+        if store.count_known(s, fid, list(wanted)) < len(wanted):
+            seen = store.known(s, fid, list(wanted))
+            missing = next(i for i in body.ids if i not in seen)
+            raise NotFound.of("call", missing, "ids")
+        rows = store.results(s, fid, list(wanted), with_news=True)
+    return ResultsOut(calls=_relevant(rows, body.output_from))
+
+
+def _relevant(rows: Sequence[store.CallRow], output_from: Mapping[str, int]) -> list[CallOut]:
+    out: list[CallOut] = []
+    for r in sorted(rows, key=lambda r: r.id):
+        start = output_from.get(str(r.id), 0)
+        ended = r.state in store.ENDED_CALL
+        if not ended and len(r.output) <= start:
+            continue
+        out.append(
+            CallOut(
+                id=r.id,
+                state=r.state,  # type: ignore[arg-type]
+                ok=r.ok,
+                result=r.result,
+                traceback=r.traceback,
+                error=r.error,
+                output=r.output[start:],
+                output_next=max(len(r.output), start),
+            )
+        )
+    return out
+
+
+def cancel_call(ctx: Ctx, fid: int, cid: int, hub: Hub) -> CallOut:
+    """A waiting call is dropped; a running one ends with its worker allocation."""
+    with ctx.db.write() as s:
+        fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
+        found = store.call_of(s, cid)
+        if found is None or found[2] != fid:
+            raise NotFound.of("call", cid)
+        state, worker, _ = found
+        if state in store.ENDED_CALL:
+            raise Conflict(f"call {cid} is {state}: only pending or running calls can be cancelled")
+        now = db_now(s)
+        why = f"cancelled by {ctx.caller().actor}"
+        store.cancel_call(s, cid, now, why)
+        nodes = function_workers.cancel_workers(s, [worker] if worker else [], why, now)
+        record(s, ctx, f"function:{fid}", tenant=fn.tenant, detail={"call": cid, "was": state}, now=now)
+        [row] = store.results(s, fid, [cid])
+    hub.notify(results_key(fid), *(f"node:{n}" for n in nodes))
+    if nodes:
+        hub.wake_scheduler()
+    return _relevant([row], {})[0]

@@ -1,0 +1,177 @@
+"""Gangs at run time: many nodes as one compute domain.
+
+A gang's members are the nodes of its allocation in order: rank r is `nodes[r]`, rank 0 hosts
+the rendezvous (`MASTER_ADDR:MASTER_PORT`). When a gang is bound, each attempt gets a master port
+from a configured range that no other holding gang with the same rank-0 node holds, and a member
+record per node. The agents' reports then move members, and the gang as a whole:
+
+- it turns active when its first member runs, and is released only once every member exited 0;
+- a member that exits non-zero or fails ends the gang (failed, naming rank and node); the other
+  members stop because the allocation no longer holds (their assignment goes, their next report
+  is answered stale);
+- a lost member requeues a restartable gang as a whole (attempt + 1, every member again, a fresh
+  master port); otherwise it fails the gang, naming the member.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from computepool.server.schemas.allocations import GangOut, MemberOut, Report
+from computepool.store import allocations as store
+from computepool.store import gangs as sql
+from computepool.store.models import Allocation
+
+log = logging.getLogger("computepool.server")
+
+DEFAULT_PORTS = (29500, 29999)
+ACTIVE_MEMBER = ("starting", "running")  # shown as `stopped` once the gang has ended
+
+
+@dataclass(frozen=True)
+class BoundGang:
+    """A gang just bound by the scheduler: which attempt, on which nodes (rank order)."""
+
+    id: int
+    attempt: int
+    nodes: Sequence[str]
+
+
+def choose_port(alloc_id: int, attempt: int, held: set[int], ports: tuple[int, int]) -> int:
+    """A port of `ports` (inclusive) not in `held`. The search starts at a place that depends on the
+    allocation and attempt, so a requeued gang whose port was taken on its node tries another one."""
+    lo, hi = ports
+    size = hi - lo + 1
+    start = int(hashlib.sha256(f"{alloc_id}:{attempt}".encode()).hexdigest()[:8], 16) % size
+    for i in range(size):
+        port = lo + (start + i) % size
+        if port not in held:
+            return port
+    log.warning("every gang port %d-%d is held on one node; allocation %d shares one", lo, hi, alloc_id)
+    return lo + start
+
+
+def reserve(s: Session, gangs: Iterable[BoundGang], ports: tuple[int, int] = DEFAULT_PORTS) -> None:
+    """Give freshly bound gangs (inside the binding transaction) a master port and member records."""
+    todo = [g for g in gangs if len(g.nodes) > 1]
+    if not todo:
+        return
+    addr = sql.addresses(s, {n for g in todo for n in g.nodes})
+    held = sql.held_ports(s, {g.nodes[0] for g in todo})
+    rows = []
+    for g in todo:
+        port = choose_port(g.id, g.attempt, held[g.nodes[0]], ports)
+        held[g.nodes[0]].add(port)
+        members = [
+            {"rank": r, "node": n, "address": addr.get(n) or n, "state": "starting", "exit_code": None,
+             "reason": ""}
+            for r, n in enumerate(g.nodes)
+        ]  # fmt: skip
+        rows.append({"g_id": g.id, "g_attempt": g.attempt, "g_port": port, "g_members": members})
+    sql.set_gangs(s, rows)
+
+
+def is_gang(a: Any) -> bool:
+    """A bound gang over several nodes (member records kept), as opposed to a one-node allocation."""
+    return bool(a.members) and len(a.nodes) > 1
+
+
+def gang_of(a: Allocation, node: str) -> GangOut | None:
+    """What `node`'s member of gang `a` is told: its rank, the size, the rendezvous, its peers."""
+    if not is_gang(a) or a.master_port is None:
+        return None
+    members = list(a.members or [])
+    rank = next((int(m["rank"]) for m in members if m["node"] == node), None)
+    if rank is None:
+        return None
+    peers = [str(m.get("address") or m["node"]) for m in members]
+    return GangOut(
+        rank=rank,
+        size=len(members),
+        master_addr=peers[0],
+        master_port=int(a.master_port),
+        peers=peers,
+        nproc_per_node=max(1, int(a.request.get("gpus") or 0)),
+    )
+
+
+def members_out(a: Any) -> list[MemberOut]:
+    """The members of a gang for AllocationOut (empty for one node); once the gang has ended, the
+    members it stopped show as `stopped`."""
+    if not a.members:
+        return []
+    ended = a.state not in store.HOLDING
+    out = []
+    for m in a.members:
+        state = m.get("state") or "starting"
+        if ended and state in ACTIVE_MEMBER:
+            state = "stopped"
+        out.append(
+            MemberOut(
+                rank=int(m["rank"]),
+                node=str(m["node"]),
+                address=str(m.get("address") or ""),
+                state=state,  # type: ignore[arg-type]  # one of MemberState, as written here
+                exit_code=m.get("exit_code"),
+                reason=str(m.get("reason") or ""),
+            )
+        )
+    return out
+
+
+def apply_report(s: Session, a: Allocation, node: str, r: Report, now: datetime) -> None:
+    """One member's report about gang `a` (holding, current attempt); moves the gang as it follows."""
+    members = [dict(m) for m in a.members or []]
+    me = next((m for m in members if m["node"] == node), None)
+    if me is None:
+        return
+    who = f"rank {me['rank']} on node {node}"
+    if r.state == "running":
+        if me["state"] == "starting":
+            me["state"] = "running"
+        a.members = members
+        if a.state == "bound":
+            t = r.started_at
+            a.started_at = (t.replace(tzinfo=UTC) if t.tzinfo is None else t) if t else now
+            store.transition(s, a, "active", f"started on {node} (rank {me['rank']})", now)
+        return
+    if r.state == "exited" and r.exit_code == 0:
+        me.update(state="exited", exit_code=0, reason="")
+        a.members = members
+        if all(m["state"] == "exited" and m.get("exit_code") == 0 for m in members):
+            a.exit_code = 0
+            store.transition(s, a, "released", f"exited 0 on all {len(members)} nodes", now)
+        elif a.state == "bound":
+            store.transition(s, a, "active", f"started on {node} (rank {me['rank']})", now)
+        return
+    if r.state in ("exited", "failed"):
+        what = f"exited {r.exit_code}" if r.state == "exited" else "failed"
+        detail = f": {r.reason}" if r.reason and r.state == "failed" else ""
+        me.update(state=r.state, exit_code=r.exit_code, reason=(r.reason or what)[:1000])
+        why = f"{who} {what}{detail}"
+        _stop_others(members, me, why)
+        a.members = members
+        a.exit_code = r.exit_code
+        store.transition(s, a, "failed", why, now)
+        return
+    lost = f"{who}: process lost" + (f" ({r.reason})" if r.reason else "")
+    if a.restartable:
+        store.requeue(s, a, f"{lost}; the gang is requeued as attempt {a.attempt + 1}", now)
+        return
+    me.update(state="lost", reason=(r.reason or "process lost")[:1000])
+    _stop_others(members, me, lost)
+    a.members = members
+    store.transition(s, a, "failed", lost, now)
+
+
+def _stop_others(members: list[dict[str, Any]], me: dict[str, Any], why: str) -> None:
+    for m in members:
+        if m is not me and m["state"] in ACTIVE_MEMBER:
+            m.update(state="stopped", reason=f"stopped: {why}"[:1000])

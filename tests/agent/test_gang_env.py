@@ -1,0 +1,69 @@
+"""A gang member's environment, the rank-0 master port check, and the one rule for node addresses."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from computepool.agent.assignment import Assignment, assignment_json
+from computepool.agent.gang import Gang, MasterPortBusy
+from computepool.core.address import check_address
+from computepool.core.errors import InvalidInput
+
+
+def test_env_counts_one_slot_per_gpu_of_each_node() -> None:
+    g = Gang.parse(
+        {"rank": 1, "size": 3, "master_addr": "10.0.0.1", "master_port": 29501,
+         "peers": ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "nproc_per_node": 4}
+    )  # fmt: skip
+    assert g is not None
+    assert g.env() == {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29501",
+        "NNODES": "3",
+        "NODE_RANK": "1",
+        "NPROC_PER_NODE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "WORLD_SIZE": "12",
+        "RANK": "4",
+        "LOCAL_RANK": "0",
+        "CPOOL_RANK": "1",
+        "CPOOL_PEERS": "10.0.0.1,10.0.0.2,10.0.0.3",
+    }
+    assert Gang.parse(None) is None
+
+
+def test_the_gang_survives_the_saved_assignment() -> None:
+    item = {
+        "allocation_id": 7, "attempt": 2, "command": ["true"],
+        "gang": {"rank": 0, "size": 2, "master_addr": "h0", "master_port": 29500, "peers": ["h0", "h1"]},
+    }  # fmt: skip
+    a = Assignment.parse(item)
+    assert a.gang is not None and a.gang.nproc_per_node == 1
+    assert Assignment.parse(assignment_json(a)).gang == a.gang
+    assert Assignment.parse({"allocation_id": 8, "attempt": 1}).gang is None
+
+
+def test_rank_0_refuses_a_master_port_that_is_taken() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        g = Gang(rank=0, size=2, master_addr="127.0.0.1", master_port=port, peers=("a", "b"))
+        with pytest.raises(MasterPortBusy, match=f"master port {port} on this node .* is in use"):
+            g.check_master_port()
+        Gang(rank=1, size=2, master_addr="127.0.0.1", master_port=port, peers=("a", "b")).check_master_port()
+    g.check_master_port()  # free again
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [("10.0.0.1", "10.0.0.1"), ("[fd00::1]", "fd00::1"), ("Node-1.Example.org.", "node-1.example.org")],
+)
+def test_addresses(given: str, stored: str) -> None:
+    assert check_address(given) == stored
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "10.0.0.300", "-x.example", "x_y", "a" * 64 + ".org"])
+def test_bad_addresses_name_the_field(bad: str) -> None:
+    with pytest.raises(InvalidInput, match="^--address: expected an IP address or a host name"):
+        check_address(bad, "--address")

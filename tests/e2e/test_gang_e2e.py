@@ -1,0 +1,198 @@
+"""A gang over two real agents on loopback: `cpool server`, and two `cpool agent`s with their own names,
+data dirs and addresses (127.0.0.2 and 127.0.0.3). Each member is told the gang's environment; rank 1
+reaches rank 0's rendezvous port; a member that exits 3 fails the gang and the other one is stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import (
+    HAVE_ALLOCATIONS,
+    Pool,
+    alive,
+    child_env,
+    cpool,
+    free_port,
+    job_pid,
+    stop,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
+
+ADDRESSES = {"gang-a": "127.0.0.2", "gang-b": "127.0.0.3"}
+GANG_VARS = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NNODES", "NODE_RANK",
+    "NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "CPOOL_RANK", "CPOOL_PEERS",
+)  # fmt: skip
+
+# Each member writes its gang environment into its work dir; rank 1 then connects to the port rank 0
+# listens on (MASTER_ADDR:MASTER_PORT) before it exits, so both have surely run.
+WRITE_ENV = f"""
+import json, os, socket, time
+json.dump({{k: os.environ.get(k) for k in {GANG_VARS!r}}}, open("gang-env.json", "w"))
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+if os.environ["NODE_RANK"] == "0":
+    srv = socket.create_server((addr, port))
+    srv.settimeout(60)
+    conn, peer = srv.accept()
+    print("rank 0 met", peer[0], flush=True)
+else:
+    for _ in range(600):
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        raise SystemExit("rank 0 never listened")
+"""
+
+# Rank 0 sleeps; rank 1 waits until rank 0 listens, then exits 3.
+ONE_FAILS = """
+import os, socket, sys, time
+open("job.pid", "w").write(str(os.getpid()))
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+if os.environ["NODE_RANK"] == "0":
+    srv = socket.create_server((addr, port))
+    time.sleep(300)
+for _ in range(600):
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.1)
+sys.exit(3)
+"""
+
+
+@dataclass
+class Gangs:
+    root: Path
+    port: int = field(default_factory=free_port)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    pool: Pool | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
+
+    def env(self) -> dict[str, str]:
+        token = (self.root / "srv" / "admin-token").read_text().strip()
+        return {**child_env(), "CPOOL_SERVER": self.url, "CPOOL_TOKEN": token}
+
+    def api(self) -> Pool:
+        assert self.pool is not None
+        return self.pool
+
+    def work_file(self, node: str, alloc_id: int, name: str) -> Path:
+        return self.root / node / "runs" / str(alloc_id) / "1" / "work" / name
+
+
+@pytest.fixture(scope="module")
+def gangs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gangs]:
+    g = Gangs(tmp_path_factory.mktemp("gangs"))
+    cmd = cpool("server", "--data-dir", str(g.root / "srv"), "--port", str(g.port))
+    try:
+        with (g.root / "server.log").open("ab") as out:
+            g.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env()))
+        wait_for("the server", lambda: httpx.get(f"{g.url}/readyz", timeout=2).is_success, 30, g.logs)
+        g.pool = Pool(g.url, g.root / "srv")
+        token = g.pool.http.post("/api/v1/join-tokens", json={"single_use": False}).json()["token"]
+        for name, address in ADDRESSES.items():
+            cmd = cpool("agent", "--server", g.url, "--join-token", token, "--name", name)
+            cmd += ["--data-dir", str(g.root / name), "--address", address, "--kill-grace-s", "1"]
+            with (g.root / f"{name}.log").open("ab") as out:
+                g.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env()))
+            wait_for(
+                f"node {name} ready",
+                lambda p=g.pool, n=name: any(x["name"] == n and x["state"] == "ready" for x in p.nodes()),
+                30,
+                g.logs,
+            )
+        yield g
+    finally:
+        for p in reversed(g.procs):
+            stop(p, signal.SIGTERM)
+        if g.pool is not None:
+            g.pool.close()
+
+
+def test_nodes_show_the_addresses_their_agents_gave(gangs: Gangs) -> None:
+    assert {n["name"]: n["address"] for n in gangs.api().nodes()} == ADDRESSES
+    shown = subprocess.run(cpool("nodes"), capture_output=True, text=True, env=gangs.env(), timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "127.0.0.2" in shown.stdout and "127.0.0.3" in shown.stdout
+
+
+def test_every_member_gets_the_gang_environment(gangs: Gangs) -> None:
+    pool = gangs.api()
+    job = pool.job(WRITE_ENV, gang_nodes=2, cpu_milli=500)
+    wait_for("the gang to end", lambda: pool.state(job) in ("released", "failed"), 60, gangs.logs)
+    out = pool.get(job)
+    assert out["state"] == "released" and out["reason"] == "exited 0 on all 2 nodes", out
+    ranks = out["nodes"]
+    peers = ",".join(ADDRESSES[n] for n in ranks)
+    assert [(m["rank"], m["node"], m["address"], m["state"]) for m in out["members"]] == [
+        (r, n, ADDRESSES[n], "exited") for r, n in enumerate(ranks)
+    ]
+    seen: list[dict[str, Any]] = [
+        json.loads(gangs.work_file(n, job, "gang-env.json").read_text()) for n in ranks
+    ]
+    port = seen[0]["MASTER_PORT"]
+    assert 29500 <= int(port) <= 29999
+    for rank, env in enumerate(seen):
+        assert env == {
+            "MASTER_ADDR": ADDRESSES[ranks[0]],
+            "MASTER_PORT": port,
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "NNODES": "2",
+            "NODE_RANK": str(rank),
+            "NPROC_PER_NODE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "CPOOL_RANK": str(rank),
+            "CPOOL_PEERS": peers,
+        }
+
+
+def test_cpool_run_nodes_runs_a_cpu_gang(gangs: Gangs) -> None:
+    done = subprocess.run(
+        cpool("run", "--nodes", "2", "--gpus-per-node", "0", "--cpus", "0.5", "--",
+              "sh", "-c", 'echo "$NODE_RANK $MASTER_ADDR $WORLD_SIZE"'),
+        capture_output=True, text=True, env=gangs.env(), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr + gangs.logs()
+    line = done.stdout.strip().splitlines()[-1]
+    rank, master, world = line.split()
+    assert rank == "0" and master in ADDRESSES.values() and world == "2", done.stdout
+
+
+def test_a_member_that_exits_3_fails_the_gang_and_the_other_is_stopped(gangs: Gangs) -> None:
+    pool = gangs.api()
+    job = pool.job(ONE_FAILS, gang_nodes=2, cpu_milli=500)
+
+    def both_running() -> bool:
+        return [m["state"] for m in pool.get(job)["members"]] == ["running", "running"]
+
+    wait_for("both members running", both_running, 60, gangs.logs)
+    rank0 = pool.get(job)["nodes"][0]
+    pid = wait_for("rank 0's pid", lambda: job_pid(gangs.root / rank0, job), 30, gangs.logs)
+    wait_for("the gang to fail", lambda: pool.state(job) == "failed", 60, gangs.logs)
+    out = pool.get(job)
+    rank1 = out["nodes"][1]
+    assert out["reason"] == f"rank 1 on node {rank1} exited 3" and out["exit_code"] == 3
+    assert [m["state"] for m in out["members"]] == ["stopped", "exited"]
+    wait_for("rank 0 to be stopped", lambda: not alive(pid), 15, gangs.logs)

@@ -1,0 +1,281 @@
+"""The SDK for real: `cpool server` and a root `cpool agent` on loopback, a tenant's member token,
+functions whose workers run as the tenant's Unix user with the node's /usr/bin/python3.
+
+The pool's dirs live under a 0700 dir in /var/tmp, so the job's sandbox hides them all and must bind
+back the job's own dir and the tenant's cache (CPOOL_CACHE_DIR) for the worker to run at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import SRC, child_env, cpool, free_port, stop, wait_for
+
+import computepool.sdk.pool as sdk_pool
+from computepool.sdk import CallCancelled, IncompatiblePython, Pool, RemoteTraceback
+
+HAVE_FUNCTIONS = (SRC / "computepool" / "server" / "routers" / "functions.py").exists()
+pytestmark = [
+    pytest.mark.skipif(not HAVE_FUNCTIONS, reason="the functions API is not built yet"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="tenant users need a root agent"),
+    pytest.mark.skipif(not os.access("/usr/bin/python3.11", os.X_OK), reason="workers need python3.11"),
+    pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the caller must match the node's 3.11"),
+]
+
+
+class Cluster:
+    """A server and a root agent with their own data dirs, and one tenant with a member token."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.srv_dir, self.agent_dir, self.cache = root / "srv", root / "agent", root / "cache"
+        self.tenant = f"sdk{uuid.uuid4().hex[:6]}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        env = child_env()
+        port = self.url.rsplit(":", 1)[1]
+        with (self.root / "server.log").open("ab") as out:
+            self.procs.append(
+                subprocess.Popen(cpool("server", "--data-dir", str(self.srv_dir), "--port", port),
+                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+            )  # fmt: skip
+        wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)
+        token = (self.srv_dir / "admin-token").read_text().strip()
+        self.admin = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        join = self.admin.post("/api/v1/join-tokens", json={}).json()["token"]
+        with (self.root / "agent.log").open("ab") as out:
+            self.procs.append(
+                subprocess.Popen(
+                    cpool(
+                        "agent",
+                        "--server",
+                        self.url,
+                        "--join-token",
+                        join,
+                        "--data-dir",
+                        str(self.agent_dir),
+                        "--name",
+                        "sdknode",
+                        "--kill-grace-s",
+                        "1",
+                        "--cache-dir",
+                        str(self.cache),
+                    ),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )  # fmt: skip
+            )
+        wait_for("the node", lambda: self.node().get("state") == "ready", 60, self.logs)
+        assert self.admin.post("/api/v1/tenants", json={"name": self.tenant}).status_code == 201
+        user = {"name": f"m-{self.tenant}", "tenant": self.tenant, "role": "member"}
+        assert self.admin.post("/api/v1/users", json=user).status_code == 201
+        r = self.admin.post("/api/v1/tokens", json={"user": user["name"]})
+        assert r.status_code == 201, r.text
+        self.token = str(r.json()["token"])
+
+    def node(self) -> dict[str, Any]:
+        items = self.admin.get("/api/v1/nodes").json()["items"]
+        return dict(items[0]) if items else {}
+
+    def allocations(self) -> list[dict[str, Any]]:
+        r = self.admin.get("/api/v1/allocations", params={"tenant": self.tenant})
+        return list(r.json()["items"])
+
+    def logs(self) -> str:
+        return "\n".join(
+            (self.root / f).read_text()[-6000:]
+            for f in ("server.log", "agent.log")
+            if (self.root / f).exists()
+        )
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    root = Path("/var/tmp") / f"cpool-sdk-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    c = Cluster(root)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def pool(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    """The caller: a project dir as the working dir, with a helper module of its own imported."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "shiphelp.py").write_text("def scale(x):\n    return x * 11\n")
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    sys.modules.pop("shiphelp", None)
+    with Pool(server=cluster.url, token=cluster.token) as p:
+        yield p
+    sys.modules.pop("shiphelp", None)
+
+
+def test_the_node_reports_its_pythons(cluster: Cluster) -> None:
+    assert "3.11" in cluster.node()["pythons"]
+
+
+def test_remote_returns_the_value_and_print_streams(pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+    @pool.function(cpus=0.1, name="hello")
+    def hello(x: int) -> dict[str, Any]:
+        import pwd
+
+        print(f"hello {x} from the pool", flush=True)
+        return {"twice": 2 * x, "user": pwd.getpwuid(os.getuid()).pw_name, "python": sys.version_info[:2]}
+
+    out = hello.remote(21)
+    assert out["twice"] == 42 and out["user"].startswith("cpool-sdk") and tuple(out["python"]) == (3, 11)
+    assert "hello 21 from the pool" in capsys.readouterr().out
+
+    @pool.function(cpus=0.1, name="slowprint")
+    def slow() -> str:
+        print("first line, early", flush=True)
+        time.sleep(4)
+        return "end"
+
+    h = slow.spawn()
+    deadline = time.monotonic() + 120
+    while "first line, early" not in capsys.readouterr().out:
+        assert not h.ended, "the output came only with the result"
+        assert time.monotonic() < deadline, "no output streamed"
+        slow.poll([h], 0.5)
+    assert h.result(timeout=120) == "end"
+
+
+def test_a_remote_exception_is_raised_as_itself_with_the_remote_traceback(pool: Pool) -> None:
+    @pool.function(cpus=0.1, name="fails")
+    def fails(n: int) -> None:
+        raise ValueError(f"bad input {n}")
+
+    with pytest.raises(ValueError, match="bad input 7") as info:
+        fails.remote(7)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert ", in fails\n" in cause.text and cause.text.rstrip().endswith("ValueError: bad input 7")
+
+
+def test_spawn_result_timeout_and_cancel(pool: Pool, cluster: Cluster) -> None:
+    @pool.function(cpus=0.1, name="sleeper")
+    def sleeper(s: float) -> float:
+        print("started", flush=True)  # (the results long-poll answers for output: the state shows)
+        time.sleep(s)
+        return s
+
+    h = sleeper.spawn(600)
+    with pytest.raises(TimeoutError):
+        h.result(timeout=1)
+    wait_for("the call running", lambda: sleeper.poll([h], 1) or h.state == "running", 120, cluster.logs)
+    workers = [a for a in cluster.allocations() if a.get("name", "").startswith("fn-sleeper")]
+    h.cancel()
+    with pytest.raises(CallCancelled):
+        h.result(timeout=60)
+    ended = ("released", "failed", "cancelled")
+    wait_for("its worker ended", lambda: all(
+        a["state"] in ended for a in cluster.allocations() if a["id"] in {w["id"] for w in workers}
+    ), 60, cluster.logs)  # fmt: skip
+    assert sleeper.spawn(0.1).result(timeout=120) == 0.1
+
+
+def test_map_is_ordered_and_a_failing_item_raises_when_reached(pool: Pool) -> None:
+    @pool.function(cpus=0.1, keep_warm=10, max_workers=3, name="inverse")
+    def inverse(x: int) -> float:
+        return 1 / (x - 3)
+
+    got = list(inverse.map(range(7), return_exceptions=True))
+    assert [g for i, g in enumerate(got) if i != 3] == [1 / (x - 3) for x in range(7) if x != 3]
+    assert isinstance(got[3], ZeroDivisionError)
+    seen = []
+    with pytest.raises(ZeroDivisionError):
+        for value in inverse.map(range(7)):
+            seen.append(value)
+    assert seen == [1 / (x - 3) for x in range(3)]
+
+
+def test_a_local_helper_module_ships_and_imports_remotely(pool: Pool) -> None:
+    import shiphelp  # type: ignore[import-not-found]  # the project's own module (see the fixture)
+
+    @pool.function(cpus=0.1, name="usehelper")
+    def use(x: int) -> tuple[int, str]:
+        return shiphelp.scale(x), os.path.basename(shiphelp.__file__)
+
+    assert use.remote(3) == (33, "shiphelp.py")
+
+
+def test_pip_environment_is_built_once_and_reused(pool: Pool, cluster: Cluster) -> None:
+    @pool.function(cpus=0.1, pip=["six"], name="pipone")
+    def first() -> tuple[str, str]:
+        import six  # type: ignore[import-untyped]
+
+        return six.__version__, sys.prefix
+
+    @pool.function(cpus=0.1, pip=["six"], name="piptwo")
+    def second() -> str:
+        import six  # type: ignore[import-untyped]
+
+        return sys.prefix if six.PY3 else ""  # (no `assert` here: pytest rewrites those)
+
+    version, prefix = first.remote()
+    assert version and prefix.startswith(str(cluster.cache / cluster.tenant / "envs"))
+    built = os.stat(prefix)
+    assert second.remote() == prefix
+    assert os.stat(prefix).st_ino == built.st_ino and os.stat(prefix).st_mtime == built.st_mtime
+    envs = [p for p in (cluster.cache / cluster.tenant / "envs").iterdir() if p.is_dir()]
+    assert envs == [Path(prefix)]
+    assert os.stat(cluster.cache / cluster.tenant).st_mode & 0o777 == 0o700
+
+
+def test_keep_warm_reuses_one_worker_then_releases_its_slice(pool: Pool, cluster: Cluster) -> None:
+    @pool.function(cpus=0.1, keep_warm=3, name="warmpid")
+    def pid() -> int:
+        return os.getpid()
+
+    pids = {pid.remote() for _ in range(4)}
+    assert len(pids) == 1
+    fid = pid.register()
+    assert pool.client.request("GET", f"/functions/{fid}")["workers_live"] == 1
+    wait_for(
+        "the idle worker to end",
+        lambda: pool.client.request("GET", f"/functions/{fid}")["workers_live"] == 0,
+        60,
+        cluster.logs,
+    )
+    workers = [a for a in cluster.allocations() if (a.get("name") or "").startswith("fn-warmpid")]
+    assert len(workers) == 1 and workers[0]["state"] in ("released", "failed"), workers
+
+
+def test_a_python_no_node_has_is_refused_naming_both(
+    pool: Pool, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = len(cluster.allocations())
+    # the one seam: the caller claims another Python; the refusal is the real server's
+    monkeypatch.setattr(sdk_pool, "python_version", lambda: "3.99")
+
+    @pool.function(cpus=0.1, name="newpython")
+    def f() -> int:
+        return 1
+
+    with pytest.raises(IncompatiblePython, match=r"3\.99.*3\.11"):
+        f.remote()
+    assert len(cluster.allocations()) == before

@@ -1,0 +1,52 @@
+"""Every `cpool` command pays the CLI's start-up: it must not load the server, databases or numpy."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from importlib.metadata import version
+
+HEAVY = ("fastapi", "sqlalchemy", "uvicorn", "numpy", "matplotlib", "aiohttp", "alembic", "pydantic")
+
+PROBE = """
+import json, sys
+from computepool.cli import main
+main._register()  # every command module, as `cpool --help` loads them
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_registering_every_command_imports_no_heavy_module() -> None:
+    r = _run("-c", PROBE.format(heavy=HEAVY))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
+
+
+def _cpu_s(*args: str) -> float:
+    """CPU seconds (user + system) one run of python with `args` took: steadier than wall time on a
+    machine shared with other work."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = _run(*args)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert r.returncode == 0, r.stderr
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def test_help_costs_little_more_than_starting_python() -> None:
+    """Measured against a bare interpreter in the same run, so a slow machine slows both; loading the
+    server, SQLAlchemy and numpy as well (as it once did) costs about a second more."""
+    bare = min(_cpu_s("-c", "pass") for _ in range(3))
+    helped = min(_cpu_s("-m", "computepool.cli.main", "--help") for _ in range(3))
+    assert helped - bare < 0.5, f"cpool --help {helped:.2f} s of CPU vs python {bare:.2f} s"
+
+
+def test_version() -> None:
+    r = _run("-m", "computepool.cli.main", "--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"cpool {version('computepool')}"
