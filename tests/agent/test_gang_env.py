@@ -67,3 +67,12 @@ def test_addresses(given: str, stored: str) -> None:
 def test_bad_addresses_name_the_field(bad: str) -> None:
     with pytest.raises(InvalidInput, match="^--address: expected an IP address or a host name"):
         check_address(bad, "--address")
+
+
+def test_collectives_are_told_the_interface_holding_the_members_address() -> None:
+    gang = Gang(rank=1, size=2, master_addr="10.9.9.9", master_port=29500, peers=("10.9.9.9", "127.0.0.1"))
+    assert gang.interface_env({}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    # the user's own choice wins; an address no interface holds names nothing
+    assert gang.interface_env({"GLOO_SOCKET_IFNAME": "eth7"}) == {"NCCL_SOCKET_IFNAME": "lo"}
+    elsewhere = Gang(rank=0, size=2, master_addr="10.9.9.9", master_port=29500, peers=("10.9.9.9", "x"))
+    assert elsewhere.interface_env({}) == {}

@@ -9,6 +9,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,9 @@ else:
 # Rank 0 sleeps; rank 1 waits until rank 0 listens, then exits 3.
 ONE_FAILS = """
 import os, socket, sys, time
-open("job.pid", "w").write(str(os.getpid()))
+with open("job.pid.new", "w") as f:
+    f.write(str(os.getpid()))
+os.replace("job.pid.new", "job.pid")  # never seen half written
 addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 if os.environ["NODE_RANK"] == "0":
     srv = socket.create_server((addr, port))
@@ -100,6 +103,10 @@ class Gangs:
         return self.root / node / "runs" / str(alloc_id) / "1" / "work" / name
 
 
+def _ready(pool: Pool, name: str) -> bool:
+    return any(n["name"] == name and n["state"] == "ready" for n in pool.nodes())
+
+
 @pytest.fixture(scope="module")
 def gangs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gangs]:
     g = Gangs(tmp_path_factory.mktemp("gangs"))
@@ -115,12 +122,7 @@ def gangs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gangs]:
             cmd += ["--data-dir", str(g.root / name), "--address", address, "--kill-grace-s", "1"]
             with (g.root / f"{name}.log").open("ab") as out:
                 g.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env()))
-            wait_for(
-                f"node {name} ready",
-                lambda p=g.pool, n=name: any(x["name"] == n and x["state"] == "ready" for x in p.nodes()),
-                30,
-                g.logs,
-            )
+            wait_for(f"node {name} ready", partial(_ready, g.pool, name), 30, g.logs)
         yield g
     finally:
         for p in reversed(g.procs):
@@ -147,6 +149,14 @@ def test_every_member_gets_the_gang_environment(gangs: Gangs) -> None:
     assert [(m["rank"], m["node"], m["address"], m["state"]) for m in out["members"]] == [
         (r, n, ADDRESSES[n], "exited") for r, n in enumerate(ranks)
     ]
+    ps = subprocess.run(
+        cpool("ps", "--all"),
+        capture_output=True,
+        text=True,
+        env={**gangs.env(), "COLUMNS": "250"},
+        timeout=60,
+    )
+    assert f"{ranks[0]}:exited,{ranks[1]}:exited" in ps.stdout, ps.stdout + ps.stderr
     seen: list[dict[str, Any]] = [
         json.loads(gangs.work_file(n, job, "gang-env.json").read_text()) for n in ranks
     ]

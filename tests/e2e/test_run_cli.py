@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -73,6 +74,8 @@ def test_run_bad_input_is_one_line(pool_env: dict[str, str], tmp_path: Path) -> 
 def test_run_detach_then_logs(pool_env: dict[str, str]) -> None:
     r = run(pool_env, "run", "--detach", "--", JOB_PYTHON, "-c", "print('detached hi')")
     assert r.returncode == 0, r.stderr
-    job_id = r.stderr.split()[1]
+    submitted = re.search(r"job (\d+) submitted", r.stderr)  # after the line about the shipped code
+    assert submitted, r.stderr
+    job_id = submitted.group(1)
     logs = run(pool_env, "logs", "--follow", job_id)
     assert "detached hi" in logs.stdout, logs.stdout + logs.stderr

@@ -22,6 +22,7 @@ import pytest
 from e2e_helpers import SRC, child_env, cpool, free_port, stop, wait_for
 
 import computepool.sdk.pool as sdk_pool
+from computepool.core.tls import client_context, generate_self_signed
 from computepool.sdk import CallCancelled, IncompatiblePython, Pool, RemoteTraceback
 
 HAVE_FUNCTIONS = (SRC / "computepool" / "server" / "routers" / "functions.py").exists()
@@ -36,9 +37,13 @@ pytestmark = [
 class Cluster:
     """A server and a root agent with their own data dirs, and one tenant with a member token."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, tls: bool = False) -> None:
         self.root = root
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.cert: Path | None = None
+        if tls:  # the agent pins the certificate from its join token; its workers get a copy
+            self.cert = root / "tls" / "cert.pem"
+            generate_self_signed(self.cert, root / "tls" / "key.pem", ["localhost", "127.0.0.1"])
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{free_port()}"
         self.srv_dir, self.agent_dir, self.cache = root / "srv", root / "agent", root / "cache"
         self.tenant = f"sdk{uuid.uuid4().hex[:6]}"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -46,14 +51,23 @@ class Cluster:
     def start(self) -> None:
         env = child_env()
         port = self.url.rsplit(":", 1)[1]
+        tls = (
+            ["--tls-cert", str(self.cert), "--tls-key", str(self.root / "tls" / "key.pem")]
+            if self.cert
+            else []
+        )
         with (self.root / "server.log").open("ab") as out:
             self.procs.append(
-                subprocess.Popen(cpool("server", "--data-dir", str(self.srv_dir), "--port", port),
+                subprocess.Popen(cpool("server", "--data-dir", str(self.srv_dir), "--port", port, *tls),
                                  stdout=out, stderr=subprocess.STDOUT, env=env)
             )  # fmt: skip
-        wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)
+        verify = client_context(self.cert)
+        wait_for(
+            "the server", lambda: httpx.get(f"{self.url}/readyz", verify=verify).is_success, 60, self.logs
+        )
         token = (self.srv_dir / "admin-token").read_text().strip()
-        self.admin = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        headers = {"Authorization": f"Bearer {token}"}
+        self.admin = httpx.Client(base_url=self.url, headers=headers, timeout=10, verify=verify)
         join = self.admin.post("/api/v1/join-tokens", json={}).json()["token"]
         with (self.root / "agent.log").open("ab") as out:
             self.procs.append(
@@ -173,7 +187,9 @@ def test_a_remote_exception_is_raised_as_itself_with_the_remote_traceback(pool: 
         fails.remote(7)
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
-    assert ", in fails\n" in cause.text and cause.text.rstrip().endswith("ValueError: bad input 7")
+    assert cause.text.rstrip().endswith("ValueError: bad input 7")
+    # the frame of code that went by value names the caller's file and line, with its source
+    assert f'File "{__file__}"' in cause.text and 'raise ValueError(f"bad input {n}")' in cause.text
 
 
 def test_spawn_result_timeout_and_cancel(pool: Pool, cluster: Cluster) -> None:
@@ -279,3 +295,32 @@ def test_a_python_no_node_has_is_refused_naming_both(
     with pytest.raises(IncompatiblePython, match=r"3\.99.*3\.11"):
         f.remote()
     assert len(cluster.allocations()) == before
+
+
+@pytest.fixture(scope="module")
+def tls_cluster() -> Iterator[Cluster]:
+    root = Path("/var/tmp") / f"cpool-sdk-tls-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    c = Cluster(root, tls=True)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_worker_reaches_an_https_control_plane_with_the_agents_ca(
+    tls_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert (tls_cluster.agent_dir / "server-ca.pem").exists()  # pinned at the join, no --ca
+    with Pool(server=tls_cluster.url, token=tls_cluster.token, ca=str(tls_cluster.cert)) as pool:
+
+        @pool.function(cpus=0.1, name="overtls")
+        def where() -> tuple[str, str]:
+            return os.environ["CPOOL_SERVER"], open(os.environ["CPOOL_CA"]).read()
+
+        server, ca = where.remote()
+    assert server == tls_cluster.url and tls_cluster.cert is not None
+    assert ca == tls_cluster.cert.read_text()

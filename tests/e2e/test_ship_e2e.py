@@ -296,3 +296,12 @@ def test_the_agent_refuses_archives_that_leave_the_work_dir(
     assert why in done["reason"], done["reason"]
     assert not Path("/x").exists() and not Path("/abs").exists()
     assert json.dumps(done)  # the answer is plain JSON all the way
+
+
+def test_code_and_stdin_reach_a_container_job(pool: Pool, image: str, tmp_path: Path) -> None:
+    token = pool.member(f"sc{uuid.uuid4().hex[:6]}")
+    (tmp_path / "echo.py").write_text("import sys\nprint('container got', sys.stdin.read().strip())\n")
+    r = pool.cli(token, "run", "--cpus", "0.5", "--image", image, "--", "python3", "echo.py", cwd=tmp_path,
+                 stdin="piped words\n")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr + pool.logs()
+    assert "container got piped words" in r.stdout

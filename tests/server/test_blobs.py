@@ -177,3 +177,27 @@ def test_file_requests_answered_by_the_node(make_api: Any) -> None:
     req3 = api.ok("POST", F, json={"path": "big"}, headers=a)
     r = api.put(f"/api/v1/nodes/n1/files/{req3['id']}", content=os.urandom(MIB + 1), headers=n1)
     assert r.status_code == 200 and r.json()["state"] == "failed" and "cap" in r.json()["error"]
+
+
+def test_sweep_forgets_old_unreferenced_blobs(api: Api) -> None:
+    from datetime import timedelta
+
+    from computepool.store import blobs as store
+    from computepool.store.db import db_now
+
+    manual(api)
+    api.tenant("ta")
+    a = api.user("alice", "ta", "member")
+    old, named = os.urandom(100), os.urandom(100)
+    for data in (old, named):
+        assert put(api, data, a).status_code == 201
+    join(api, "n1", devices=1)
+    alloc(api, a, command=["true"], code=sha(named), cpu_milli=100)  # pending: still live
+    data_dir = api.settings.data_dir
+    with api.app.state.db.write() as s:
+        now = db_now(s)
+        assert store.sweep(s, data_dir, timedelta(days=1), now) == 0  # both were used just now
+        assert store.sweep(s, data_dir, timedelta(days=1), now + timedelta(days=2)) == 1
+    assert [r[1] for r in blob_rows(api)] == [sha(named)]
+    assert not store.blob_path(data_dir, sha(old)).exists()
+    assert store.blob_path(data_dir, sha(named)).read_bytes() == named

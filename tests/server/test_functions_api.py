@@ -9,12 +9,14 @@ from __future__ import annotations
 import base64
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from harness import Api, H
 from test_allocations import cycle, manual
 
 from computepool.server.services.function_workers import sweep
+from computepool.store import functions as fn_store
 
 F = "/api/v1/functions"
 CMD = ["/usr/bin/python3", "-u", "worker.py"]
@@ -320,6 +322,24 @@ def test_keep_warm_zero_stops_after_one_call_and_delete(api: Api) -> None:
     ended = {x["id"]: x for x in results(api, fid, [b, c])}
     assert ended[b]["state"] == "cancelled" and ended[c]["state"] == "cancelled"
     assert ended[c]["error"] == "function deleted"
+    # ended calls are forgotten after the retention: their ids are then unknown
+    with api.app.state.db.write() as s:
+        assert fn_store.forget_ended(s, datetime.now(UTC) - timedelta(hours=1)) == 0
+        assert fn_store.forget_ended(s, datetime.now(UTC) + timedelta(seconds=5)) == 3
+    r = api.post(f"{F}/{fid}/results", json={"ids": [a]}, headers=api.admin)
+    assert r.status_code == 404 and r.json()["field"] == "ids"
+
+
+def test_workers_land_only_where_their_python_runs(api: Api) -> None:
+    manual(api)
+    join(api, "n0", None, devices=0)  # an older agent: reports no Python
+    join(api, "n1", ["3.11"], devices=0)
+    join(api, "n2", ["3.12"], devices=0)
+    fid = register(api, max_workers=4)["id"]
+    submit(api, fid, b"1", b"2", b"3", b"4")
+    cycle(api)
+    workers = [a for a in api.ok("GET", "/api/v1/allocations")["items"] if a["name"] == "fn-square"]
+    assert len(workers) == 4 and all(w["nodes"] == ["n1"] for w in workers), workers
 
 
 def test_cancel_and_worker_end_fail_calls(api: Api) -> None:
@@ -389,3 +409,45 @@ def test_bad_call_input(api: Api) -> None:
         r = api.post(f"{F}/{fid}/results", json=body, headers=api.admin)
         assert r.status_code == 422 and r.json()["field"] == field, (field, r.text)
     assert api.ok("GET", f"{F}/{fid}")["calls_pending"] == 0  # nothing stored by refused calls
+
+
+def test_two_servers_workers_claim_each_call_once(make_api: Any) -> None:
+    """Two app instances on one database (replicas); workers race on both: every call runs once."""
+    a: Api = make_api()
+    b: Api = make_api()
+    manual(a)
+    manual(b)
+    n1 = join(a, "n1", ["3.11"], devices=0)
+    fid = register(a, max_workers=4)["id"]
+    ids = submit(a, fid, *[str(i).encode() for i in range(40)])
+    cycle(a)
+    tokens = list(worker_tokens(b, "n1", n1).values())
+    assert len(tokens) == 4
+    claimed: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def work(k: int, token: str) -> None:
+        done = None
+        for turn in range(100):
+            api = (a, b)[(k + turn) % 2]
+            r = next_call(api, token, done)
+            assert r.status_code == 200, r.text
+            call = r.json()["call"]
+            if call is None:
+                return
+            with lock:
+                claimed.append((call["id"], k))
+            done = {"id": call["id"], "ok": True, "result": call["args"]}
+
+    threads = [threading.Thread(target=work, args=(k, t)) for k, t in enumerate(tokens)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(c for c, _ in claimed) == ids  # each exactly once
+    assert len({k for _, k in claimed}) > 1  # the workers shared the queue
+    out = results(b, fid, ids)
+    assert all(c["state"] == "done" for c in out) and len(out) == len(ids)
+    assert {c["id"]: base64.b64decode(c["result"]) for c in out} == {
+        i: str(n).encode() for n, i in enumerate(ids)
+    }

@@ -208,8 +208,12 @@ class FileAnswerer:
             except (ValueError, OSError) as e:
                 self._failed(rid, str(e))
                 return
-            with out.open("rb") as f:
-                self.api.put_file(f"/nodes/{self.api.name}/files/{rid}", f)
+            try:
+                with out.open("rb") as f:
+                    self.api.put_file(f"/nodes/{self.api.name}/files/{rid}", f)
+            except ApiError as e:  # refused (not a network failure, which the next poll retries)
+                self._failed(rid, e.message)
+                return
             log.info(
                 "file request %d: sent %s of %s/%d (%d bytes)", rid, rel, alloc, attempt, out.stat().st_size
             )

@@ -225,6 +225,8 @@ class Podman:
         if spec.cpu_milli > 0:
             argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
         argv += self._memory_args(key, spec.memory_mib)
+        if spec.stdin:
+            argv.append("--interactive")  # the run's stdin (the wrapper's) reaches the command
         if spec.ports:
             host = f"{self.publish_host}:" if self.publish_host else ""
             argv += [f"--publish={host}{p}:{p}" for p in spec.ports]

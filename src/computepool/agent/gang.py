@@ -21,6 +21,19 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the local interface holding `address` (an IP), or None when none does."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address.split("%")[0] == address for a in addrs):
+                return name
+    except (OSError, RuntimeError):
+        return None
+    return None
+
+
 class MasterPortBusy(OSError):
     """Rank 0 cannot offer the master port the control plane reserved: the member fails with it."""
 
@@ -75,6 +88,16 @@ class Gang:
             "CPOOL_RANK": str(self.rank),
             "CPOOL_PEERS": ",".join(self.peers),
         }
+
+    def interface_env(self, user_env: Mapping[str, str]) -> dict[str, str]:
+        """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming the interface that holds this member's
+        address, unless the user set them: gloo and NCCL otherwise advertise the address the host
+        name resolves to, which on many hosts is a loopback one (Debian maps it to 127.0.1.1)."""
+        own = self.peers[self.rank] if 0 <= self.rank < len(self.peers) else ""
+        ifname = interface_of(own)
+        if ifname is None:
+            return {}
+        return {k: ifname for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in user_env}
 
     def check_master_port(self) -> None:
         """On rank 0: the reserved port must be free to listen on, else the member cannot start (the

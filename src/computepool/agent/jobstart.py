@@ -101,7 +101,7 @@ class JobStarter:
             )  # fmt: skip
             if a.gang is not None:  # one member of a gang: its rank, peers and rendezvous
                 a.gang.check_master_port()
-                env |= a.gang.env()
+                env |= a.gang.env() | a.gang.interface_env(a.env)
             if isinstance(self.inventory.backend, SimulatedBackend):
                 env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
             env |= self.worker_env(env, work_dir)

@@ -89,7 +89,7 @@ class SandboxConfig:
     single_tenant: bool = False
     namespaces: bool = True
     pids_max: int = DEFAULT_PIDS_MAX
-    cache_root: Path | None = DEFAULT_CACHE_ROOT  # per-tenant caches (CPOOL_CACHE_DIR); None: none
+    cache_root: Path | None = None  # per-tenant caches (CPOOL_CACHE_DIR); `cpool agent`: DEFAULT_CACHE_ROOT
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ def register(app: typer.Typer) -> None:
                 help="Per-tenant caches kept between jobs (CPOOL_CACHE_DIR, e.g. the SDK's pip "
                 "environments): DIR/<tenant>, owned by the tenant's user.",
             ),
-        ] = Path("/var/cache/computepool"),
+        ] = Path("/var/cache/computepool"),  # sandbox.DEFAULT_CACHE_ROOT (not imported: start-up time)
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from computepool.cli.common import err_console
+from computepool.cli.common import err_console, print_json
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, open_client, pool_command
 from computepool.core.errors import InvalidInput
 
@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         rank: Annotated[
             int | None, typer.Option("--rank", min=0, help="Which member of a gang (default rank 0).")
         ] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print {source, path} as JSON.")] = False,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -41,4 +42,7 @@ def register(app: typer.Typer) -> None:
         alloc, path = split_source(source)
         with open_client(server, token, timeout=60.0) as pool:
             landed = pool.download(alloc, path.rstrip("/") or path, dest, rank=rank)
-        err_console.print(f"{source} → {landed}", style="dim", highlight=False, markup=False)
+        if as_json:
+            print_json({"source": source, "path": str(landed)})
+        else:
+            err_console.print(f"{source} → {landed}", style="dim", highlight=False, markup=False)

@@ -100,8 +100,8 @@ def register(app: typer.Typer) -> None:
 
         if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise fail(f"--log-level: unknown level {log_level!r}")
-        first, sep, last = gang_ports.partition("-")
-        if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        port_lo, sep, port_hi = gang_ports.partition("-")
+        if not (sep and port_lo.strip().isdigit() and port_hi.strip().isdigit()):
             raise fail(f"--gang-ports: expected FIRST-LAST, e.g. 29500-29999, got {gang_ports!r}")
         try:
             settings = ServerSettings(
@@ -121,8 +121,8 @@ def register(app: typer.Typer) -> None:
                 tls_key=tls_key.expanduser() if tls_key else None,
                 audit_key_file=audit_key_file.expanduser() if audit_key_file else None,
                 topology_label=topology_label,
-                gang_port_min=int(first),
-                gang_port_max=int(last),
+                gang_port_min=int(port_lo),
+                gang_port_max=int(port_hi),
             )
         except ValidationError as e:
             first = e.errors()[0]

@@ -6,6 +6,7 @@ not JSON). Uploads ask `HEAD /blobs/{sha}` first: bytes the tenant holds already
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +16,6 @@ from urllib.parse import quote
 import httpx
 
 from computepool.client.errors import PoolError, ServerUnreachable
-from computepool.core.tarsafe import UnsafeArchive, safe_extract, sha256_hex
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -115,6 +115,8 @@ class BlobMethods:
     def download(self, alloc_id: int | str, path: str, dest: Path, *, rank: int | None = None) -> Path:
         """`path` of the job (a file or a directory) to `dest`, like `cp`: into `dest` when it is a
         directory, else as `dest`. Returns where it landed."""
+        from computepool.core.tarsafe import UnsafeArchive, safe_extract  # noqa: PLC0415 - tarfile: only here
+
         data = self.fetch_files(alloc_id, path, rank=rank)
         dest = dest.expanduser()
         target = dest / Path(path).name if dest.is_dir() else dest
@@ -132,6 +134,10 @@ class BlobMethods:
             else:
                 got.replace(target)
         return target
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _mib(n: int) -> str:

@@ -138,7 +138,7 @@ def when(res: Reservation, clock: str | None = None) -> str:
     if left is None:
         return "as its nodes free up (their work has no time limit)"
     if left <= 0:
-        return "now"
+        return "now (the work in its way is past its time limit)"
     return f"from ~{clock}" if clock else f"in ~{human_s(left)}"
 
 

@@ -13,6 +13,7 @@ import base64
 import copy
 import functools
 import json
+import linecache
 import re
 import sys
 import threading
@@ -255,6 +256,30 @@ class RemoteFunction(Generic[P, R]):
             self.function_id = None
 
 
+_DYNAMIC_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+), in (.+)$')
+
+
+def localise(tb: str, fn: Callable[..., Any]) -> str:
+    """Code that went by value shows as "<dynamic-code>" in the remote traceback; its line numbers
+    are the caller's own, in the function's file: name that file and show its lines again."""
+    code = getattr(fn, "__code__", None)
+    path = code.co_filename if code is not None else ""
+    if not tb or not path or (path.startswith("<") and path not in linecache.cache):
+        return tb
+    out: list[str] = []
+    for line in tb.splitlines():
+        m = _DYNAMIC_FRAME.match(line)
+        if m is None:
+            out.append(line)
+            continue
+        indent, number, name = m.groups()
+        out.append(f'{indent}File "{path}", line {number}, in {name}')
+        source = linecache.getline(path, int(number)).strip()
+        if source:
+            out.append(f"{indent}  {source}")
+    return "\n".join(out) + ("\n" if tb.endswith("\n") else "")
+
+
 def _ordered(
     fn: RemoteFunction[Any, Any], handles: list[Handle[Any]], return_exceptions: bool, timeout: float | None
 ) -> Iterator[Any]:
@@ -328,7 +353,7 @@ class Handle(Generic[R]):
             return value  # type: ignore[no-any-return]
         if not isinstance(value, BaseException):
             raise RemoteError(f"call {self.id} failed with a non-exception: {value!r}")
-        tb = c.get("traceback") or ""
+        tb = localise(c.get("traceback") or "", self.fn.fn)
         if tb and not getattr(value, "_cpool_noted", False):
             value.add_note(f"(raised on the pool, in call {self.id} of {self.fn.__name__})")
             value._cpool_noted = True  # type: ignore[attr-defined]

@@ -108,7 +108,7 @@ def counts(s: Session, fids: Sequence[int]) -> dict[int, tuple[int, int]]:
     if not fids:
         return out
     conn = s.connection()
-    live = dict(
+    live: dict[int, int] = dict(
         conn.execute(
             select(_W.c.function_id, func.count())
             .join(_A, _A.c.id == _W.c.allocation_id)
@@ -116,7 +116,7 @@ def counts(s: Session, fids: Sequence[int]) -> dict[int, tuple[int, int]]:
             .group_by(_W.c.function_id)
         ).all()
     )
-    pending = dict(
+    pending: dict[int, int] = dict(
         conn.execute(
             select(_C.c.function_id, func.count())
             .where(_C.c.function_id.in_(fids), _C.c.state == "pending")
@@ -134,6 +134,7 @@ def python_labels(pythons: Sequence[str]) -> dict[str, str]:
 
 def set_pythons(s: Session, node: str, pythons: Sequence[str]) -> None:
     """Store what the node provides, and its labels to match (other labels are left as they are)."""
+    s.flush()  # changes made to ORM objects so far are written, not lost to the expiry below
     n = Node.__table__
     labels = s.connection().execute(select(n.c.labels).where(n.c.name == node)).scalar_one_or_none()
     if labels is None:
@@ -331,11 +332,13 @@ _CLAIM = (
 def claim_next(s: Session, fid: int, worker: int, now: datetime) -> tuple[int, str] | None:
     """The oldest pending call of the function, now running on `worker` (SKIP LOCKED on PostgreSQL)."""
     conn = s.connection()
-    row = conn.execute(_NEXT, {"fid": fid}).one_or_none()
-    if row is None:
-        return None
-    conn.execute(_CLAIM, {"cid": row[0], "worker": worker, "now": now})
-    return int(row[0]), str(row[1])
+    for _ in range(10):  # a row another transaction took between the two statements: the next one
+        row = conn.execute(_NEXT, {"fid": fid}).one_or_none()
+        if row is None:
+            return None
+        if conn.execute(_CLAIM, {"cid": row[0], "worker": worker, "now": now}).rowcount:
+            return int(row[0]), str(row[1])
+    return None
 
 
 _CALL_OF_WORKER = select(_C.c.state, _C.c.worker_allocation_id, _C.c.function_id).where(
@@ -350,6 +353,7 @@ _FINISH = (
         result=bindparam("result"),
         traceback=bindparam("tb"),
         ended_at=bindparam("now"),
+        args="",  # no longer needed: a call runs once
     )
 )
 
@@ -407,7 +411,7 @@ def fail_calls_of_worker(s: Session, worker: int, error: str, now: datetime) -> 
         conn.execute(
             _C.update()
             .where(_C.c.id.in_(ids), _C.c.state == "running")
-            .values(state="failed", ok=None, error=error[:1024], ended_at=now)
+            .values(state="failed", ok=None, error=error[:1024], ended_at=now, args="")
         )
     return ids
 
@@ -416,7 +420,7 @@ def fail_pending(s: Session, fid: int, error: str, now: datetime, *, state: str 
     res = s.connection().execute(
         _C.update()
         .where(_C.c.function_id == fid, _C.c.state == "pending")
-        .values(state=state, error=error[:1024], ended_at=now)
+        .values(state=state, error=error[:1024], ended_at=now, args="")
     )
     return int(res.rowcount)
 
@@ -425,7 +429,7 @@ def cancel_call(s: Session, cid: int, now: datetime, why: str) -> bool:
     res = s.connection().execute(
         _C.update()
         .where(_C.c.id == cid, _C.c.state.in_(("pending", "running")))
-        .values(state="cancelled", error=why[:1024], ended_at=now)
+        .values(state="cancelled", error=why[:1024], ended_at=now, args="")
     )
     return bool(res.rowcount)
 
@@ -434,7 +438,7 @@ def cancel_running(s: Session, fid: int, why: str, now: datetime) -> int:
     res = s.connection().execute(
         _C.update()
         .where(_C.c.function_id == fid, _C.c.state == "running")
-        .values(state="cancelled", error=why[:1024], ended_at=now)
+        .values(state="cancelled", error=why[:1024], ended_at=now, args="")
     )
     return int(res.rowcount)
 
@@ -471,3 +475,17 @@ def known(s: Session, fid: int, ids: Sequence[int]) -> set[int]:
 def count_known(s: Session, fid: int, ids: Sequence[int]) -> int:
     stmt = select(func.count()).where(_C.c.function_id == fid, _C.c.id.in_(list(ids)))
     return int(s.connection().execute(stmt).scalar_one())
+
+
+def forget_ended(s: Session, before: datetime, limit: int = 5000) -> int:
+    """Delete up to `limit` calls that ended before `before` (their results were there to fetch)."""
+    conn = s.connection()
+    ids = [
+        int(i)
+        for (i,) in conn.execute(
+            select(_C.c.id).where(_C.c.state.in_(ENDED_CALL), _C.c.ended_at < before).limit(limit)
+        )
+    ]
+    if ids:
+        conn.execute(_C.delete().where(_C.c.id.in_(ids)))
+    return len(ids)

@@ -30,7 +30,7 @@ def ends_at(a: Live, now: datetime | None) -> float | None:
     limit = time_limit_s(a)
     if limit is None or a.bound_at is None or now is None:
         return None
-    return (a.bound_at - now).total_seconds() + limit
+    return max(0.0, (a.bound_at - now).total_seconds() + limit)  # overdue work ends any moment
 
 
 def plan(snap: Snapshot, world: World, sched: Scheduler, running: list[Live]) -> Reservation | None:

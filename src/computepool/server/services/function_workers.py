@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -41,6 +42,8 @@ from computepool.store.db import Database, db_now
 log = logging.getLogger("computepool.server")
 FAILURES_BEFORE_GIVING_UP = 2
 SWEEP_EVERY_S = 1.0
+CALL_RETENTION_S = 24 * 3600.0  # ended calls (and their results) are kept this long
+FORGET_EVERY_S = 60.0
 
 
 def fn_key(fid: int) -> str:
@@ -218,6 +221,12 @@ def sweep(db: Database) -> set[int]:
     return touched
 
 
+def forget(db: Database) -> int:
+    """Drop calls that ended more than CALL_RETENTION_S ago; how many went."""
+    with db.write() as s:
+        return store.forget_ended(s, db_now(s) - timedelta(seconds=CALL_RETENTION_S))
+
+
 class Sweeper:
     """Runs `sweep` once a second on the app's loop (in a thread), and wakes whom it concerns."""
 
@@ -236,10 +245,14 @@ class Sweeper:
                 await self._task
 
     async def _run(self) -> None:
+        forgot = time.monotonic()
         while True:
             await asyncio.sleep(SWEEP_EVERY_S)
             try:
                 touched = await asyncio.to_thread(sweep, self.db)
+                if time.monotonic() - forgot >= FORGET_EVERY_S:
+                    forgot = time.monotonic()
+                    await asyncio.to_thread(forget, self.db)
             except Exception as e:  # the database away: the next round tries again
                 log.debug("function sweep skipped: %s", e)
                 continue

@@ -1,0 +1,97 @@
+"""The code archive: deterministic bytes, git's ignore rules, and safe unpacking on both ends."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from computepool.client.archive import pack, pack_with_stats, safe_extract, scan
+from computepool.core.tarsafe import UnsafeArchive
+
+
+def tree(root: Path) -> Path:
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "src" / "pkg" / "m.py").write_text("X = 1\n")
+    (root / "src" / "notes.log").write_text("log\n")
+    (root / "src" / "keep.log").write_text("kept\n")
+    (root / "src" / ".gitignore").write_text("*.tmp\n")
+    (root / "src" / "scratch.tmp").write_text("tmp\n")
+    (root / "build").mkdir()
+    (root / "build" / "out.o").write_text("o\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref\n")
+    (root / ".gitignore").write_text("*.log\n!keep.log\nbuild/\n")
+    (root / ".cpoolignore").write_text("data/\n")
+    (root / "data").mkdir()
+    (root / "data" / "big").write_text("big\n")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    os.symlink("/etc/passwd", root / "outside")
+    os.symlink("src/pkg/m.py", root / "inside")
+    return root
+
+
+def names(data: bytes) -> list[str]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return tar.getnames()
+
+
+def test_pack_honours_ignore_files_and_is_deterministic(tmp_path: Path) -> None:
+    root = tree(tmp_path / "p")
+    data, stats = pack_with_stats(root)
+    assert names(data) == [
+        ".cpoolignore", ".gitignore", "inside", "run.sh", "src", "src/.gitignore", "src/keep.log",
+        "src/pkg", "src/pkg/m.py",
+    ]  # fmt: skip
+    assert stats.files == 6 and scan(root).files == 6
+    os.utime(root / "run.sh", (1, 1))  # times and owners do not change the bytes
+    assert pack(root) == data
+    (root / "src" / "pkg" / "m.py").write_text("X = 2\n")
+    assert pack(root) != data
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        run = tar.getmember("run.sh")
+        assert run.mode == 0o755 and run.mtime == 0 and run.uid == 0 and run.uname == ""
+
+
+def test_extra_files_and_trees(tmp_path: Path) -> None:
+    pkg = tmp_path / "lib" / "mylib"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    data = pack(None, extra_files={"fn.pkl": b"abc"}, extra_trees={"site/mylib": pkg})
+    assert names(data) == ["site/mylib/__init__.py", "fn.pkl"]
+    out = tmp_path / "out"
+    safe_extract(data, out)
+    assert (out / "fn.pkl").read_bytes() == b"abc" and (out / "site" / "mylib" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize(
+    ("member", "why"),
+    [("../escape", "'..'"), ("/abs", "absolute"), ("link:/etc", "outside"), ("link:../../x", "outside"),
+     ("fifo", "special files")],
+)  # fmt: skip
+def test_unsafe_archives_are_refused(tmp_path: Path, member: str, why: str) -> None:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        if member.startswith("link:"):
+            info = tarfile.TarInfo("sub/l")
+            info.type, info.linkname = tarfile.SYMTYPE, member[5:]
+            tar.addfile(info)
+        elif member == "fifo":
+            info = tarfile.TarInfo("f")
+            info.type = tarfile.FIFOTYPE
+            tar.addfile(info)
+        else:
+            info = tarfile.TarInfo(member)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    dest = tmp_path / "d"
+    with pytest.raises(UnsafeArchive, match=why):
+        safe_extract(raw.getvalue(), dest)
+    assert not (tmp_path / "escape").exists() and not (dest / "sub" / "l").is_symlink()
+    with pytest.raises(UnsafeArchive, match="not a readable tar"):
+        safe_extract(b"not a tar at all", dest)
