@@ -21,6 +21,7 @@ ALLOWED = {
     "server": {"core", "scheduler", "store"},
     "agent": {"core"},
     "client": {"core"},
+    "sdk": {"core", "client"},
 }
 
 

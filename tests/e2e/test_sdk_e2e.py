@@ -229,6 +229,19 @@ def test_map_is_ordered_and_a_failing_item_raises_when_reached(pool: Pool) -> No
     assert seen == [1 / (x - 3) for x in range(3)]
 
 
+def test_results_that_cannot_come_back_fail_the_call_naming_why(pool: Pool) -> None:
+    @pool.function(cpus=0.1, keep_warm=5, name="unsendable")
+    def unsendable(kind: str) -> object:
+        import threading
+
+        return threading.Lock() if kind == "lock" else b"x" * (65 << 20)
+
+    with pytest.raises(TypeError, match="_thread.lock.*could not be pickled"):
+        unsendable.remote("lock")
+    with pytest.raises(RuntimeError, match="could not be handed to the control plane: HTTP 4"):
+        unsendable.remote("huge")  # over the pool's cap on a result
+
+
 def test_a_local_helper_module_ships_and_imports_remotely(pool: Pool) -> None:
     import shiphelp  # type: ignore[import-not-found]  # the project's own module (see the fixture)
 
@@ -295,6 +308,18 @@ def test_a_python_no_node_has_is_refused_naming_both(
     with pytest.raises(IncompatiblePython, match=r"3\.99.*3\.11"):
         f.remote()
     assert len(cluster.allocations()) == before
+
+
+def test_a_function_runs_in_a_container_image(pool: Pool, cluster: Cluster, image: str) -> None:
+    @pool.function(cpus=0.1, image=image, name="incontainer")
+    def inside() -> tuple[str, bool, int]:
+        cache = os.environ["CPOOL_CACHE_DIR"]
+        open(os.path.join(cache, "from-container"), "w").write("x")
+        return os.getcwd(), os.path.exists("/run/.containerenv"), os.getuid()
+
+    cwd, in_container, uid = inside.remote()
+    assert cwd == "/work" and in_container and uid != 0
+    assert (cluster.cache / cluster.tenant / "from-container").exists()  # the same cache, mounted
 
 
 @pytest.fixture(scope="module")

@@ -272,6 +272,8 @@ def test_refusals_leave_nothing_behind(pool: Pool, tmp_path: Path) -> None:
     assert r.returncode != 0 and "--env" in r.stderr
     r = pool.cli(a, "run", "--no-code", "--output", "../up", "--", "true", cwd=tmp_path)
     assert r.returncode != 0 and "--output" in r.stderr
+    r = pool.cli(a, "run", "--no-code", "--detach", "--output", "out", "--", "true", cwd=tmp_path)
+    assert r.returncode != 0 and "not with --detach" in r.stderr
     assert len(pool.allocations()) == before
 
 

@@ -57,6 +57,9 @@ def test_upload_head_get_and_tenants_apart(api: Api) -> None:
     rows = blob_rows(api)
     assert len(rows) == 2 and {r[1] for r in rows} == {sha(data)}
     assert len(list((api.settings.data_dir / "blobs" / "sha256").rglob("*"))) == 2  # one dir + one file
+    # an admin may read any blob, but HEAD asks whether the admin's own tenant holds it (before an upload)
+    assert api.get(f"{B}/{sha(data)}", headers=api.admin).content == data
+    assert api.head(f"{B}/{sha(data)}", headers=api.admin).status_code == 404
     # a viewer reads, but may not upload
     assert api.get(f"{B}/{sha(data)}", headers=viewer).status_code == 200
     assert put(api, b"x", viewer).status_code == 403

@@ -230,6 +230,10 @@ class Podman:
         if spec.ports:
             host = f"{self.publish_host}:" if self.publish_host else ""
             argv += [f"--publish={host}{p}:{p}" for p in spec.ports]
+        elif "CPOOL_WORKER_TOKEN" in spec.env:
+            # a function's worker calls the control plane back at the agent's own URL (CPOOL_SERVER),
+            # loopback included: the host's network, as a process job has it
+            argv.append("--network=host")
         else:
             argv.append("--network=none")
         argv += self.device_args(spec.device_uuids)

@@ -221,12 +221,20 @@ def show_bound(alloc: dict[str, Any]) -> None:
             say(f"export {k}={escape(v)}")
 
 
+def _quota_rows(quota: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(model or "", resource, {used, request, guaranteed, limit}) for each entry of explain's quota."""
+    rows = [("", res, e) for res, e in quota.items() if res != "models"]
+    return rows + [(m, res, e) for m, per in (quota.get("models") or {}).items() for res, e in per.items()]
+
+
+def _quota_entries(quota: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for _, _, e in _quota_rows(quota)]
+
+
 def quota_table(quota: dict[str, Any]) -> Any:
     """The tenant's quota as `cpool explain` shows it: one row per resource, in the units users type."""
     t = table("quota of the tenant", "resource", "in use", "this request", "guaranteed", "limit")
-    rows = [("", res, e) for res, e in quota.items() if res != "models"]
-    rows += [(m, res, e) for m, per in (quota.get("models") or {}).items() for res, e in per.items()]
-    for model, res, e in rows:
+    for model, res, e in _quota_rows(quota):
         t.add_row(
             escape(resource_name(res, model)),
             *(format_amount(res, e.get(k)) for k in ("used", "request", "guaranteed")),
@@ -444,8 +452,11 @@ def register(app: typer.Typer) -> None:
             show(t)
         for note in reasons.get("notes") or []:
             say(f"- {escape(str(note))}")
-        if out.get("quota"):
-            show(quota_table(out["quota"]))
+        quota = out.get("quota") or {}
+        if any(e.get("limit") is not None or e.get("guaranteed") is not None for e in _quota_entries(quota)):
+            show(quota_table(quota))
+        elif quota:
+            say("quota: none for this tenant (nothing guaranteed, no limit but the pool)")
 
     @app.command("logs")
     @pool_command

@@ -73,7 +73,7 @@ _CALLER_GONE = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 @contextlib.contextmanager
-def _ends_with_caller(mask: set[signal.Signals]) -> Iterator[None]:
+def _ends_with_caller(mask: set[int | signal.Signals]) -> Iterator[None]:
     """Turn SIGTERM (e.g. from `timeout`) and SIGHUP (a closed terminal) into `_Hangup`, so the job
     is cancelled as with Ctrl-C instead of starting later with no one watching; then restore the
     signal mask `mask` (signals held while the job was created arrive here)."""
@@ -160,6 +160,8 @@ def register(app: typer.Typer) -> None:
         from computepool.cli import ship  # archive and tar code: loaded by the command that ships
 
         job_env, outputs = ship.parse_env(env, env_file), ship.check_outputs(output)
+        if outputs and detach:
+            raise InvalidInput("--output", "fetches when the job ends: not with --detach (use `cpool cp`)")
         stdin = ship.read_stdin()
         with open_client(server, token, timeout=60.0) as pool:
             req = ship.ship(pool, req, workdir=workdir, no_code=no_code, env=job_env, stdin=stdin)
@@ -167,9 +169,11 @@ def register(app: typer.Typer) -> None:
             held = signal.pthread_sigmask(signal.SIG_BLOCK, _CALLER_GONE)
             try:
                 job = pool.create_allocation(req)
-            finally:
-                if detach:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            except BaseException:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # nothing was created: nothing to cancel
+                raise
+            if detach:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
             job_id = str(job["id"])
             if detach:
                 err_console.print(

@@ -32,6 +32,7 @@ def _mark(ok: bool | None) -> str:
 def _print_summary(rep: Report) -> None:
     """A compact version of report.md's summary table that fits 80 columns."""
     from computepool.sim.report import DEFAULT_MARGIN_PTS, MATCH_PTS, fmt
+
     table = Table(
         title="unallocated GPU % at arrived = 100%: ours (mean over seeds) vs published",
         box=box.SIMPLE_HEAD,
@@ -118,6 +119,7 @@ def register(sim_app: typer.Typer) -> None:
     ) -> None:
         """Fill-up vs the FGD paper, static vs pooled, and the Philly replay, in one Markdown report."""
         from computepool.sim.report import build_report
+
         cfg = ReportConfig.from_options(
             out, seeds=seeds, workloads=workloads, policies=policies, jobs=jobs, quick=quick, replay=replay
         )

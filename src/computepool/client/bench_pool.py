@@ -267,10 +267,8 @@ async def _workload_starts(
         async with sem:
             for _ in range(3):  # the last output may still be on its way from the agent
                 with contextlib.suppress(PoolError, ServerUnreachable):
-                    out = await api.call(
-                        "GET", f"/allocations/{alloc_id}/logs", params={"offset": "0", "wait": "2"}
-                    )
-                    first = str(out.get("data") or "").split("\n", 1)[0].strip()
+                    out = await api.call("GET", f"/allocations/{alloc_id}/logs", params={"wait": "2"})
+                    first = str((out.get("stdout") or {}).get("data") or "").split("\n", 1)[0].strip()
                     with contextlib.suppress(ValueError):
                         return (float(first) - created.timestamp()) * 1000
                 await asyncio.sleep(0.5)

@@ -165,5 +165,5 @@ def format_amount(resource: str, value: int | float | None) -> str:
     if kind in ("gpus", "cpus"):
         return f"{value / 1000:g}"
     if kind == "mib":
-        return format_mib(int(value))
+        return format_mib(int(value)) if value else "0"
     return f"{value:g}"

@@ -54,7 +54,7 @@ def _idle(pool: Pool, fn: RemoteFunction[Any, Any], timeout_s: float = 30.0) -> 
     deadline = time.monotonic() + timeout_s
     while pool.client.request("GET", f"/functions/{fn.register()}")["workers_live"] > 0:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{fn.__name__}: workers still live after {timeout_s:g} s")
+            raise RuntimeError(f"{fn.name}: workers still live after {timeout_s:g} s")
         time.sleep(0.1)
 
 
@@ -65,7 +65,7 @@ def _timed(fn: RemoteFunction[Any, Any], count: int, idle: Pool | None = None) -
             _idle(idle, fn)
         t0 = time.perf_counter()
         if fn.remote(i) != i:
-            raise RuntimeError(f"{fn.__name__}: call {i} came back with another value")
+            raise RuntimeError(f"{fn.name}: call {i} came back with another value")
         out.append(time.perf_counter() - t0)
     return out
 

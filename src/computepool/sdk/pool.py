@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import cloudpickle
 
@@ -78,9 +78,18 @@ class Pool:
         self.client = PoolClient.from_config(cfg, timeout=max(timeout, POLL_S + 15))
         self.server = cfg.server
 
+    @overload
+    def function(self, fn: Callable[P, R], /, **options: Any) -> RemoteFunction[P, R]: ...
+
+    @overload
+    def function(
+        self, fn: None = None, /, **options: Any
+    ) -> Callable[[Callable[P, R]], RemoteFunction[P, R]]: ...
+
     def function(
         self,
         fn: Callable[P, R] | None = None,
+        /,
         *,
         pip: Sequence[str] | None = None,
         keep_warm: float = 0,
@@ -153,6 +162,7 @@ class RemoteFunction(Generic[P, R]):
         functools.update_wrapper(self, fn)
         self.pool = pool
         self.fn = fn
+        self.name = str(getattr(fn, "__name__", "function"))
         self.spec = spec
         self.function_id: int | None = None
         self._lock = threading.Lock()
@@ -333,7 +343,7 @@ class Handle(Generic[R]):
         while self.outcome is None:
             left = POLL_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"call {self.id} of {self.fn.__name__} did not end within {timeout:g} s")
+                raise TimeoutError(f"call {self.id} of {self.fn.name} did not end within {timeout:g} s")
             self.fn.poll([self], min(left, POLL_S))
         return self._settle(self.outcome)
 
@@ -350,12 +360,12 @@ class Handle(Generic[R]):
             detail = f"\n{c['traceback']}" if c.get("traceback") else ""
             raise RemoteError(f"call {self.id}: its {what} could not be read here ({e}){detail}") from None
         if ok:
-            return value  # type: ignore[no-any-return]
+            return value
         if not isinstance(value, BaseException):
             raise RemoteError(f"call {self.id} failed with a non-exception: {value!r}")
         tb = localise(c.get("traceback") or "", self.fn.fn)
         if tb and not getattr(value, "_cpool_noted", False):
-            value.add_note(f"(raised on the pool, in call {self.id} of {self.fn.__name__})")
+            value.add_note(f"(raised on the pool, in call {self.id} of {self.fn.name})")
             value._cpool_noted = True  # type: ignore[attr-defined]
         raise value from RemoteTraceback(tb) if tb else None
 
@@ -367,4 +377,4 @@ class Handle(Generic[R]):
         self.fn.pool.client.request("DELETE", f"/functions/{fid}/calls/{self.id}")
 
     def __repr__(self) -> str:
-        return f"<Handle call {self.id} of {self.fn.__name__}: {self.state}>"
+        return f"<Handle call {self.id} of {self.fn.name}: {self.state}>"

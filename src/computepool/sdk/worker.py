@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 import urllib.parse
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,6 +47,10 @@ def trace(what: str) -> None:
 
 class Refused(Exception):
     """The control plane no longer accepts this worker's token (its allocation ended)."""
+
+
+class Rejected(Exception):
+    """The control plane refused the body itself (a result over its cap, say): no use sending it again."""
 
 
 class Api:
@@ -94,6 +99,8 @@ class Api:
                 return json.loads(text) if text else {}
             if r.status in (401, 403, 404, 410):
                 raise Refused(f"{path}: HTTP {r.status} {text[:300]!r}")
+            if r.status in (400, 413, 422):
+                raise Rejected(f"HTTP {r.status}: {text[:500].decode(errors='replace')}")
             if attempt + 1 == tries:
                 raise RuntimeError(f"{path}: HTTP {r.status} {text[:300]!r}")
             time.sleep(min(0.2 * 2**attempt, 3.0))
@@ -266,7 +273,7 @@ class Runner:
     def __init__(self, output: Output, broken: str | None) -> None:
         self.output = output
         self.broken = broken
-        self.fn = None
+        self.fn: Any = None
 
     def run(self, call: dict) -> dict:
         import cloudpickle
@@ -274,7 +281,7 @@ class Runner:
         cid = call["id"]
         self.output.begin(cid)
         saved = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Stream(self.output, saved[0]), Stream(self.output, saved[1])  # type: ignore[assignment]
+        sys.stdout, sys.stderr = Stream(self.output, saved[0]), Stream(self.output, saved[1])
         tb = None
         try:
             if self.broken:
@@ -311,7 +318,15 @@ def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
             return served
         wait = max(0.0, min(left, LONG_POLL_S))
         trace("next" + (" (result in)" if done else ""))
-        answer = api.post("/worker/next", {"done": done, "wait_s": round(wait, 3)}, timeout=wait + 30)
+        try:
+            answer = api.post("/worker/next", {"done": done, "wait_s": round(wait, 3)}, timeout=wait + 30)
+        except Rejected as e:
+            if done is None or not done.get("result"):
+                raise
+            why = RuntimeError(f"the call's outcome could not be handed to the control plane: {e}")
+            ok, result, tb = dump(why, False, done.get("traceback"))
+            done = {"id": done["id"], "ok": ok, "result": result, "traceback": tb}
+            continue
         trace("claimed" if answer.get("call") else "no call")
         done = None
         stopping = stopping or bool(answer.get("stop"))

@@ -53,7 +53,7 @@ async def put_blob(
 def head_blob(sha256: str, ctx: Annotated[Ctx, Depends(requires(Action.BLOB_GET))]) -> Response:
     """A 404 carries the caller's room under the caps, so a client can refuse an upload unsent."""
     try:
-        _path, size = blobs.locate(ctx, sha256)
+        _path, size = blobs.locate(ctx, sha256, own=True)
     except NotFound:
         return Response(status_code=404, headers=blobs.room_headers(ctx))
     return Response(status_code=200, headers={"Content-Length": str(size)})

@@ -29,6 +29,7 @@ from computepool.server.schemas.blobs import BlobOut, FileRequestCreate, FileReq
 from computepool.server.services.audit import record
 from computepool.store import allocations as alloc_store
 from computepool.store import blobs as store
+from computepool.store import nodes as node_store
 from computepool.store import tenants as tenant_store
 from computepool.store.db import db_now
 from computepool.store.models import FileRequest, Tenant
@@ -173,10 +174,11 @@ def claim(s: Session, tenant_id: int, req: dict[str, Any], now: datetime) -> Non
 
 
 # --- reads --------------------------------------------------------------------------------------
-def locate(ctx: Ctx, sha: str) -> tuple[Path, int]:
+def locate(ctx: Ctx, sha: str, *, own: bool = False) -> tuple[Path, int]:
     """The blob's file and size, if the caller may read it; the same 404 otherwise.
 
-    Users read their tenant's blobs; a node reads those its live allocations name (code, stdin).
+    Users read their tenant's blobs (admins any, unless `own`: whether their tenant holds it, as
+    HEAD asks before an upload); a node reads those its live allocations name (code, stdin).
     """
     _check_sha(sha)
     caller = ctx.caller()
@@ -184,7 +186,7 @@ def locate(ctx: Ctx, sha: str) -> tuple[Path, int]:
     with ctx.db.read() as s:
         if caller.role is Role.NODE:
             ok = caller.node is not None and store.referenced_on(s, caller.node, sha)
-        elif caller.role is Role.ADMIN:
+        elif caller.role is Role.ADMIN and not own:
             ok = store.anyone_holds(s, sha)
         else:
             t = tenant_store.get(s, caller.tenant or "")
@@ -251,6 +253,10 @@ def request_files(ctx: Ctx, alloc_id: int, body: FileRequestCreate, hub: Hub) ->
         rank = body.rank or 0
         if rank >= len(nodes):
             raise Invalid(f"rank: {rank} is past the last member (the job has {len(nodes)})", "rank")
+        if node_store.get(s, nodes[rank]) is None:
+            raise Conflict(
+                f"node {nodes[rank]}, where the job ran, has left the pool: its files went with it"
+            )
         now = db_now(s)
         row = FileRequest(
             allocation_id=a.id,

@@ -42,9 +42,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("rank", sa.Integer(), nullable=False, server_default="0"))
     op.execute(_STREAM_POS)
     op.drop_index("ix_allocation_logs_allocation_id", table_name="allocation_logs")
-    op.create_index(
-        "ix_allocation_logs_read", "allocation_logs", ["allocation_id", "rank", "stream", "pos"]
-    )
+    op.create_index("ix_allocation_logs_read", "allocation_logs", ["allocation_id", "rank", "stream", "pos"])
 
 
 def downgrade() -> None:
