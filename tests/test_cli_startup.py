@@ -50,3 +50,21 @@ def test_version() -> None:
     r = _run("-m", "computepool.cli.main", "--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"cpool {version('computepool')}"
+
+
+def test_quick_commands_come_from_the_module_named_for_them() -> None:
+    """`cpool ps` loads only alloc_cmd: each word of the quick table must be a command of its module."""
+    import importlib
+
+    import typer
+    from typer.main import get_command
+
+    from computepool.cli import main
+
+    for word, module in main._QUICK.items():
+        one = typer.Typer()
+        one.callback()(lambda: None)
+        importlib.import_module(f"computepool.cli.{module}").register(one)
+        assert word in get_command(one).commands, f"{word} is not a command of {module}"
+    assert main._command_word(["--ca", "ca.pem", "ps", "--all"]) == "ps"
+    assert main._command_word(["--help"]) is None

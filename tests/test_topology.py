@@ -181,3 +181,16 @@ def test_state_is_unchanged_by_topology_placement() -> None:
         np.array_equal(a, b)
         for a, b in zip(before, (state.gpu_free, state.cpu_free, state.class_of), strict=True)
     )
+
+
+def test_colocate_is_a_request_option_everywhere() -> None:
+    from computepool.cli.alloc_cmd import request_from_options
+    from computepool.client.options import build_request
+    from computepool.core.errors import InvalidInput
+
+    assert build_request(gpus=8, nodes=4, colocate="rack").body()["colocate"] == "rack"
+    body = request_from_options("8", None, "0", "0", False, None, None, nodes=4, colocate="rack").body()
+    assert body["colocate"] == "rack" and body["gang_nodes"] == 4
+    assert "colocate" not in build_request(gpus=1).body()
+    with pytest.raises(InvalidInput, match="colocate"):
+        Request(gpu_count=1, gpu_milli=1000, colocate="")

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 import computepool
+from computepool.agent.join import tenant_pythons
 
 SRC = str(Path(computepool.__file__).parent.parent)
 
@@ -139,7 +140,9 @@ def test_agent_joins_heartbeats_and_reuses_its_credential(server: Server, tmp_pa
             (2, "T4", 16384),
         ]
         assert len({d["uuid"] for d in node["devices"]}) == 3
-        assert node["labels"] == {"simulated": "true"}
+        # the Pythons a tenant's job can run here, as the agent reported them at its join
+        pythons = {f"cpool.io/python-{v}": "yes" for v in tenant_pythons()}
+        assert node["labels"] == {"simulated": "true", **pythons} and node["pythons"] == tenant_pythons()
         cred = data / "node.json"
         assert stat.S_IMODE(cred.stat().st_mode) == 0o600
         # a root agent lets its sandboxed jobs pass through to their own dirs, never list or read it

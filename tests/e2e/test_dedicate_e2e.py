@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
+from computepool.agent.join import tenant_pythons
+
 pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
 
@@ -91,11 +93,13 @@ def test_agent_label_selects_the_node_for_a_job(pool: tuple[Pool, dict[str, str]
 
 def test_cli_labels_taints_and_dedication_steer_and_explain(pool: tuple[Pool, dict[str, str]]) -> None:
     api, env = pool
+    pythons = {f"cpool.io/python-{v}": "yes" for v in tenant_pythons()}  # the agent reports these
     out = ok_json(env, "nodes", "label", "small", "gpu-class=t4", "zone=b")
-    assert out["labels"] == {"gpu-class": "t4", "simulated": "true", "zone": "b"}  # the agent's, kept
+    assert out["labels"] == {"gpu-class": "t4", "simulated": "true", "zone": "b", **pythons}  # agent's kept
     assert ok_json(env, "nodes", "label", "small", "zone-")["labels"] == {
         "gpu-class": "t4",
         "simulated": "true",
+        **pythons,
     }
     assert ok_json(env, "nodes", "taint", "big", "reserved=db")["taints"] == {"reserved": "db"}
 

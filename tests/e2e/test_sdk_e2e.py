@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from e2e_helpers import SRC, child_env, cpool, free_port, stop, wait_for
 
 import computepool.sdk.pool as sdk_pool
 from computepool.core.tls import client_context, generate_self_signed
-from computepool.sdk import CallCancelled, IncompatiblePython, Pool, RemoteTraceback
+from computepool.sdk import CallCancelled, IncompatiblePython, Pool, RemoteError, RemoteTraceback
 
 HAVE_FUNCTIONS = (SRC / "computepool" / "server" / "routers" / "functions.py").exists()
 pytestmark = [
@@ -214,6 +215,42 @@ def test_spawn_result_timeout_and_cancel(pool: Pool, cluster: Cluster) -> None:
     assert sleeper.spawn(0.1).result(timeout=120) == 0.1
 
 
+CALLER = """
+import sys, time
+from computepool import Pool
+
+pool = Pool(server=sys.argv[1], token=sys.argv[2])
+
+@pool.function(cpus=0.1, name="ctrlc")
+def long():
+    print("running on the pool", flush=True)
+    time.sleep(300)
+
+long.remote()
+"""
+
+
+def test_ctrl_c_on_the_caller_cancels_its_call(cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), cluster.url, cluster.token],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(), cwd=tmp_path, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the remote print, streamed: the call runs
+        assert "running on the pool" in line, line + proc.stdout.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        stop(proc)
+    ended = ("released", "failed", "cancelled")
+    workers = lambda: [a for a in cluster.allocations() if a.get("name", "").startswith("fn-ctrlc")]  # noqa: E731
+    wait_for("the worker cancelled", lambda: workers() and all(a["state"] in ended for a in workers()),
+             60, cluster.logs)  # fmt: skip
+
+
 def test_map_is_ordered_and_a_failing_item_raises_when_reached(pool: Pool) -> None:
     @pool.function(cpus=0.1, keep_warm=10, max_workers=3, name="inverse")
     def inverse(x: int) -> float:
@@ -240,6 +277,17 @@ def test_results_that_cannot_come_back_fail_the_call_naming_why(pool: Pool) -> N
         unsendable.remote("lock")
     with pytest.raises(RuntimeError, match="could not be handed to the control plane: HTTP 4"):
         unsendable.remote("huge")  # over the pool's cap on a result
+
+
+def test_a_worker_that_dies_fails_its_call_with_the_pools_reason(pool: Pool) -> None:
+    @pool.function(cpus=0.1, name="dies")
+    def dies() -> None:
+        import signal as sig
+
+        os.kill(os.getpid(), sig.SIGKILL)
+
+    with pytest.raises(RemoteError, match="worker ended"):
+        dies.spawn().result(timeout=120)
 
 
 def test_a_local_helper_module_ships_and_imports_remotely(pool: Pool) -> None:
@@ -273,6 +321,16 @@ def test_pip_environment_is_built_once_and_reused(pool: Pool, cluster: Cluster) 
     envs = [p for p in (cluster.cache / cluster.tenant / "envs").iterdir() if p.is_dir()]
     assert envs == [Path(prefix)]
     assert os.stat(cluster.cache / cluster.tenant).st_mode & 0o777 == 0o700
+
+
+def test_a_failed_pip_build_fails_the_call_with_pips_words(pool: Pool) -> None:
+    @pool.function(cpus=0.1, pip=["cpool-no-such-package-xyz==1.0"], name="badpip")
+    def never() -> int:
+        return 1
+
+    with pytest.raises(RuntimeError, match=r"pip install cpool-no-such-package-xyz==1\.0 failed") as info:
+        never.remote()
+    assert "No matching distribution" in str(info.value) or "Could not find" in str(info.value)
 
 
 def test_keep_warm_reuses_one_worker_then_releases_its_slice(pool: Pool, cluster: Cluster) -> None:
@@ -314,7 +372,8 @@ def test_a_function_runs_in_a_container_image(pool: Pool, cluster: Cluster, imag
     @pool.function(cpus=0.1, image=image, name="incontainer")
     def inside() -> tuple[str, bool, int]:
         cache = os.environ["CPOOL_CACHE_DIR"]
-        open(os.path.join(cache, "from-container"), "w").write("x")
+        with open(os.path.join(cache, "from-container"), "w") as f:
+            f.write("x")
         return os.getcwd(), os.path.exists("/run/.containerenv"), os.getuid()
 
     cwd, in_container, uid = inside.remote()

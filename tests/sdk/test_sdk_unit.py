@@ -24,7 +24,7 @@ from computepool.sdk import Pool, RemoteTraceback
 from computepool.sdk import worker as worker_mod
 from computepool.sdk.errors import CallCancelled, RemoteError
 from computepool.sdk.packing import FUNCTION_PATH, WORKER_PATH, local_modules, pack_shipment, shipment
-from computepool.sdk.pool import Handle, default_name
+from computepool.sdk.pool import Handle, default_name, localise
 
 
 def _names(archive: bytes) -> dict[str, bytes]:
@@ -123,6 +123,8 @@ def test_function_options_are_checked_and_named(tmp_path: Path) -> None:
         pool.function(max_workers=0)
     with pytest.raises(InvalidInput, match="^pip: "):
         pool.function(pip="numpy")
+    with pytest.raises(InvalidInput, match="^nodes: .*cpool run --nodes"):
+        pool.function(nodes=2)
 
     @pool.function(gpus=0.5, cpus=2, mem="8GiB", time_limit="1h", keep_warm=30)
     def add(a: int, b: int) -> int:
@@ -231,3 +233,22 @@ def test_pip_environment_is_built_once_by_concurrent_workers(tmp_path: Path) -> 
     assert "pip install cpool-no-such-package-xyz==1.0 failed" in fail.stderr
     assert "No matching distribution" in fail.stderr or "Could not find" in fail.stderr
     assert len([p for p in (tmp_path / "cache" / "envs").iterdir() if p.is_dir()]) == 1
+
+
+def test_remote_frames_of_code_sent_by_value_show_the_callers_file_and_source() -> None:
+    def job() -> None:
+        raise KeyError("k")  # the line the remote traceback points at
+
+    line = job.__code__.co_firstlineno + 1
+    remote = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/__cpool__/worker.py", line 290, in run\n'
+        "    value, ok = self.fn(*args, **kwargs), True\n"
+        f'  File "<dynamic-code>", line {line}, in job\n'
+        "KeyError: 'k'\n"
+    )
+    out = localise(remote, job)
+    assert f'  File "{__file__}", line {line}, in job\n    raise KeyError("k")' in out
+    assert out.startswith(remote.split("<dynamic-code>")[0].rsplit("\n", 1)[0])
+    assert out.endswith("KeyError: 'k'\n")
+    assert localise("", job) == "" and localise(remote, print) == remote  # nothing to say: as it came

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from computepool.core.allocation import Isolation
 from computepool.core.request import Request
 from computepool.scheduler.placement import Placement, Scheduler
 from computepool.scheduler.state import Change, ClusterState
@@ -50,6 +51,7 @@ class Reservation:
     mask: np.ndarray  # per node: reserved
     shadow: float | None
     now: float
+    outside: np.ndarray  # per node: not reserved (read-only; shared by every `within`)
 
     def admits(self, ends_at: float | None) -> bool:
         """May work ending at `ends_at` (None: no limit) start on the reserved nodes now?"""
@@ -57,7 +59,7 @@ class Reservation:
 
     def within(self, ends_at: float | None) -> np.ndarray | None:
         """The nodes such work may use: all (None) when it ends in time, else the unreserved."""
-        return None if self.admits(ends_at) else ~self.mask
+        return None if self.admits(ends_at) else self.outside
 
     def free_in(self) -> float | None:
         """Seconds from now to the shadow time (None: unknown)."""
@@ -83,16 +85,20 @@ def reserve(
 
     def release_to(n: int) -> None:
         nonlocal released
+        nodes: set[int] = set()
         for h in order[released:n]:
             for ch in reversed(h.changes):
-                state.undo(ch)
+                state.undo(ch, touch=False)
+                nodes.add(ch.node)
         for h in reversed(order[n:released]):
             for ch in h.changes:
-                state.apply(ch)
+                state.apply(ch, touch=False)
+                nodes.add(ch.node)
+        state.touch_nodes(nodes)
         released = n
 
     def fits() -> bool:
-        return sched.place(state, req, observe=False, explain=False, within=within).ok
+        return _fits(sched, state, req, within)
 
     try:
         lo, hi, step = 0, 0, 1  # doubling: fits after `hi` releases, not after `lo`
@@ -118,6 +124,18 @@ def reserve(
         release_to(0)
 
 
+def _fits(sched: Scheduler, state: ClusterState, req: Request, within: np.ndarray | None) -> bool:
+    """Would `req` fit: for a gang without a required label, enough nodes with room for one member
+    each (what placing it member by member finds, at the cost of one member); else a placement."""
+    if (
+        req.gang_nodes > 1
+        and req.colocate is None
+        and not (req.tier == Isolation.MIG and req.mig_profile is None)
+    ):
+        return int(sched.feasible_nodes(state, req, within).sum()) >= req.gang_nodes
+    return sched.place(state, req, observe=False, explain=False, within=within).ok
+
+
 def _made(
     gang: int,
     req: Request,
@@ -129,7 +147,10 @@ def _made(
     nodes = tuple(pl.node for pl in placements)
     mask = np.zeros(state.n_nodes, dtype=bool)
     mask[list(nodes)] = True
-    return Reservation(gang, req, nodes, mask, shadow, now)
+    outside = ~mask
+    mask.setflags(write=False)
+    outside.setflags(write=False)
+    return Reservation(gang, req, nodes, mask, shadow, now, outside)
 
 
 def when(res: Reservation, clock: str | None = None) -> str:

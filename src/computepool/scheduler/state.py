@@ -376,7 +376,9 @@ class ClusterState:
         self.version += 1
 
     # --- changes --------------------------------------------------------------------------
-    def apply(self, change: Change) -> None:
+    def apply(self, change: Change, *, touch: bool = True) -> None:
+        """Take what `change` holds. `touch=False` defers the node's aggregates and class to
+        `touch_nodes` (many changes on few nodes: one class lookup per node, not per change)."""
         i = change.node
         self.cpu_free[i] -= change.cpu_milli
         self.mem_free[i] -= change.memory_mib
@@ -396,9 +398,11 @@ class ClusterState:
         self.hosted[i, change.tag] += 1
         if self.hosted[i, change.tag] == 1:
             self.kinds[i] |= 1 << change.tag
-        self._touch(i)
+        if touch:
+            self._touch(i)
 
-    def undo(self, change: Change) -> None:
+    def undo(self, change: Change, *, touch: bool = True) -> None:
+        """Give back what `change` took (`touch` as for `apply`)."""
         i = change.node
         self.cpu_free[i] += change.cpu_milli
         self.mem_free[i] += change.memory_mib
@@ -417,7 +421,13 @@ class ClusterState:
         self.hosted[i, change.tag] -= 1
         if self.hosted[i, change.tag] == 0:
             self.kinds[i] &= ~(1 << change.tag)
-        self._touch(i)
+        if touch:
+            self._touch(i)
+
+    def touch_nodes(self, nodes: set[int]) -> None:
+        """Bring aggregates and classes up to date after `apply`/`undo` with `touch=False`."""
+        for i in sorted(nodes):
+            self._touch(i)
 
     def eligible(self, req: Request) -> np.ndarray:
         """Schedulable nodes whose labels, taints and dedication let `req` on."""

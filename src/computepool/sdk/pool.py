@@ -10,6 +10,7 @@ the control plane hands to a worker: an allocation of the function's request tha
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import functools
 import json
@@ -99,7 +100,7 @@ class Pool:
         **options: Any,
     ) -> Any:
         """Decorate a function to run on the pool. `options` are `cpool alloc`'s (gpus, cpus, mem,
-        gpu_mem, isolation, image, time_limit, nodes, …) per worker; `pip` its requirements;
+        gpu_mem, isolation, image, time_limit, …) per worker; `pip` its requirements;
         `keep_warm` the seconds an idle worker waits for the next call (0: one call per worker)."""
         unknown = sorted(set(options) - _OPTION_NAMES)
         if unknown:
@@ -117,6 +118,11 @@ class Pool:
         if isinstance(pip, str):
             raise InvalidInput("pip", "expected a list of requirements, e.g. pip=['numpy'], not a string")
         request = build_request(flag="", **options)  # checks every option, naming the one at fault
+        if request.gang_nodes > 1:
+            raise InvalidInput(
+                "nodes",
+                "a function's call runs on one node; for several nodes as one job use `cpool run --nodes`",
+            )
         spec = FunctionSpec(
             request=request,
             pip=tuple(str(p) for p in (pip or ())),
@@ -219,8 +225,14 @@ class RemoteFunction(Generic[P, R]):
         return self._submit([(args, dict(kwargs))])[0]
 
     def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run once on the pool and return the value; the remote exception is raised here as itself."""
-        return self.spawn(*args, **kwargs).result()
+        """Run once on the pool and return the value; the remote exception is raised here as itself.
+        Ctrl-C cancels the call."""
+        handle = self.spawn(*args, **kwargs)
+        try:
+            return handle.result()
+        except KeyboardInterrupt:
+            _cancel_all([handle])
+            raise
 
     def map(
         self, *iterables: Iterable[Any], return_exceptions: bool = False, timeout: float | None = None
@@ -296,19 +308,31 @@ def _ordered(
     deadline = None if timeout is None else time.monotonic() + timeout
     last = 0.0
     for i, h in enumerate(handles):
-        while not h.ended:
-            left = POLL_S if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"map: call {i} (of {len(handles)}) did not end within {timeout:g} s")
-            time.sleep(max(0.0, min(last + MAP_POLL_GAP_S - time.monotonic(), left)))
-            last = time.monotonic()
-            fn.poll(handles[i:], min(left, POLL_S), WINDOW)
+        try:
+            while not h.ended:
+                left = POLL_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"map: call {i} (of {len(handles)}) did not end within {timeout:g} s")
+                time.sleep(max(0.0, min(last + MAP_POLL_GAP_S - time.monotonic(), left)))
+                last = time.monotonic()
+                fn.poll(handles[i:], min(left, POLL_S), WINDOW)
+        except KeyboardInterrupt:  # Ctrl-C stops the map's work on the pool too
+            _cancel_all(handles[i:])
+            raise
         try:
             yield h.result(timeout=0)
         except Exception as e:
             if not return_exceptions:
                 raise
             yield e
+
+
+def _cancel_all(handles: Sequence[Handle[Any]]) -> None:
+    """Cancel the calls not ended, as far as the pool answers (on the way out of an interrupt)."""
+    for h in handles:
+        if not h.ended:
+            with contextlib.suppress(Exception):
+                h.cancel()
 
 
 class Handle(Generic[R]):

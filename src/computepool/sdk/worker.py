@@ -200,9 +200,10 @@ def setup_sys_path() -> None:
 
 
 def env_dir(requirements: list[str]) -> str:
-    """Where the environment of these requirements lives: one per requirement set and Python version."""
+    """Where the environment of these requirements lives: one per requirement set and interpreter."""
     cache = os.environ.get("CPOOL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cpool")
-    key = json.dumps(sorted(requirements)) + f"\n{sys.version_info[0]}.{sys.version_info[1]}"
+    # the interpreter too (its full version and where it lives): an image's Python is another one
+    key = json.dumps([sorted(requirements), sys.version, os.path.realpath(sys.executable)])
     return os.path.join(cache, "envs", hashlib.sha256(key.encode()).hexdigest()[:32])
 
 

@@ -36,7 +36,7 @@ def ends_at(a: Live, now: datetime | None) -> float | None:
 def plan(snap: Snapshot, world: World, sched: Scheduler, running: list[Live]) -> Reservation | None:
     """The reservation for the oldest gang that cannot start now; None when no gang waits."""
     gangs = [a for a in snap.live if a.state == "pending" and a.core.gang_nodes > 1]
-    if not gangs:
+    if not gangs or world.state.n_nodes == 0:
         return None
     gangs.sort(key=lambda a: (-a.priority, a.id))
     held = [Held(a.id, ends_at(a, snap.now), tuple(world.changes.get(a.id, ()))) for a in running]

@@ -171,8 +171,9 @@ def _serve_pending(snap: Snapshot, world: World, sched: Scheduler, running: list
         _, t = heapq.heappop(heap)
         a = queues[t][ptr[t]]
         ptr[t] += 1
-        first.setdefault(_kind(world, a.core, cycle.keep_off(a)), a.core)
-        _serve_one(cycle, a)
+        keep_off = cycle.keep_off(a)
+        first.setdefault(_kind(world, a.core, keep_off), a.core)
+        _serve_one(cycle, a, keep_off)
         if ptr[t] < len(queues[t]):
             heapq.heappush(heap, (rank(t), t))
     # Why the rest waits, explained once per kind against the pool as the cycle leaves it.
@@ -185,7 +186,9 @@ def _serve_pending(snap: Snapshot, world: World, sched: Scheduler, running: list
     plan.reasons = {i: r for i, r in plan.reasons.items() if known.get(i) != r[:1024]}
 
 
-def _serve_one(c: _Cycle, a: Live) -> None:
+def _serve_one(c: _Cycle, a: Live, keep_off: np.ndarray | None = None) -> None:
+    """Place one pending request (off the nodes `keep_off` leaves out: a reservation's), preempting
+    borrowed capacity when its tenant's guarantee allows; or record why it waits."""
     world, plan = c.world, c.plan
     req = a.core
     quota = c.snap.quotas.get(a.tenant, {})
@@ -194,7 +197,6 @@ def _serve_one(c: _Cycle, a: Live) -> None:
     if refused is not None:
         plan.reasons[a.id] = refused
         return
-    keep_off = c.keep_off(a)
     kind = _kind(world, req, keep_off)
     guaranteed = within_guarantee(used, a.est, quota)
     owner = world.owns_nodes(a.tenant)  # may take its dedicated nodes back from borrowers
