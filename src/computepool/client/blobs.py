@@ -34,7 +34,16 @@ class BlobMethods:
 
     if TYPE_CHECKING:
 
-        def request(self, method: str, path: str, **kw: Any) -> Any: ...  # PoolClient's
+        def request(
+            self,
+            method: str,
+            path: str,
+            *,
+            json: object = None,
+            params: Mapping[str, Any] | None = None,
+            headers: Mapping[str, str] | None = None,
+            api: bool = True,
+        ) -> Any: ...  # PoolClient's
 
     def _raw(
         self, method: str, path: str, *, content: bytes | None = None, timeout: float | None = None

@@ -8,7 +8,8 @@ tenant's limits and placed by `scheduler.placement.Scheduler` with the `default`
 same code as the simulator. A request within its tenant's guarantee that does not fit may
 preempt other tenants' *borrowed* capacity (usage above guarantee): lowest priority, then
 least elapsed, and only as many as needed, tried in a `Statement` that rolls back when the
-claim fails.
+claim fails. Before any of it, the oldest waiting gang gets a reservation (`backfill`): the rest
+keeps off its nodes unless its time limit ends before the gang could start.
 """
 
 from __future__ import annotations
