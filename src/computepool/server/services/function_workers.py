@@ -144,14 +144,24 @@ def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
             s, done.id, worker, done.ok, done.result, done.traceback, now
         ):
             _not_claimed(s, done.id, worker, "done.id")
+        started = 0
         if head.deleted or (done is not None and head.keep_warm_s == 0):
             got = None
             stop = True
+            if not head.deleted:
+                # a one-call worker is done: it no longer counts as live or idle, so the calls
+                # waiting get a worker of their own now rather than at the next sweep
+                store.settle_worker(s, worker)
+                fn = store.get_function(s, fid, lock=True)
+                if fn is not None:
+                    started = ensure_workers(s, fn, now)
         else:
             got = store.claim_next(s, fid, worker, now)
             stop = False
     if done is not None:
         hub.notify(results_key(fid))
+    if started:
+        hub.wake_scheduler()
     return NextOut(call=None if got is None else NextCall(id=got[0], args=got[1]), stop=stop)
 
 
