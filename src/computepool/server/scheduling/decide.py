@@ -221,6 +221,8 @@ def _serve_one(c: _Cycle, a: Live, keep_off: np.ndarray | None = None) -> None:
             stmt.commit()
             Scheduler.commit(world.state, d)
             used.update(exact)
+            if c.reservation is not None and c.reservation.gang == a.id:
+                c.reservation = None  # the gang it held capacity for is bound: nothing is kept any more
             note = _borrow_note(world, d)
             plan.binds.append(
                 Bind(a.id, a.attempt, a.tenant, nodes, slices, tuple(v.id for v in preempted), note)
