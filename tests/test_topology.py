@@ -7,6 +7,8 @@ groups that can hold k of the usable devices is the smallest m whose m largest g
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +16,8 @@ from hypothesis import strategies as st
 
 from computepool.core import Device, Node, Request
 from computepool.scheduler.constraints import NodeConstraints, NodeRules
-from computepool.scheduler.placement import Scheduler
+from computepool.scheduler.filters import device_need, feasible
+from computepool.scheduler.placement import Scheduler, _take_need
 from computepool.scheduler.policies import make_scorer
 from computepool.scheduler.state import Change, ClusterState, tag_of, tier_code
 from computepool.scheduler.topology import why_spread
@@ -194,3 +197,159 @@ def test_colocate_is_a_request_option_everywhere() -> None:
     assert "colocate" not in build_request(gpus=1).body()
     with pytest.raises(InvalidInput, match="colocate"):
         Request(gpu_count=1, gpu_milli=1000, colocate="")
+
+
+# --- which node: NVLink fit ------------------------------------------------------------------------
+
+ALL_POLICIES = [*POLICIES, "dotprod"]
+
+
+def busy(state: ClusterState, node: int, devices: list[int], milli: int = 1000) -> None:
+    """Take `milli` of each listed device (whole: exclusive; part: timeslice)."""
+    req = whole(1) if milli == 1000 else Request(gpu_count=1, gpu_milli=milli, sharing="shared")  # type: ignore[arg-type]
+    for j in devices:
+        mem = 81920 * milli // 1000
+        state.apply(Change(node, 0, 0, {j: milli}, {j: mem}, tag_of(1, milli < 1000), tier_code(req)))
+
+
+def split_and_whole(cpu_second: int = 64000) -> ClusterState:
+    """n0: free GPUs 2 + 2 over two groups; n1: free GPUs 4 in one group (the other group busy)."""
+    state = ClusterState.from_nodes(
+        [gpu_node("n0", ["a"] * 4 + ["b"] * 4), gpu_node("n1", ["a"] * 4 + ["b"] * 4, cpu_second)]
+    )
+    busy(state, 0, [0, 1, 4, 5])
+    busy(state, 1, [4, 5, 6, 7])
+    return state
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_node_where_the_devices_share_one_group_wins(policy: str) -> None:
+    for seed in range(4):  # `random` too: every seed
+        state = split_and_whole()
+        d = Scheduler(make_scorer(policy, seed=seed)).place(state, whole(4))
+        assert d.ok and d.placements[0].node_name == "n1", (policy, seed)
+        assert {state.gpu_link[1, j] for j in d.placements[0].devices} == {state.gpu_link[1, 0]}
+
+
+@pytest.mark.parametrize("policy", ["default", "bestfit", "firstfit", "packing", "clustering", "dotprod"])
+def test_the_rule_overrides_what_the_policy_alone_would_choose(policy: str) -> None:
+    # n1 has more CPU free, so score ties and `bestfit`/`dotprod` alike favour n0 without groups
+    plain = split_and_whole(cpu_second=128000)
+    plain.gpu_link = None
+    assert Scheduler(make_scorer(policy)).place(plain, whole(4)).placements[0].node_name == "n0"
+    d = Scheduler(make_scorer(policy)).place(split_and_whole(cpu_second=128000), whole(4))
+    assert d.placements[0].node_name == "n1"
+
+
+def test_fewer_groups_win_when_no_node_holds_it_in_one() -> None:
+    # 6 GPUs: n0 has free 2 + 2 + 2 (three groups), n1 has free 4 + 2 (two groups)
+    state = ClusterState.from_nodes(
+        [gpu_node("n0", ["a"] * 3 + ["b"] * 3 + ["c"] * 3), gpu_node("n1", ["a"] * 5 + ["b"] * 4)]
+    )
+    busy(state, 0, [0, 3, 6])
+    busy(state, 1, [0, 5, 6, 7])
+    for policy in ALL_POLICIES:
+        d = Scheduler(make_scorer(policy)).place(state, whole(5))
+        assert d.ok and d.placements[0].node_name == "n1", policy
+
+
+def test_single_device_and_fractional_single_requests_ignore_groups() -> None:
+    state = split_and_whole(cpu_second=128000)
+    assert Scheduler(make_scorer("bestfit")).place(state, whole(1)).placements[0].node_name == "n0"
+    shared = Request(gpu_count=1, gpu_milli=300, sharing="shared")  # type: ignore[arg-type]
+    assert Scheduler(make_scorer("bestfit")).place(state, shared).placements[0].node_name == "n0"
+
+
+def test_groups_are_a_preference_and_explain_does_not_mention_them() -> None:
+    state = split_and_whole()
+    busy(state, 1, [0])  # n1: 3 free in one group; n0: 2 + 2 → only n0 holds 4
+    sched = Scheduler(make_scorer("default"))
+    d = sched.place(state, whole(4))
+    assert d.ok and d.placements[0].node_name == "n0"  # split over two groups rather than wait
+    no = sched.place(state, whole(5))
+    assert not no.ok
+    text = str(no.reasons).lower()
+    assert "no 5 idle gpus" in text and "link" not in text and "group" not in text
+
+
+def spread_oracle(links: list[int], usable: list[int], k: int) -> int:
+    """The fewest groups holding k usable devices: smallest m whose m largest groups hold k."""
+    sizes = sorted(Counter(links[j] if links[j] >= 0 else -1 - j for j in usable).values(), reverse=True)
+    return next(m for m in range(1, len(sizes) + 1) if sum(sizes[:m]) >= k)
+
+
+def plain_choice(sched: Scheduler, state: ClusterState, req: Request) -> tuple[np.ndarray, np.ndarray]:
+    """The policy's own view, with no NVLink rule: feasible nodes and their scores."""
+    view = state.node_view()
+    ok, need = feasible(state, view, req)
+    ok &= state.eligible(req)
+    scores = np.full(state.n_nodes, -np.inf)
+    if ok.any():
+        idx = np.flatnonzero(ok)
+        s, _ = sched.scorer.score(state, view.take(idx), req, _take_need(need, idx))
+        scores[idx] = s
+    return ok, scores
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.lists(
+        st.lists(
+            st.tuples(st.sampled_from(["", "nv0", "nv1", "nv2"]), st.sampled_from([0, 0, 1000, 500])),
+            min_size=1,
+            max_size=8,
+        ),
+        min_size=2,
+        max_size=6,
+    ),
+    k=st.integers(1, 4),
+    milli=st.sampled_from([1000, 1000, 400]),
+    policy=st.sampled_from(ALL_POLICIES),
+    linked=st.booleans(),
+)
+def test_node_choice_property(
+    layout: list[list[tuple[str, int]]], k: int, milli: int, policy: str, linked: bool
+) -> None:
+    nodes = [gpu_node(f"n{i}", [g if linked else "" for g, _ in devs]) for i, devs in enumerate(layout)]
+    state = ClusterState.from_nodes(nodes)
+    for i, devs in enumerate(layout):
+        for j, (_, used) in enumerate(devs):
+            if used:
+                busy(state, i, [j], used)
+    shared = Request(gpu_count=1, gpu_milli=milli, sharing="shared") if milli < 1000 else None  # type: ignore[arg-type]
+    req = shared or whole(k)  # a fraction is for one device only
+    sched = Scheduler(make_scorer(policy, seed=3))
+    d = sched.place(state, req, observe=False)
+    ok, scores = plain_choice(sched, state, req)
+    assert d.ok == bool(ok.any())
+    if not d.ok:
+        return
+    got = d.placements[0].node
+    if state.gpu_link is None or req.gpu_count == 1:  # the policy's plain choice, exactly as before
+        if policy == "random":
+            assert ok[got]
+        else:
+            assert got == int(np.argmax(scores)), (got, scores)
+        return
+    need = device_need(state, state.node_view(), req).usable
+    links = state.gpu_link.tolist()
+    spread = {
+        i: spread_oracle(links[i], np.flatnonzero(need[i]).tolist(), k) for i in np.flatnonzero(ok).tolist()
+    }
+    fewest = min(spread.values())
+    assert spread[got] == fewest
+    if policy != "random":  # among the nodes with the fewest groups, the policy's best (lowest index on ties)
+        among = np.where([spread.get(i) == fewest for i in range(state.n_nodes)], scores, -np.inf)
+        assert got == int(np.argmax(among))
+    assert spread_oracle(links[got], d.placements[0].devices, k) == fewest  # its devices too
+
+
+@pytest.mark.parametrize("policy", ["default", "bestfit"])
+def test_bench_workload_keeps_multi_gpu_requests_in_one_group(policy: str) -> None:
+    from computepool.sim.synthetic import run_bench
+
+    res = run_bench(60, 8, 2000, policy, 0, link_group_size=4)
+    assert res.link_group_size == 4 and res.placed > 1900
+    assert res.multi_gpu_split == 0  # every request of 2–4 GPUs got one group of four
+    plain = run_bench(60, 8, 2000, policy, 0)
+    assert plain.link_group_size == 0 and plain.multi_gpu_split == 0

@@ -92,3 +92,43 @@ def test_detach_leaves_the_job_running(pool: tuple[dict[str, str], Pool]) -> Non
         wait_for("the detached job to run", lambda: p.get(job["id"])["state"] == "active", 60)
     finally:
         p.http.post(f"/api/v1/allocations/{job['id']}/cancel")
+
+
+def test_a_reader_gone_cancels_the_job(pool: tuple[dict[str, str], Pool]) -> None:
+    """`cpool run … | head -2`: once nothing reads the output, the job is cancelled, quietly."""
+    env, p = pool
+    loop = "import time\nwhile True:\n    print('line', flush=True)\n    time.sleep(0.1)"
+    argv = cpool("run", "--name", "piped", "--", JOB_PYTHON, "-c", loop)
+    run = subprocess.Popen(argv, env=env, cwd=env["PWD"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stdout is not None
+    try:
+        assert run.stdout.readline() == b"line\n"
+        run.stdout.close()  # the reader goes away, as `head` does
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    job = named(p, "piped")
+    assert job is not None
+    assert run.returncode == 128 + signal.SIGPIPE, err
+    assert b"Traceback" not in err and b"Broken pipe" not in err, err
+    assert p.get(job["id"])["state"] == "cancelled"
+
+
+def test_no_stdin_leaves_a_piped_stdin_alone(pool: tuple[dict[str, str], Pool]) -> None:
+    """`-n`, as with ssh: a script looping over its own input keeps it (the job reads nothing)."""
+    env, p = pool
+    argv = cpool("run", "-n", "--", JOB_PYTHON, "-c", "import sys; print(repr(sys.stdin.read()))")
+    with subprocess.Popen(
+        ["sh", "-c", '"$@"; cat', "sh", *argv],
+        env=env,
+        cwd=env["PWD"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        out, err = proc.communicate("rest of the input\n", timeout=120)
+    assert proc.returncode == 0, err
+    assert out == "''\nrest of the input\n", out

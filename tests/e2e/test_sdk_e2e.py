@@ -179,6 +179,20 @@ def test_remote_returns_the_value_and_print_streams(pool: Pool, capsys: pytest.C
     assert h.result(timeout=120) == "end"
 
 
+def test_stderr_reaches_the_callers_stderr_only(pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+    @pool.function(cpus=0.1, name="twostreams")
+    def two() -> int:
+        print("to stdout", flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+        sys.stderr.write("more on stderr\n")
+        return 1
+
+    assert two.remote() == 1
+    out = capsys.readouterr()
+    assert "to stdout" in out.out and "stderr" not in out.out
+    assert "to stderr\nmore on stderr\n" in out.err and "to stdout" not in out.err
+
+
 def test_a_remote_exception_is_raised_as_itself_with_the_remote_traceback(pool: Pool) -> None:
     @pool.function(cpus=0.1, name="fails")
     def fails(n: int) -> None:

@@ -123,8 +123,15 @@ def test_function_options_are_checked_and_named(tmp_path: Path) -> None:
         pool.function(max_workers=0)
     with pytest.raises(InvalidInput, match="^pip: "):
         pool.function(pip="numpy")
-    with pytest.raises(InvalidInput, match="^nodes: .*cpool run --nodes"):
-        pool.function(nodes=2)
+    with pytest.raises(InvalidInput, match="^nodes: "):
+        pool.function(nodes=0)
+    with pytest.raises(InvalidInput, match="^keep_warm: .*several nodes"):
+        pool.function(nodes=2, keep_warm=10)
+    with pytest.raises(InvalidInput, match="^all_ranks: "):
+        pool.function(nodes=2, all_ranks="yes")
+    gang = pool.function(lambda: 0, nodes=2, cpus=1)
+    assert gang.spec.gang and gang.spec.request.gang_nodes == 2 and gang.spec.request.cpu_milli == 1000
+    assert not pool.function(lambda: 0).spec.gang and pool.function(lambda: 0, all_ranks=True).spec.gang
 
     @pool.function(gpus=0.5, cpus=2, mem="8GiB", time_limit="1h", keep_warm=30)
     def add(a: int, b: int) -> int:

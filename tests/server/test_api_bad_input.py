@@ -39,6 +39,9 @@ CASES: list[tuple[str, str, Any, str]] = [
     ("PUT", "/api/v1/tenants/a/quota", {"models": {"A100": {"cpu_milli": {}}}}, "models.A100.cpu_milli"),
     ("PUT", "/api/v1/tenants/a/quota", {"models": {"bad model": {}}}, "models.bad model.[key]"),
     ("PUT", "/api/v1/tenants/nosuch/quota", {}, ""),
+    # the pool's own job variables (a function worker's token, the allocation's id) are not the user's
+    ("POST", "/api/v1/allocations", {"command": ["true"], "env": {"CPOOL_WORKER_TOKEN": "x"}}, "env"),
+    ("POST", "/api/v1/allocations", {"command": ["true"], "env": {"CPOOL_ALLOCATION_ID": "7"}}, "env"),
     (
         "POST",
         "/api/v1/nodes/join",

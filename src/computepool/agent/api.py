@@ -184,11 +184,19 @@ class AgentApi:
         """`POST /nodes/join` → {node, credential, heartbeat_interval_s}."""
         return dict(self._call("POST", f"{API}/nodes/join", auth=False, json=body))
 
-    def heartbeat(self, devices_usage: list[dict[str, Any]], address: str | None = None) -> dict[str, Any]:
-        """`address` (once after a start): where peers reach the node; "" = where the call comes from."""
+    def heartbeat(
+        self,
+        devices_usage: list[dict[str, Any]],
+        address: str | None = None,
+        pythons: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """`address` (once after a start): where peers reach the node; "" = where the call comes from.
+        `pythons` (once after a start): the Python versions jobs can run here (installed since the join?)."""
         body: dict[str, Any] = {"devices_usage": devices_usage}
         if address is not None:
             body["address"] = address
+        if pythons is not None:
+            body["pythons"] = pythons
         return dict(self._call("POST", f"{API}/nodes/{self.name}/heartbeat", json=body))
 
     def assignments(self, since: int | None, wait_s: float) -> dict[str, Any]:

@@ -49,7 +49,8 @@ class BlobCache:
     def __init__(self, data_dir: Path, api: AgentApi) -> None:
         self.dir = data_dir / CACHE_DIR
         self.api = api
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards `_fetching`
+        self._fetching: dict[str, threading.Lock] = {}  # one fetch per sha; others wait for it
 
     def path(self, sha: str) -> Path:
         return self.dir / sha
@@ -59,8 +60,12 @@ class BlobCache:
         if not is_sha256(sha):
             raise CodeUnavailable(f"{what}: {sha!r} is not a sha256")
         path = self.path(sha)
+        if path.is_file():  # cached: no lock, so a slow fetch of another blob holds up nothing here
+            return path
         with self._lock:
-            if path.is_file():
+            one = self._fetching.setdefault(sha, threading.Lock())
+        with one:
+            if path.is_file():  # fetched while this thread waited
                 return path
             try:
                 data = self.api.get_bytes(f"/blobs/{sha}")

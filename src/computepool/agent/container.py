@@ -141,10 +141,14 @@ class Podman:
 
     # ---- images -----------------------------------------------------------------------------
 
+    def image_known(self, image: str) -> bool:
+        """The image was seen on the node lately: `ensure_image` returns at once (no podman call)."""
+        seen = self._images_ok.get(image)
+        return seen is not None and time.monotonic() - seen < _IMAGE_OK_TTL_S
+
     def ensure_image(self, image: str) -> None:
         """The image is on the node, or pulled now; else ContainerError saying which and why."""
-        seen = self._images_ok.get(image)
-        if seen is not None and time.monotonic() - seen < _IMAGE_OK_TTL_S:
+        if self.image_known(image):
             return
         if self._podman(["image", "exists", image], timeout=30).returncode == 0:
             self._images_ok[image] = time.monotonic()

@@ -1,5 +1,7 @@
 """Turning an assignment into a started job: the slices resolved on this node's devices (uuids
 checked), MPS daemons up, the job's environment and JobSpec built, the assignment kept on disk.
+Its code, stdin and image were fetched beforehand off the loop thread (preparing.py): here they
+are found in the caches.
 
 Kept apart from the loop (loop.py), which decides *what* starts and stops; this holds *how*.
 """
@@ -148,6 +150,10 @@ class JobStarter:
             copy.chmod(0o644)
             out["CPOOL_CA"] = str(copy)
         return out
+
+    def fail(self, a: Assignment, reason: str) -> None:
+        """The attempt cannot start (its inputs could not be prepared): recorded as failed."""
+        self._record_start_failure(a, self.executor.run_dir(a.allocation_id, a.attempt), reason)
 
     def _record_start_failure(self, a: Assignment, run_dir: Path, reason: str) -> None:
         now = time.time()

@@ -48,9 +48,10 @@ from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_
 from computepool.agent.executor import Executor
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
-from computepool.agent.join import check_credential, connect, default_node_name
+from computepool.agent.join import check_credential, connect, default_node_name, tenant_pythons
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.agent.logship import LogShipper
+from computepool.agent.preparing import Preparer
 from computepool.agent.reports import Reporter
 from computepool.core.tls import TlsError
 
@@ -116,6 +117,8 @@ class Agent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
+        self.preparing = Preparer(lambda: self.starter.blobs, self.executor.launcher, self._wake.set)
         self._desired: dict[str, Assignment] | None = None  # None until the first answer
         self._stale: set[str] = set()
         self._term = 0
@@ -161,6 +164,7 @@ class Agent:
                 self.watchdog.close()
             for t in threads:
                 t.join(timeout=1.0)
+            self.preparing.close()
             self.executor.close()  # the container removals still queued
             self.files.close()
             self.state.close()
@@ -232,12 +236,13 @@ class Agent:
     def _heartbeat_loop(self) -> None:
         backoff = Backoff(max_s=self.config.max_backoff_s)
         address: str | None = self.config.address or ""  # said until a heartbeat is answered
+        pythons: list[str] | None = tenant_pythons()  # so is this: a restart sees a Python installed since
         while not self._stop.is_set():
             interval = self.cred.heartbeat_interval_s
             try:
                 sent = fencing.now_s()
-                answer = self.api.heartbeat(self._usage(), address)
-                address = None
+                answer = self.api.heartbeat(self._usage(), address, pythons)
+                address = pythons = None
                 interval = float(answer.get("heartbeat_interval_s") or interval)
                 self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
@@ -390,12 +395,17 @@ class Agent:
             elif key not in desired:
                 self.executor.stop(key, "stopped: no longer assigned to this node by the control plane")
         overdue = self.contact.overdue()
+        self.preparing.forget(k for k in desired if k not in stale)  # withdrawn: never started
         for key, a in desired.items():
             if key in live or key in stale or self.state.get(key) is not None:
                 continue  # running, or already ran here: an attempt is never started twice
             if overdue and a.restartable:
                 continue  # the pool may have moved it already: never start a second copy
-            self._start(a)
+            ready = self.preparing.check(a)  # its blobs and image fetched off this thread first
+            if ready.failure:
+                self.starter.fail(a, ready.failure)
+            elif ready.ready:
+                self._start(a)
 
     def _start(self, a: Assignment) -> None:
         started = self.starter.start(a)

@@ -25,6 +25,15 @@ def register(bench_app: typer.Typer) -> None:
         policy: Annotated[str, typer.Option("--policy")] = "default",
         seed: Annotated[int, typer.Option("--seed")] = 0,
         json_out: Annotated[bool, typer.Option("--json")] = False,
+        link_group_size: Annotated[
+            int,
+            typer.Option(
+                "--link-group-size",
+                min=0,
+                max=16,
+                help="Devices per NVLink group on every node (0: no groups).",
+            ),
+        ] = 0,
     ) -> None:
         """Place a mix of fractional, whole and multi-GPU requests on a busy heterogeneous pool.
 
@@ -37,7 +46,9 @@ def register(bench_app: typer.Typer) -> None:
         if policy not in POLICIES or policy == "fgd":
             raise ValueError(f"--policy: choose from {', '.join(p for p in POLICIES if p != 'fgd')}")
         with progress_bar("placing", not json_out) as update:
-            res = run_bench(nodes, gpus_per_node, requests, policy, seed, progress=update)
+            res = run_bench(
+                nodes, gpus_per_node, requests, policy, seed, progress=update, link_group_size=link_group_size
+            )
         out = dataclasses.asdict(res)
         if json_out:
             print_json(out)

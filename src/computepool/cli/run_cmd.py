@@ -8,6 +8,7 @@ used to be. Ctrl-C cancels the job (or, with --detach, leaves it running).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -53,7 +54,7 @@ from computepool.cli.pool_cmd import (
     pool_command,
     table,
 )
-from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, OutputOpt, WorkdirOpt
+from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, NoStdinOpt, OutputOpt, WorkdirOpt
 from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.http import ENDED_STATES
 from computepool.core.allocation import LIVE
@@ -99,6 +100,13 @@ def _cancel(pool: PoolClient, job_id: str, code: int) -> typer.Exit:
     return fail(f"cancelled job {job_id}", code=code)
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for a closed pipe must not fail the exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "run",
@@ -139,6 +147,7 @@ def register(app: typer.Typer) -> None:
         ] = False,
         workdir: WorkdirOpt = None,
         no_code: NoCodeOpt = False,
+        no_stdin: NoStdinOpt = False,
         env: EnvOpt = None,
         env_file: EnvFileOpt = None,
         output: OutputOpt = None,
@@ -162,7 +171,7 @@ def register(app: typer.Typer) -> None:
         job_env, outputs = ship.parse_env(env, env_file), ship.check_outputs(output)
         if outputs and detach:
             raise InvalidInput("--output", "fetches when the job ends: not with --detach (use `cpool cp`)")
-        stdin = ship.read_stdin()
+        stdin = ship.read_stdin(enabled=not no_stdin)
         with open_client(server, token, timeout=60.0) as pool:
             req = ship.ship(pool, req, workdir=workdir, no_code=no_code, env=job_env, stdin=stdin)
             # Signals wait while the job is created, so one arriving then still finds its id to cancel.
@@ -200,6 +209,9 @@ def register(app: typer.Typer) -> None:
                 raise _cancel(pool, job_id, 130) from None
             except _Hangup as e:
                 raise _cancel(pool, job_id, 128 + e.signum) from None
+            except BrokenPipeError:  # `cpool run … | head`: no one reads the output any more
+                _quiet_stdout()
+                raise _cancel(pool, job_id, 128 + signal.SIGPIPE) from None
             fetch_errors = ship.fetch_outputs(pool, job_id, outputs, Path.cwd()) if outputs else []
         code = exit_code(job)
         for line in fetch_errors:

@@ -57,6 +57,15 @@ def register(app: typer.Typer) -> None:
             int,
             typer.Option("--tenant-blob-max-mib", help="Blob MiB one tenant may hold in all (default 2048)."),
         ] = 2048,
+        blob_dir: Annotated[
+            Path | None,
+            typer.Option(
+                "--blob-dir",
+                envvar="CPOOL_BLOB_DIR",
+                help="Where uploaded code, stdin and job files are kept (default DATA_DIR/blobs). "
+                "Replicas sharing one database must all use the same directory (e.g. an NFS mount).",
+            ),
+        ] = None,
         tls_cert: Annotated[
             Path | None,
             typer.Option(
@@ -117,6 +126,7 @@ def register(app: typer.Typer) -> None:
                 max_body_bytes=max_body_bytes,
                 blob_max_mib=blob_max_mib,
                 tenant_blob_max_mib=tenant_blob_max_mib,
+                blob_dir=blob_dir.expanduser() if blob_dir else None,
                 tls_cert=tls_cert.expanduser() if tls_cert else None,
                 tls_key=tls_key.expanduser() if tls_key else None,
                 audit_key_file=audit_key_file.expanduser() if audit_key_file else None,

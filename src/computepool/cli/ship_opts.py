@@ -18,6 +18,15 @@ WorkdirOpt = Annotated[
 NoCodeOpt = Annotated[
     bool, typer.Option("--no-code", help="Ship no directory: the job starts in an empty one.")
 ]
+NoStdinOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-stdin",
+        "-n",
+        help="Send no stdin (as `ssh -n`): by default a piped stdin or file is read to its end and "
+        "given to the job, which a script looping over its own input does not want.",
+    ),
+]
 EnvOpt = Annotated[
     list[str] | None,
     typer.Option("--env", help="KEY=VALUE in the job's environment (repeat it).", show_default=False),

@@ -2,8 +2,9 @@
 
 For each request: feasibility and score per node class (cached per request kind, so identical
 nodes are evaluated once and a placement only invalidates the class of the node it changed),
-then the best-scoring schedulable node wins, lowest index on ties. A gang over several nodes
-is placed member by member and undone whole if any member does not fit.
+then the best-scoring schedulable node wins, lowest index on ties (for several devices on one
+node in a pool with NVLink groups, among the nodes where they span the fewest groups). A gang
+over several nodes is placed member by member and undone whole if any member does not fit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from computepool.scheduler.filters import (
 )
 from computepool.scheduler.pickers import mask_to_devices, pick_on_node
 from computepool.scheduler.state import Change, ClusterState, tag_of, tier_code
-from computepool.scheduler.topology import place_colocated
+from computepool.scheduler.topology import place_colocated, prefer_linked
 from computepool.scheduler.views import View
 
 
@@ -96,6 +97,7 @@ class Scheduler:
     def __init__(self, scorer: Scorer, *, cache: bool = True, max_cached_kinds: int = 4096) -> None:
         self.scorer = scorer
         self.direct = scorer.cheap
+        self._argmax = not getattr(scorer, "random_node", False)  # `_choose` takes the best score
         self.use_cache = cache and scorer.node_local
         self.max_cached_kinds = max_cached_kinds
         self._cache: dict[tuple, _KindCache] = {}
@@ -115,7 +117,7 @@ class Scheduler:
             return -1, -np.inf, 0
         view = state.node_view()
         scores, _ = self.scorer.score(state, view, req, None)
-        scores = np.where(ok, scores, -np.inf)
+        scores = prefer_linked(state, req, np.where(ok, scores, -np.inf), self._argmax)
         j = self._choose(scores)
         how = getattr(self.scorer, "device_choice", "best")
         mask = pick_on_node(state, j, req, how, getattr(self.scorer, "rng", None))
@@ -132,6 +134,7 @@ class Scheduler:
         vals = np.where(ok, vals, -np.inf)
         if excluded:
             vals[excluded] = -np.inf
+        vals = prefer_linked(state, req, vals, self._argmax)
         best = self._choose(vals)
         return best, float(vals[best]), int(picks[best])
 

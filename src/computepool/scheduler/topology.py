@@ -8,7 +8,8 @@ first. A request may *require* one value with `colocate: <label key>`; it then w
 spread, and `why_spread` says so for `explain`.
 
 Inside a node the same idea applies to devices: several devices of one request come from one
-NVLink group when possible (`pickers.linked_choice`).
+NVLink group when possible (`pickers.linked_choice`), and the node itself is chosen among those
+where they span the fewest groups (`prefer_linked`), before the policy's score decides.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from computepool.core.request import Request
+from computepool.scheduler.filters import device_need
 from computepool.scheduler.state import ClusterState
 
 if TYPE_CHECKING:
@@ -94,3 +96,45 @@ def why_spread(sched: Scheduler, state: ClusterState, req: Request) -> str | Non
         return None
     counts, _, values = room_by_value(sched, state, req, req.colocate)
     return spread_note(req, req.colocate, counts, values)
+
+
+def link_spread(state: ClusterState, nodes: np.ndarray, req: Request) -> np.ndarray:
+    """Per node of `nodes`, the fewest NVLink groups holding `req.gpu_count` of its usable devices.
+
+    The smallest m whose m largest groups (counting usable devices only) hold the request; a
+    device with no known group is a group of its own. More than the device count where none fit.
+    """
+    assert state.gpu_link is not None
+    usable = device_need(state, state.node_view().take(nodes), req).usable
+    g = usable.shape[1]
+    link = state.gpu_link[nodes]
+    gid = np.where(link >= 0, link, -1 - np.arange(g, dtype=np.int64))
+    same = (gid[:, :, None] == gid[:, None, :]) & usable[:, :, None] & usable[:, None, :]
+    first = usable & ~np.tril(same, -1).any(axis=2)  # one device stands for its group
+    sizes = -np.sort(-np.where(first, same.sum(axis=2), 0), axis=1)  # group sizes, largest first
+    return (np.cumsum(sizes, axis=1) < req.gpu_count).sum(axis=1) + 1
+
+
+def prefer_linked(state: ClusterState, req: Request, vals: np.ndarray, argmax: bool = True) -> np.ndarray:
+    """Node scores (−inf: infeasible) keeping only the nodes where the request spans fewest groups.
+
+    A lexicographic rule before the policy's score: it applies only to a request for several
+    devices on a node in a pool where some device reports a group, so every other choice is the
+    policy's own. It is a preference: a node is never made infeasible by it alone. `argmax`: the
+    caller takes the best score, so when that node holds the request in one group nothing else
+    needs a look (the common case, one row instead of every feasible node).
+    """
+    if req.gpu_count < 2 or state.gpu_link is None:
+        return vals
+    cand = np.flatnonzero(np.isfinite(vals))
+    if len(cand) < 2:
+        return vals
+    if argmax and link_spread(state, np.array([int(np.argmax(vals))]), req)[0] == 1:
+        return vals
+    spread = link_spread(state, cand, req)
+    worse = spread > spread.min()
+    if not worse.any():
+        return vals
+    out = vals.copy()
+    out[cand[worse]] = -np.inf
+    return out

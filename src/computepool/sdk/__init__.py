@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
+from computepool.sdk.gang import GangHandle
 from computepool.sdk.pool import Handle, Pool, RemoteFunction
 
 __all__ = [
     "CallCancelled",
+    "GangHandle",
     "Handle",
     "IncompatiblePython",
     "Pool",

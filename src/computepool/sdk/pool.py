@@ -5,6 +5,8 @@ archive, content-addressed; the same spec answers the same function id), then ea
 the control plane hands to a worker: an allocation of the function's request that runs
 `__cpool__/worker.py` (see worker.py). Results, exceptions and printed output come back through
 `POST /functions/{id}/results`, long-polled with output offsets so printing streams as it happens.
+A function over several nodes (`nodes=N`) takes another road: each call is one gang allocation
+(see gang.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -97,11 +99,14 @@ class Pool:
         max_workers: int = 8,
         name: str | None = None,
         env: dict[str, str] | None = None,
+        all_ranks: bool = False,
         **options: Any,
     ) -> Any:
         """Decorate a function to run on the pool. `options` are `cpool alloc`'s (gpus, cpus, mem,
         gpu_mem, isolation, image, time_limit, …) per worker; `pip` its requirements;
-        `keep_warm` the seconds an idle worker waits for the next call (0: one call per worker)."""
+        `keep_warm` the seconds an idle worker waits for the next call (0: one call per worker).
+        `nodes=N` (N > 1): each call runs on N nodes at once as one gang (options per node), and
+        answers rank 0's value, or every rank's in rank order with `all_ranks=True`."""
         unknown = sorted(set(options) - _OPTION_NAMES)
         if unknown:
             raise InvalidInput(
@@ -117,11 +122,12 @@ class Pool:
             raise InvalidInput("max_workers", f"must be a whole number from 1 to 256, got {max_workers!r}")
         if isinstance(pip, str):
             raise InvalidInput("pip", "expected a list of requirements, e.g. pip=['numpy'], not a string")
+        if not isinstance(all_ranks, bool):
+            raise InvalidInput("all_ranks", f"must be True or False, got {all_ranks!r}")
         request = build_request(flag="", **options)  # checks every option, naming the one at fault
-        if request.gang_nodes > 1:
+        if request.gang_nodes > 1 and keep_warm:
             raise InvalidInput(
-                "nodes",
-                "a function's call runs on one node; for several nodes as one job use `cpool run --nodes`",
+                "keep_warm", "a call over several nodes starts its gang for itself: no warm workers"
             )
         spec = FunctionSpec(
             request=request,
@@ -130,6 +136,7 @@ class Pool:
             max_workers=max_workers,
             name=name,
             env=dict(env or {}),
+            all_ranks=all_ranks,
         )
 
         def wrap(f: Callable[P, R]) -> RemoteFunction[P, R]:
@@ -158,6 +165,12 @@ class FunctionSpec:
     max_workers: int
     name: str | None
     env: dict[str, str]
+    all_ranks: bool = False
+
+    @property
+    def gang(self) -> bool:
+        """Calls run as gang allocations (several nodes, or every rank's value asked for)."""
+        return self.request.gang_nodes > 1 or self.all_ranks
 
 
 class RemoteFunction(Generic[P, R]):
@@ -171,6 +184,7 @@ class RemoteFunction(Generic[P, R]):
         self.name = str(getattr(fn, "__name__", "function"))
         self.spec = spec
         self.function_id: int | None = None
+        self._gang_request: AllocationRequest | None = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -189,7 +203,8 @@ class RemoteFunction(Generic[P, R]):
                 self.function_id = self._register()
             return self.function_id
 
-    def _register(self) -> int:
+    def shipped(self, *worker_args: str) -> tuple[str, AllocationRequest]:
+        """Upload the code archive; (the caller's Python, the request that runs the worker on it)."""
         s = self.spec
         ship = shipment(self.fn, Path.cwd())
         code = self.pool.client.put_blob(pack_shipment(ship))
@@ -198,11 +213,24 @@ class RemoteFunction(Generic[P, R]):
         if s.pip:
             env["CPOOL_PIP"] = json.dumps(sorted(s.pip))
         exe = "python3" if s.request.image else f"python{python}"
-        request = s.request.body() | {
-            "command": [exe, "-u", "__cpool__/worker.py"],
-            "env": {**dict(s.request.env or {}), **env},
-            "code": code,
-        }
+        command = [exe, "-u", "__cpool__/worker.py", *worker_args]
+        return python, replace(
+            s.request, command=command, env={**dict(s.request.env or {}), **env}, code=code
+        )
+
+    def gang_request(self) -> AllocationRequest:
+        """The request of every call's gang (the code shipped once; see gang.py)."""
+        from computepool.sdk import gang  # noqa: PLC0415 - gang.py builds on this module
+
+        with self._lock:
+            if self._gang_request is None:
+                self._gang_request = gang.prepare(self)
+            return self._gang_request
+
+    def _register(self) -> int:
+        s = self.spec
+        python, worker = self.shipped()
+        request = worker.body()
         body = {
             "name": s.name or default_name(self.fn),
             "request": request,
@@ -221,7 +249,8 @@ class RemoteFunction(Generic[P, R]):
     # ---- calls -------------------------------------------------------------------------------
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Handle[R]:
-        """Start one call; its Handle gives the result (or raises the remote exception)."""
+        """Start one call; its Handle gives the result (or raises the remote exception). Over several
+        nodes, the Handle is the call's gang allocation (`.id` is its allocation id)."""
         return self._submit([(args, dict(kwargs))])[0]
 
     def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -241,9 +270,17 @@ class RemoteFunction(Generic[P, R]):
         once; results come in the inputs' order. A failing item raises when reached, or is yielded
         as the exception with `return_exceptions=True`. `timeout` bounds the whole map."""
         handles = self._submit([(tuple(a), {}) for a in zip(*iterables, strict=False)])
+        if self.spec.gang:
+            from computepool.sdk import gang  # noqa: PLC0415 - gang.py builds on this module
+
+            return gang.ordered(handles, return_exceptions, timeout)
         return _ordered(self, handles, return_exceptions, timeout)
 
     def _submit(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Handle[R]]:
+        if self.spec.gang:
+            from computepool.sdk import gang  # noqa: PLC0415 - gang.py builds on this module
+
+            return [gang.start(self, a, k) for a, k in calls]
         fid = self.register()
         out: list[Handle[R]] = []
         for start in range(0, len(calls), BATCH):
@@ -263,6 +300,7 @@ class RemoteFunction(Generic[P, R]):
             "ids": [h.id for h in open_],
             "wait_s": round(max(0.0, min(wait_s, 60.0)), 3),
             "output_from": {str(h.id): h.offset for h in open_},
+            "stderr_from": {str(h.id): h.err_offset for h in open_ if h.err_offset},
         }
         answer = self.pool.client.request("POST", f"/functions/{self.register()}/results", json=body)
         by_id = {h.id: h for h in open_}
@@ -341,7 +379,8 @@ class Handle(Generic[R]):
     def __init__(self, fn: RemoteFunction[Any, R], call_id: int) -> None:
         self.fn = fn
         self.id = call_id
-        self.offset = 0  # characters of its output already printed here
+        self.offset = 0  # characters of its stdout already printed here
+        self.err_offset = 0  # and of its stderr
         self.state = "pending"
         self.outcome: dict[str, Any] | None = None
 
@@ -350,12 +389,17 @@ class Handle(Generic[R]):
         return self.outcome is not None
 
     def take(self, c: dict[str, Any]) -> None:
-        """A results answer for this call: print what it printed since, keep the outcome if ended."""
-        text = c.get("output") or ""
+        """A results answer for this call: print what it printed since (its stdout on ours, its
+        stderr on ours), keep the outcome if ended."""
+        text, err = c.get("output") or "", c.get("stderr") or ""
         if text:
             sys.stdout.write(text)
             sys.stdout.flush()
+        if err:
+            sys.stderr.write(err)
+            sys.stderr.flush()
         self.offset = int(c.get("output_next", self.offset + len(text)))
+        self.err_offset = int(c.get("stderr_next", self.err_offset + len(err)))
         self.state = str(c["state"])
         if self.state in ENDED:
             self.outcome = c

@@ -9,6 +9,12 @@ archive as `__cpool__/worker.py`; the agent unpacks that into the job's work dir
 - CPOOL_KEEP_WARM_S: how long to wait for another call once idle (0: one call, then exit);
 - CPOOL_PIP (JSON list): requirements; built once per node into $CPOOL_CACHE_DIR/envs/<hash>;
 - CPOOL_SYS_PATH (JSON list): the caller's import roots, relative to the work dir.
+
+With `--once` it is one member of a gang call instead (see sdk/gang.py): it needs no control plane;
+it reads the call's pickled (args, kwargs) from stdin, runs the function with the job's own stdout
+and stderr (the allocation's logs) and the gang's environment, and writes the outcome to
+`__cpool__/outcome.json`. It exits 0 when the function returned, 1 when it raised: a failed member
+fails the gang, so members left waiting for it in a collective are stopped rather than hang.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FUNCTION_FILE = os.path.join(HERE, "function.pkl")
+OUTCOME_FILE = os.path.join(HERE, "outcome.json")
 FIRST_CALL_WAIT_S = 60.0  # a worker is started for a waiting call: it should come at once
 LONG_POLL_S = 20.0
 FLUSH_EVERY_S = 0.2
@@ -113,21 +120,22 @@ class Api:
 
 
 class Output:
-    """What the running call prints, sent to the control plane every FLUSH_EVERY_S and at its end."""
+    """What the running call prints, sent to the control plane every FLUSH_EVERY_S and at its end;
+    stdout and stderr apart, each in its order, so the caller can write each to its own stream."""
 
     def __init__(self) -> None:
         self.api: Api | None = None
         self.call: int | None = None
-        self.parts: list[str] = []
+        self.parts: list[tuple[str, str]] = []  # (stream, text), in the order written
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.wake = threading.Event()
         threading.Thread(target=self._run, name="cpool-output", daemon=True).start()
 
-    def add(self, text: str) -> None:
+    def add(self, text: str, stream: str = "stdout") -> None:
         with self.lock:
             if self.call is not None:
-                self.parts.append(text)
+                self.parts.append((stream, text))
 
     def begin(self, call_id: int) -> None:
         with self.lock:
@@ -141,14 +149,20 @@ class Output:
     def flush(self) -> None:
         with self.send_lock:
             with self.lock:
-                call, data, self.parts = self.call, "".join(self.parts), []
-            if call is None or not data:
+                call, parts, self.parts = self.call, self.parts, []
+            if call is None or not parts:
                 return
             if self.api is None:
                 self.api = Api()
-            # output is best effort: the call's result matters more
-            with contextlib.suppress(OSError, RuntimeError, Refused, http.client.HTTPException, ValueError):
-                self.api.post("/worker/output", {"id": call, "data": data}, tries=3)
+            for stream in ("stdout", "stderr"):
+                data = "".join(text for s, text in parts if s == stream)
+                if not data:
+                    continue
+                # output is best effort: the call's result matters more
+                with contextlib.suppress(
+                    OSError, RuntimeError, Refused, Rejected, http.client.HTTPException, ValueError
+                ):
+                    self.api.post("/worker/output", {"id": call, "data": data, "stream": stream}, tries=3)
 
     def _run(self) -> None:
         while True:
@@ -160,16 +174,17 @@ class Output:
 class Stream:
     """sys.stdout / sys.stderr while a call runs: text goes to the call's output, and to the job's log."""
 
-    def __init__(self, output: Output, original: object) -> None:
+    def __init__(self, output: Output, original: object, name: str) -> None:
         self.output = output
         self.original = original
+        self.name = name  # "stdout" or "stderr": the call's stream it feeds
         self.encoding = getattr(original, "encoding", "utf-8")
         self.errors = getattr(original, "errors", "strict")
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        self.output.add(text)
+        self.output.add(text, self.name)
         return len(text)
 
     def writelines(self, lines: object) -> None:
@@ -249,7 +264,7 @@ def bootstrap() -> str | None:
     if os.path.realpath(sys.prefix) != os.path.realpath(final):
         python = os.path.join(final, "bin", "python")
         sys.stdout.flush()
-        os.execv(python, [python, "-u", os.path.abspath(__file__)])
+        os.execv(python, [python, "-u", os.path.abspath(__file__), *sys.argv[1:]])
     return None
 
 
@@ -282,7 +297,10 @@ class Runner:
         cid = call["id"]
         self.output.begin(cid)
         saved = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Stream(self.output, saved[0]), Stream(self.output, saved[1])
+        sys.stdout, sys.stderr = (
+            Stream(self.output, saved[0], "stdout"),
+            Stream(self.output, saved[1], "stderr"),
+        )
         tb = None
         try:
             if self.broken:
@@ -338,12 +356,38 @@ def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
             last = time.monotonic()
 
 
+def once(broken: str | None) -> int:
+    """Run the call on stdin here, as one member of a gang; its outcome goes to OUTCOME_FILE."""
+    import cloudpickle
+
+    tb = None
+    try:
+        if broken:
+            raise RuntimeError(broken)
+        with open(FUNCTION_FILE, "rb") as f:
+            fn = cloudpickle.load(f)
+        args, kwargs = cloudpickle.loads(sys.stdin.buffer.read())
+        value, ok = fn(*args, **kwargs), True
+    except (Exception, SystemExit) as e:  # the caller's exception: it goes back to the caller
+        value, ok, tb = e, False, traceback.format_exc()
+    ok, result, tb = dump(value, ok, tb)
+    rank = os.environ.get("CPOOL_RANK") or "0"
+    with open(OUTCOME_FILE + ".tmp", "w") as f:
+        json.dump({"rank": int(rank), "ok": ok, "result": result, "traceback": tb}, f)
+    os.replace(OUTCOME_FILE + ".tmp", OUTCOME_FILE)  # never read half written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0 if ok else 1
+
+
 def main() -> int:
     trace("started")
     setup_sys_path()
     broken = bootstrap()
     if broken:
         print(broken, file=sys.stderr, flush=True)
+    if sys.argv[1:] == ["--once"]:
+        return once(broken)
     api = Api()
     runner = Runner(Output(), broken)
     try:

@@ -57,6 +57,11 @@ class ServerSettings(BaseModel):
     tenant_blob_max_mib: int = Field(
         default=2048, ge=1, le=1 << 24, description="Blob bytes one tenant may hold in all."
     )
+    blob_dir: Path | None = Field(
+        default=None,
+        description="Where blob bytes live (default DATA_DIR/blobs); replicas sharing a database must "
+        "share this directory (e.g. an NFS mount).",
+    )
     topology_label: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$",
@@ -96,6 +101,11 @@ class ServerSettings(BaseModel):
             if self.db_url.startswith(plain):
                 return "postgresql+psycopg://" + self.db_url[len(plain) :]
         return self.db_url
+
+    @property
+    def blobs_path(self) -> Path:
+        """The directory holding blob bytes (`sha256/…` and upload temp files)."""
+        return self.blob_dir or self.data_dir / "blobs"
 
     @property
     def admin_token_path(self) -> Path:

@@ -29,13 +29,21 @@ NODE_TYPES = [
 ]
 
 
-def synthetic_nodes(n: int, gpus_per_node: int, seed: int = 0) -> list[Node]:
+def synthetic_nodes(n: int, gpus_per_node: int, seed: int = 0, link_group_size: int = 0) -> list[Node]:
+    """Nodes of the NODE_TYPES at random; with `link_group_size`, devices in NVLink groups of that many."""
     rng = np.random.default_rng(seed)
     nodes = []
     for i in range(n):
         model, mem, cores, host_mem = NODE_TYPES[int(rng.integers(len(NODE_TYPES)))]
         devices = [
-            Device(index=j, vendor="nvidia", model=model, memory_mib=mem, uuid=f"n{i}-g{j}")
+            Device(
+                index=j,
+                vendor="nvidia",
+                model=model,
+                memory_mib=mem,
+                uuid=f"n{i}-g{j}",
+                link_group=f"nvl{j // link_group_size}" if link_group_size else "",
+            )
             for j in range(gpus_per_node)
         ]
         nodes.append(Node(name=f"node-{i:05d}", cpu_milli=cores * 1000, memory_mib=host_mem, devices=devices))
@@ -95,6 +103,9 @@ class BenchResult:
     p99_decision_ms: float
     elapsed_s: float
     final_gpu_alloc_pct: float
+    link_group_size: int = 0
+    # placed requests of 2..link_group_size devices whose devices span several NVLink groups
+    multi_gpu_split: int = 0
 
 
 def run_bench(
@@ -105,8 +116,9 @@ def run_bench(
     seed: int = 0,
     target_alloc: float = 0.85,
     progress: Callable[[int, int], None] | None = None,
+    link_group_size: int = 0,
 ) -> BenchResult:
-    nodes = synthetic_nodes(n_nodes, gpus_per_node, seed)
+    nodes = synthetic_nodes(n_nodes, gpus_per_node, seed, link_group_size)
     reqs = synthetic_requests(n_requests, seed + 1)
     state = ClusterState.from_nodes(nodes)
     sched = Scheduler(make_scorer(policy, seed=seed))
@@ -114,7 +126,7 @@ def run_bench(
     live: deque[Decision] = deque()
     allocated = 0
     lat = np.zeros(n_requests)
-    placed = released = 0
+    placed = released = split = 0
     t_start = time.perf_counter()
     for i, req in enumerate(reqs):
         while live and allocated > target_alloc * cap:
@@ -129,6 +141,8 @@ def run_bench(
             placed += 1
             live.append(d)
             allocated += req.total_gpu_milli
+            if 1 < req.gpu_count <= link_group_size:
+                split += len({j // link_group_size for j in d.placements[0].devices}) > 1
         if progress is not None and (i % 1000 == 0 or i == n_requests - 1):
             progress(i + 1, n_requests)
     elapsed = time.perf_counter() - t_start
@@ -147,4 +161,6 @@ def run_bench(
         p99_decision_ms=round(float(np.percentile(lat, 99)) * 1000, 3),
         elapsed_s=round(elapsed, 2),
         final_gpu_alloc_pct=round(100.0 * state.gpu_allocated_milli() / cap, 2),
+        link_group_size=link_group_size,
+        multi_gpu_split=split,
     )

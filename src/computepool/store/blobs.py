@@ -1,9 +1,11 @@
-"""Blobs: bytes on disk under the server's data dir, and the rows saying which tenant holds which.
+"""Blobs: bytes on disk under the blob dir, and the rows saying which tenant holds which.
 
-Files live at `DATA_DIR/blobs/sha256/<2 hex>/<62 hex>`, written to a temp file in the same tree
-and renamed into place, so a reader never sees half a blob. The same bytes held by several
-tenants are stored once and counted against each tenant's cap. File requests (a job's files, to
-be packed by the node's agent) are here too: they end as a blob of the tenant.
+Files live at `BLOB_DIR/sha256/<2 hex>/<62 hex>` (BLOB_DIR defaults to DATA_DIR/blobs), written
+to a temp file in the same tree and renamed into place, so a reader never sees half a blob. The
+rows are in the database every replica shares; the bytes are only where the blob dir is, which
+is why replicas must share one. The same bytes held by several tenants are stored once and
+counted against each tenant's cap. File requests (a job's files, to be packed by the node's
+agent) are here too: they end as a blob of the tenant.
 """
 
 from __future__ import annotations
@@ -17,20 +19,21 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from computepool.core.allocation import LIVE
-from computepool.store.models import Allocation, Blob, FileRequest
+from computepool.store.models import Allocation, Blob, FileRequest, Function, Tenant
 
 CHUNK = 1 << 20
 
 
-def blob_root(data_dir: Path) -> Path:
-    return data_dir / "blobs" / "sha256"
+def blob_root(blob_dir: Path) -> Path:
+    return blob_dir / "sha256"
 
 
-def blob_path(data_dir: Path, sha: str) -> Path:
-    return blob_root(data_dir) / sha[:2] / sha[2:]
+def blob_path(blob_dir: Path, sha: str) -> Path:
+    return blob_root(blob_dir) / sha[:2] / sha[2:]
 
 
 @dataclass
@@ -61,17 +64,17 @@ class TempBlob:
         self.path.unlink(missing_ok=True)
 
 
-def new_temp(data_dir: Path) -> TempBlob:
-    tmp_dir = data_dir / "blobs" / "tmp"
+def new_temp(blob_dir: Path) -> TempBlob:
+    tmp_dir = blob_dir / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, name = tempfile.mkstemp(dir=tmp_dir, prefix="upload-")
     os.close(fd)
     return TempBlob(Path(name))
 
 
-def keep(data_dir: Path, tmp: TempBlob, sha: str) -> None:
+def keep(blob_dir: Path, tmp: TempBlob, sha: str) -> None:
     """Move a finished upload into place (or drop it when the same bytes are there already)."""
-    dest = blob_path(data_dir, sha)
+    dest = blob_path(blob_dir, sha)
     if dest.exists():
         tmp.discard()
         return
@@ -80,16 +83,16 @@ def keep(data_dir: Path, tmp: TempBlob, sha: str) -> None:
     os.replace(tmp.path, dest)
 
 
-def write_bytes(data_dir: Path, data: bytes) -> str:
+def write_bytes(blob_dir: Path, data: bytes) -> str:
     """A whole blob at once (small ones: packed job files)."""
-    tmp = new_temp(data_dir)
+    tmp = new_temp(blob_dir)
     try:
         tmp.write(data)
         sha = tmp.finish()
     except BaseException:
         tmp.discard()
         raise
-    keep(data_dir, tmp, sha)
+    keep(blob_dir, tmp, sha)
     return sha
 
 
@@ -104,14 +107,23 @@ def tenant_bytes(s: Session, tenant_id: int) -> int:
     )
 
 
+def lock_tenant(s: Session, tenant_id: int) -> None:
+    """Hold the tenant's row until the transaction ends, so that two uploads check its cap in turn
+    (PostgreSQL; SQLite writers are one at a time already)."""
+    s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+
+
 def hold(s: Session, tenant_id: int, sha: str, size: int, now: datetime) -> bool:
-    """Record that the tenant holds the blob; False when it did already (its use time is renewed)."""
-    row = held(s, tenant_id, sha)
-    if row is not None:
-        row.last_used_at = now
-        return False
-    s.add(Blob(tenant_id=tenant_id, sha256=sha, size=size, created_at=now, last_used_at=now))
-    return True
+    """Record that the tenant holds the blob; False when it did already (its use time is renewed).
+
+    An insert that finds the row there (another upload of the same bytes won) counts as held."""
+    dialect = postgresql if s.get_bind().dialect.name == "postgresql" else sqlite
+    values = {"tenant_id": tenant_id, "sha256": sha, "size": size, "created_at": now, "last_used_at": now}
+    res = s.execute(dialect.insert(Blob).values(**values).on_conflict_do_nothing())
+    if res.rowcount:
+        return True
+    touch(s, tenant_id, [sha], now)
+    return False
 
 
 def touch(s: Session, tenant_id: int, shas: Iterable[str], now: datetime) -> None:
@@ -135,14 +147,18 @@ def referenced_on(s: Session, node: str, sha: str) -> bool:
     return any(node in (nodes or []) and sha in (req.get("code"), req.get("stdin")) for req, nodes in rows)
 
 
-def sweep(s: Session, data_dir: Path, older_than: timedelta, now: datetime) -> int:
-    """Forget blobs unused for `older_than` that no live allocation names; remove files nobody holds."""
-    live = {
-        v
-        for (req,) in s.execute(select(Allocation.request).where(Allocation.state.in_(LIVE)))
-        for v in (req.get("code"), req.get("stdin"))
-        if v
-    }
+def in_use(s: Session) -> set[str]:
+    """Blobs named by a live allocation or by a function not deleted (its workers start later)."""
+    requests = [
+        *s.execute(select(Allocation.request).where(Allocation.state.in_(LIVE))).scalars(),
+        *s.execute(select(Function.request).where(Function.deleted_at.is_(None))).scalars(),
+    ]
+    return {v for req in requests for v in (req.get("code"), req.get("stdin")) if v}
+
+
+def sweep(s: Session, blob_dir: Path, older_than: timedelta, now: datetime) -> int:
+    """Forget blobs unused for `older_than` that nothing in use names; remove files nobody holds."""
+    live = in_use(s)
     old = s.execute(select(Blob.tenant_id, Blob.sha256).where(Blob.last_used_at < now - older_than)).all()
     dropped = [(t, sha) for t, sha in old if sha not in live]
     for t, sha in dropped:
@@ -150,7 +166,7 @@ def sweep(s: Session, data_dir: Path, older_than: timedelta, now: datetime) -> i
     s.flush()
     for sha in {sha for _, sha in dropped}:
         if not anyone_holds(s, sha):
-            blob_path(data_dir, sha).unlink(missing_ok=True)
+            blob_path(blob_dir, sha).unlink(missing_ok=True)
     return len(dropped)
 
 
@@ -158,3 +174,23 @@ def sweep(s: Session, data_dir: Path, older_than: timedelta, now: datetime) -> i
 def pending_files(s: Session, node: str) -> Sequence[FileRequest]:
     stmt = select(FileRequest).where(FileRequest.node == node, FileRequest.state == "pending")
     return s.scalars(stmt.order_by(FileRequest.id)).all()
+
+
+def pending_of_tenant(s: Session, tenant_id: int) -> int:
+    stmt = select(func.count()).where(FileRequest.tenant_id == tenant_id, FileRequest.state == "pending")
+    return int(s.scalar(stmt) or 0)
+
+
+def expire_pending(s: Session, tenant_id: int, before: datetime, error: str, now: datetime) -> int:
+    """Fail the tenant's file requests asked before `before` that no agent answered."""
+    res = s.execute(
+        update(FileRequest)
+        .where(
+            FileRequest.tenant_id == tenant_id,
+            FileRequest.state == "pending",
+            FileRequest.created_at < before,
+        )
+        .values(state="failed", error=error[:1024], ended_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return int(res.rowcount or 0)

@@ -303,6 +303,7 @@ def insert_calls(s: Session, fid: int, tenant_id: int, args: Sequence[str], now:
             "state": "pending",
             "args": a,
             "output": "",
+            "stderr": "",
             "created_at": now,
         }
         for a in args
@@ -382,20 +383,22 @@ def finish(
     return bool(res.rowcount)
 
 
-_APPEND = (
-    _C.update()
+_APPEND = {
+    stream: _C.update()
     .where(
         _C.c.id == bindparam("cid"),
         _C.c.state == "running",
         _C.c.worker_allocation_id == bindparam("w"),
-        func.length(_C.c.output) < MAX_OUTPUT_CHARS,
+        func.length(column) < MAX_OUTPUT_CHARS,
     )
-    .values(output=_C.c.output + bindparam("data"))
-)
+    .values({column: column + bindparam("data")})
+    for stream, column in (("stdout", _C.c.output), ("stderr", _C.c.stderr))
+}
 
 
-def append_output(s: Session, cid: int, worker: int, data: str) -> bool:
-    return bool(s.connection().execute(_APPEND, {"cid": cid, "w": worker, "data": data}).rowcount)
+def append_output(s: Session, cid: int, worker: int, data: str, stream: str = "stdout") -> bool:
+    """Append to the call's stdout or stderr (each capped on its own)."""
+    return bool(s.connection().execute(_APPEND[stream], {"cid": cid, "w": worker, "data": data}).rowcount)
 
 
 def fail_calls_of_worker(s: Session, worker: int, error: str, now: datetime) -> list[int]:
@@ -452,9 +455,12 @@ class CallRow:
     traceback: str | None
     error: str | None
     output: str
+    stderr: str
 
 
-_CALL_COLS = (_C.c.id, _C.c.state, _C.c.ok, _C.c.result, _C.c.traceback, _C.c.error, _C.c.output)
+_CALL_COLS = (
+    _C.c.id, _C.c.state, _C.c.ok, _C.c.result, _C.c.traceback, _C.c.error, _C.c.output, _C.c.stderr
+)  # fmt: skip
 
 
 def results(s: Session, fid: int, ids: Sequence[int], *, with_news: bool = False) -> list[CallRow]:
@@ -462,7 +468,8 @@ def results(s: Session, fid: int, ids: Sequence[int], *, with_news: bool = False
     only those that ended or printed something: a poll over many waiting calls reads few rows."""
     cond = and_(_C.c.function_id == fid, _C.c.id.in_(list(ids)))
     if with_news:
-        cond = and_(cond, _C.c.state.in_(ENDED_CALL) | (func.length(_C.c.output) > 0))
+        printed = (func.length(_C.c.output) > 0) | (func.length(_C.c.stderr) > 0)
+        cond = and_(cond, _C.c.state.in_(ENDED_CALL) | printed)
     return [CallRow(*r) for r in s.connection().execute(select(*_CALL_COLS).where(cond))]
 
 

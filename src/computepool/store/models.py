@@ -363,7 +363,8 @@ class FunctionWorker(Base):
 class FunctionCall(Base):
     """One call of a function: its pickled arguments and, once ended, its result or error.
 
-    `args` and `result` hold base64 text as the API carries it; `output` is what the call printed."""
+    `args` and `result` hold base64 text as the API carries it; `output` is what the call printed
+    on stdout, `stderr` what it wrote on stderr (kept apart, as the caller's terminal keeps them)."""
 
     __tablename__ = "function_calls"
     __table_args__ = (Index("ix_function_calls_queue", "function_id", "state", "id"),)
@@ -378,6 +379,7 @@ class FunctionCall(Base):
     traceback: Mapped[str | None] = mapped_column(Text, nullable=True)
     error: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     output: Mapped[str] = mapped_column(Text, default="")
+    stderr: Mapped[str] = mapped_column(Text, default="", server_default="")
     worker_allocation_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

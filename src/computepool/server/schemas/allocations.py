@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, StringConstraints
+from pydantic import Field, StrictInt, StringConstraints, field_validator
 
 from computepool.core.allocation import AllocationState, IsolationName
 from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
@@ -44,6 +44,10 @@ LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-
 LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/@ -]{0,63}$")]  # as node labels
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 MAX_SELECTOR = 16
+# Names under CPOOL_ are the pool's: the agent and the control plane set them for a job (its
+# allocation, slices, rank, a function worker's token and server). A user who could set them
+# could pose as a function worker; only these, which the SDK passes to its worker, are open.
+OPEN_CPOOL_ENV = frozenset({"CPOOL_SYS_PATH", "CPOOL_PIP", "CPOOL_WORKER_TRACE"})
 MAX_PORTS = 16
 
 
@@ -116,6 +120,14 @@ class AllocationCreate(In):
         default=None,
         description="End the work after this long bound: seconds, or 90s, 15m, 2h, 1d.",
     )
+
+    @field_validator("env")
+    @classmethod
+    def _pool_names_are_the_pools(cls, env: dict[str, str] | None) -> dict[str, str] | None:
+        for key in env or {}:
+            if key.startswith("CPOOL_") and key not in OPEN_CPOOL_ENV:
+                raise ValueError(f"{key}: names starting with CPOOL_ are set by the pool, not by requests")
+        return env
     colocate: LabelKey | None = Field(
         default=None,
         description="A gang's nodes must all share one value of this node label (e.g. rack).",

@@ -18,6 +18,8 @@ MAX_OUTPUT_CHUNK = 1 << 20
 MAX_WAIT_S = 60.0
 MAX_TRACEBACK = 1 << 20
 CallState = Literal["pending", "running", "done", "failed", "cancelled"]
+OutputStream = Literal["stdout", "stderr"]
+Offsets = dict[str, Annotated[int, Field(strict=True, ge=0, le=MAX_ID)]]
 
 
 def _base64(limit: int) -> AfterValidator:
@@ -78,10 +80,15 @@ class CallIds(Out):
 class ResultsIn(In):
     ids: list[Id] = Field(min_length=1, max_length=MAX_CALLS)
     wait_s: float = Field(default=0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
-    output_from: dict[str, Annotated[int, Field(strict=True, ge=0, le=MAX_ID)]] = Field(
+    output_from: Offsets = Field(
         default_factory=dict,
         max_length=MAX_CALLS,
-        description="Call id → characters of its output already read.",
+        description="Call id → characters of its stdout already read.",
+    )
+    stderr_from: Offsets = Field(
+        default_factory=dict,
+        max_length=MAX_CALLS,
+        description="Call id → characters of its stderr already read.",
     )
 
 
@@ -92,8 +99,10 @@ class CallOut(Out):
     result: str | None = Field(description="base64 cloudpickle of the value, or of the exception.")
     traceback: str | None = Field(description="The remote traceback when it raised.")
     error: str | None = Field(description="Why the pool failed or cancelled it.")
-    output: str = Field(description="What it printed, from the offset asked.")
+    output: str = Field(description="What it printed on stdout, from the offset asked.")
     output_next: int
+    stderr: str = Field(default="", description="What it wrote on stderr, from the offset asked.")
+    stderr_next: int = 0
 
 
 class ResultsOut(Out):
@@ -125,6 +134,7 @@ class NextOut(Out):
 class OutputIn(In):
     id: Id
     data: str = Field(max_length=MAX_OUTPUT_CHUNK)
+    stream: OutputStream = Field(default="stdout", description="Which of the call's streams it wrote.")
 
 
 class OutputOut(Out):

@@ -181,7 +181,7 @@ def claim(ctx: Ctx, hub: Hub) -> NextOut:
 def output(ctx: Ctx, body: OutputIn, hub: Hub) -> OutputOut:
     with ctx.db.write() as s:
         worker, fid, _ = _check(ctx, s)
-        accepted = store.append_output(s, body.id, worker, body.data)
+        accepted = store.append_output(s, body.id, worker, body.data, body.stream)
         if not accepted:
             _not_claimed(s, body.id, worker, "id")
     if body.data and accepted:

@@ -185,15 +185,18 @@ def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
             missing = next(i for i in body.ids if i not in seen)
             raise NotFound.of("call", missing, "ids")
         rows = store.results(s, fid, list(wanted), with_news=True)
-    return ResultsOut(calls=_relevant(rows, body.output_from))
+    return ResultsOut(calls=_relevant(rows, body.output_from, body.stderr_from))
 
 
-def _relevant(rows: Sequence[store.CallRow], output_from: Mapping[str, int]) -> list[CallOut]:
+def _relevant(
+    rows: Sequence[store.CallRow], output_from: Mapping[str, int], stderr_from: Mapping[str, int]
+) -> list[CallOut]:
     out: list[CallOut] = []
     for r in sorted(rows, key=lambda r: r.id):
         start = output_from.get(str(r.id), 0)
+        err_start = stderr_from.get(str(r.id), 0)
         ended = r.state in store.ENDED_CALL
-        if not ended and len(r.output) <= start:
+        if not ended and len(r.output) <= start and len(r.stderr) <= err_start:
             continue
         out.append(
             CallOut(
@@ -205,6 +208,8 @@ def _relevant(rows: Sequence[store.CallRow], output_from: Mapping[str, int]) -> 
                 error=r.error,
                 output=r.output[start:],
                 output_next=max(len(r.output), start),
+                stderr=r.stderr[err_start:],
+                stderr_next=max(len(r.stderr), err_start),
             )
         )
     return out
@@ -229,4 +234,4 @@ def cancel_call(ctx: Ctx, fid: int, cid: int, hub: Hub) -> CallOut:
     hub.notify(results_key(fid), *(f"node:{n}" for n in nodes))
     if nodes:
         hub.wake_scheduler()
-    return _relevant([row], {})[0]
+    return _relevant([row], {}, {})[0]

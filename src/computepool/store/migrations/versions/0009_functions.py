@@ -76,6 +76,7 @@ def upgrade() -> None:
         sa.Column("traceback", sa.Text(), nullable=True),
         sa.Column("error", sa.String(1024), nullable=True),
         sa.Column("output", sa.Text(), nullable=False),
+        sa.Column("stderr", sa.Text(), nullable=False, server_default=""),
         sa.Column("worker_allocation_id", sa.Integer(), nullable=True),
         sa.Column("created_at", UTCDateTime(), nullable=False),
         sa.Column("claimed_at", UTCDateTime(), nullable=True),

@@ -1,0 +1,171 @@
+"""Getting a job's inputs onto the node off the control loop: code and stdin blobs, container images.
+
+A 2 GiB fetch or a slow `podman pull` on the loop thread would hold up every other job's start and
+stop and the node's reports. So the loop asks `Preparer.check(a)` each tick for an attempt it is
+about to start: what the attempt still lacks (a blob not in the cache, an image not seen on the
+node) goes to a few worker threads, and the attempt waits, "preparing", until a later tick finds it
+ready. The start itself stays on the loop thread, and finds its inputs in the caches.
+
+- One task per input: jobs that need the same blob or image share one fetch or pull.
+- A failure fails the start with the reason the start itself would give (`Readiness.failure`).
+- An attempt withdrawn while it prepares (`forget`) is dropped, never started; its tasks still end
+  and fill the caches, which hurts no one. Nothing here is on disk: a restarted agent prepares again
+  what it had not started (cached inputs are found at once).
+- The control plane hears nothing of a preparing attempt: its allocation stays bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from computepool.agent.assignment import Assignment
+from computepool.agent.blobs import BlobCache
+from computepool.agent.launch import Launcher
+from computepool.core.tarsafe import is_sha256
+
+log = logging.getLogger("computepool.agent")
+DEFAULT_WORKERS = 3
+
+
+@dataclass
+class _Task:
+    """One fetch or pull, shared by every attempt that needs it."""
+
+    name: str  # "blob <sha>" or "image <ref>", for the log
+    run: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """`ready`: start it now (`failure`, when set, is why the start fails); else still preparing."""
+
+    ready: bool
+    failure: str = ""
+
+
+READY = Readiness(True)
+PREPARING = Readiness(False)
+
+
+class Preparer:
+    """Fetches blobs and pulls images for the attempts the loop is about to start, on daemon threads."""
+
+    def __init__(
+        self,
+        blobs: Callable[[], BlobCache | None],
+        launcher: Launcher,
+        wake: Callable[[], None],
+        workers: int = DEFAULT_WORKERS,
+    ) -> None:
+        """`blobs` answers the agent's BlobCache (None: this agent cannot fetch; the start says so);
+        `wake` nudges the loop when a task ends, so that a ready attempt starts at once."""
+        self._blobs = blobs
+        self._launcher = launcher
+        self._wake = wake
+        self._workers = max(1, workers)
+        self._queue: queue.Queue[_Task | None] = queue.Queue()
+        self._tasks: dict[str, _Task] = {}  # by input, while queued or running
+        self._waiting: dict[str, list[_Task]] = {}  # by job key: the tasks the attempt waits for
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def check(self, a: Assignment) -> Readiness:
+        """Whether the attempt can start now (loop thread only); starts the tasks it still needs."""
+        tasks = self._waiting.get(a.key)
+        if tasks is None:
+            tasks = [self._task(name, run) for name, run in self._needs(a)]
+            if not tasks:
+                return READY
+            self._waiting[a.key] = tasks
+            log.info("%s preparing: %s", a.key, ", ".join(t.name for t in tasks))
+        if not all(t.done.is_set() for t in tasks):
+            return PREPARING
+        del self._waiting[a.key]
+        failed = next((t.error for t in tasks if t.error), "")
+        return Readiness(True, failed)
+
+    def preparing(self) -> set[str]:
+        """The keys of the attempts waiting for their inputs."""
+        return set(self._waiting)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the attempts no longer wanted here (cancelled, moved, stale): none of them will start."""
+        wanted = set(keep)
+        for key in [k for k in self._waiting if k not in wanted]:
+            del self._waiting[key]
+            log.info("%s withdrawn while preparing: not started", key)
+
+    def close(self) -> None:
+        """Stop the idle workers; one busy with a fetch or pull ends with the process (daemon)."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    # ---- what an attempt needs ----------------------------------------------------------------
+
+    def _needs(self, a: Assignment) -> list[tuple[str, Callable[[], None]]]:
+        needs: list[tuple[str, Callable[[], None]]] = []
+        cache = self._blobs()
+        if cache is not None:
+            for sha, what in ((a.code, "code"), (a.stdin, "stdin")):
+                # a malformed sha is refused by the start itself, without any I/O
+                if sha and is_sha256(sha) and not cache.path(sha).is_file():
+                    needs.append((f"blob {sha}", _fetcher(cache, sha, what)))
+        launcher = self._launcher  # a container job's image: as `Launcher.prepare` would get it
+        sandboxed = launcher.sandbox is not None and launcher.host is not None
+        image = a.image if sandboxed and a.command and a.tenant else None
+        if image and not launcher.container_engine().image_known(image):
+            needs.append((f"image {image}", _puller(launcher, image)))
+        return needs
+
+    def _task(self, name: str, run: Callable[[], None]) -> _Task:
+        with self._lock:
+            task = self._tasks.get(name)
+            if task is not None:
+                return task  # already queued or running: shared
+            task = self._tasks[name] = _Task(name, run)
+            if len(self._threads) < self._workers:
+                t = threading.Thread(
+                    target=self._work, name=f"cpool-prepare-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+        self._queue.put(task)
+        return task
+
+    def _work(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            try:
+                task.run()
+            except Exception as e:  # the message is the job's reason, as the start would give it
+                task.error = str(e)
+                log.warning("preparing %s failed: %s", task.name, e)
+            finally:
+                with self._lock:
+                    self._tasks.pop(task.name, None)
+                task.done.set()
+                self._wake()
+
+
+def _fetcher(cache: BlobCache, sha: str, what: str) -> Callable[[], None]:
+    def fetch() -> None:
+        cache.fetch(sha, what)
+
+    return fetch
+
+
+def _puller(launcher: Launcher, image: str) -> Callable[[], None]:
+    def pull() -> None:
+        podman = launcher.container_engine()
+        if podman.available()[0]:  # else the start says why containers cannot run here
+            podman.ensure_image(image)
+
+    return pull
