@@ -4,7 +4,9 @@ a Python installed after the join is seen without joining anew."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +40,9 @@ def test_a_restarted_agent_reports_its_pythons_again(server: Server, tmp_path: P
     data = tmp_path / "agent"
     agent = start_agent(server, data, "--simulate", "1xT4-16GB", "--name", "py-1", token=server.join_token())
     try:
-        wait_for("the node", lambda: server.node("py-1"))
+        wait_for("the node ready", lambda: (n := server.node("py-1")) and n["state"] == "ready")
+        want = 0o711 if os.geteuid() == 0 else 0o700  # the executor is up: the agent is fully started
+        wait_for("the data dir's mode", lambda: stat.S_IMODE(data.stat().st_mode) == want)
     finally:
         rc, out = stop_agent(agent)
     assert rc == 0, out

@@ -95,3 +95,30 @@ def test_unsafe_archives_are_refused(tmp_path: Path, member: str, why: str) -> N
     assert not (tmp_path / "escape").exists() and not (dest / "sub" / "l").is_symlink()
     with pytest.raises(UnsafeArchive, match="not a readable tar"):
         safe_extract(b"not a tar at all", dest)
+
+
+def test_links_in_the_tree_ship_as_relative_links_and_links_out_are_counted(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / "data" / "set").mkdir(parents=True)
+    (real / "data" / "set" / "x.csv").write_text("1,2\n")
+    (real / "sub").mkdir()
+    os.symlink(real / "data" / "set", real / "sub" / "abs")  # absolute, inside the tree
+    os.symlink("../../real/data/set/x.csv", real / "sub" / "climbs")  # relative, leaves and comes back
+    os.symlink("../data/set/x.csv", real / "sub" / "plain")  # relative, inside: kept as written
+    os.symlink(tmp_path, real / "up")  # leads out
+    os.symlink(real / "nowhere", real / "dangling")
+    via = tmp_path / "via"
+    os.symlink(real, via)  # the directory reached through a link: the tree's links still judged right
+    data, stats = pack_with_stats(via)
+    assert stats.links_left_out == 2  # `up` and `dangling`
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        links = {m.name: m.linkname for m in tar.getmembers() if m.issym()}
+    assert links == {
+        "sub/abs": "../data/set",
+        "sub/climbs": "../data/set/x.csv",
+        "sub/plain": "../data/set/x.csv",
+    }
+    out = tmp_path / "out"
+    safe_extract(data, out)  # the agent's rules accept every one of them
+    assert (out / "sub" / "abs" / "x.csv").read_text() == "1,2\n"
+    assert (out / "sub" / "climbs").read_text() == "1,2\n"

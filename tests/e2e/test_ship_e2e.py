@@ -41,11 +41,14 @@ os.makedirs('out/deep', exist_ok=True)
 open('out/result.txt', 'w').write('result 42\\n')
 open('out/deep/more.txt', 'w').write('more\\n')
 os.symlink('/etc/passwd', 'leak')
+os.symlink('/etc/passwd', 'out/leak')
+print('LINKED', open('abs_link').read().strip())
 """
 
 
 class Pool:
-    """`cpool server --blob-max-mib 1` and a root `cpool agent`, with data dirs under /var/tmp."""
+    """`cpool server --blob-max-mib 1` and a root `cpool agent`, with data dirs in a root-only (0700)
+    directory under /var/tmp, as under /root for a default `cpool up`: no tenant may pass it."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -147,7 +150,8 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Pool]:
     root = Path("/var/tmp") / f"cpool-ship-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o755)
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o700)
     p = Pool(root)
     try:
         p.start()
@@ -170,6 +174,8 @@ def project(root: Path) -> Path:
     (d / ".gitignore").write_text("secret.txt\nbuild/\n")
     (d / ".cpoolignore").write_text("big.bin\n")
     (d / "vars.env").write_text('# for the job\nFROM_FILE=from the file\n\nexport QUOTED="a b"\n')
+    os.symlink(d / "sub" / "helper.py", d / "abs_link")  # absolute, inside: shipped as a relative link
+    os.symlink("/etc/hostname", d / "outside")  # leads out: left out, and said so
     return d
 
 
@@ -197,9 +203,12 @@ def test_ship_run_stdin_env_and_files_back(pool: Pool, tmp_path: Path) -> None:
     files_line = next(line for line in r.stdout.splitlines() if line.startswith("FILES "))
     shipped = set(files_line.split()[1:])
     assert {"train.py", "sub/helper.py", "sub/__init__.py", ".gitignore", "vars.env"} <= shipped, shipped
-    assert not {"secret.txt", "build/artefact.o", "big.bin"} & shipped, shipped
+    assert not {"secret.txt", "build/artefact.o", "big.bin", "outside"} & shipped, shipped
     assert "hello from helper hi there from the file a b" in r.stdout
-    assert "(uploaded)" in r.stderr and "code:" in r.stderr
+    assert "LINKED def greet():" in r.stdout
+    assert "(uploaded); 1 link(s) leading outside it left out" in r.stderr and "code:" in r.stderr
+    assert "left out 1 link(s) leading outside the job's work dir (or special files): out/leak" in r.stderr
+    assert not (proj / "out" / "leak").is_symlink()
     # --output brought the job's out/ back next to the code, same relative path
     assert (proj / "out" / "result.txt").read_text() == "result 42\n"
     assert (proj / "out" / "deep" / "more.txt").read_text() == "more\n"
@@ -234,6 +243,14 @@ def test_ship_run_stdin_env_and_files_back(pool: Pool, tmp_path: Path) -> None:
     c2 = pool.cli(a, "cp", f"{job['id']}:out", str(dest), cwd=tmp_path)
     assert c2.returncode == 0, c2.stderr
     assert (dest / "out" / "deep" / "more.txt").read_text() == "more\n"
+    assert "left out 1 link(s)" in c2.stderr and not (dest / "out" / "leak").is_symlink()
+    # a file over a directory: refused like cp does, one line, no temporary path shown
+    (dest / "clash" / "result.txt").mkdir(parents=True)
+    c6 = pool.cli(a, "cp", f"{job['id']}:out/result.txt", str(dest / "clash"), cwd=tmp_path)
+    assert c6.returncode != 0 and "Traceback" not in c6.stderr
+    clash = dest / "clash" / "result.txt"
+    assert c6.stderr.strip() == f"error: cannot overwrite directory {clash} with a file", c6.stderr
+    assert list((dest / "clash").iterdir()) == [dest / "clash" / "result.txt"]
     # a link leading out of the work dir, and a missing path: one readable line, non-zero
     c3 = pool.cli(a, "cp", f"{job['id']}:leak", str(dest), cwd=tmp_path)
     assert c3.returncode != 0 and "outside the job's work dir" in c3.stderr and "Traceback" not in c3.stderr
@@ -298,6 +315,47 @@ def test_the_agent_refuses_archives_that_leave_the_work_dir(
     assert why in done["reason"], done["reason"]
     assert not Path("/x").exists() and not Path("/abs").exists()
     assert json.dumps(done)  # the answer is plain JSON all the way
+
+
+def path_max_exploit(target: Path) -> bytes:
+    """The published tarfile filter bypass: nested 247-byte dirs and one-letter links to them, a link
+    through the chain that climbs back past PATH_MAX, and a file written through `escape` into
+    `target` — which, unpacked as root, wrote anywhere on the node."""
+    raw = io.BytesIO()
+    comp, steps, path = "d" * 247, "abcdefghijklmnop", ""
+
+    def add(tar: tarfile.TarFile, name: str, kind: bytes, link: str = "", data: bytes = b"") -> None:
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname, info.size, info.mode = kind, link, len(data), 0o755
+        tar.addfile(info, io.BytesIO(data) if data else None)
+
+    with tarfile.open(fileobj=raw, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for step in steps:
+            add(tar, os.path.join(path, comp), tarfile.DIRTYPE)
+            add(tar, os.path.join(path, step), tarfile.SYMTYPE, comp)
+            path = os.path.join(path, comp)
+        linkpath = os.path.join(*steps, "l" * 254)
+        add(tar, linkpath, tarfile.SYMTYPE, os.path.join(*[".."] * len(steps)))
+        add(tar, "escape", tarfile.SYMTYPE, linkpath + "/.." * 17 + str(target))
+        add(tar, "escape/pwned", tarfile.REGTYPE, data=b"written as root\n")
+    return raw.getvalue()
+
+
+def test_the_path_max_exploit_cannot_write_on_the_node(pool: Pool) -> None:
+    token = pool.member(f"sp{uuid.uuid4().hex[:6]}")
+    user = httpx.Client(base_url=pool.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    victim = pool.root / "victim"
+    victim.mkdir(mode=0o755)
+    data = path_max_exploit(victim)
+    sha = sha256_hex(data)
+    assert user.put(f"/api/v1/blobs/{sha}", content=data).status_code == 201
+    r = user.post("/api/v1/allocations", json={"command": ["true"], "cpu_milli": 100, "code": sha})
+    assert r.status_code == 201, r.text
+    aid = r.json()["id"]
+    done = wait_for("the job's end", lambda: (j := user.get(f"/api/v1/allocations/{aid}").json())["state"]
+                    in ("failed", "released") and j, 60, pool.logs)  # fmt: skip
+    assert done["state"] == "failed" and "code: refused the archive" in done["reason"], done["reason"]
+    assert list(victim.iterdir()) == []
 
 
 def test_code_and_stdin_reach_a_container_job(pool: Pool, image: str, tmp_path: Path) -> None:

@@ -3,12 +3,13 @@
 - `BlobCache` fetches a blob through the node's own credential (`GET /blobs/{sha}`: the server
   lets a node read only what its live work names), checks its hash and keeps it by hash in
   `DATA_DIR/blobs` (root 0700), so the same code is fetched once per node.
-- `unpack_code` unpacks a code archive into a job's fresh work dir, refusing absolute paths,
-  `..`, links out of the tree and special files (core/tarsafe.py); the launcher then hands every
-  file to the tenant's user with the rest of `work/`.
+- `unpack_code` checks a code archive as a stream (core/tarsafe.py: no absolute paths, `..`, links
+  out or through links, special files; member and byte caps), then unpacks it into the job's fresh
+  work dir with GNU tar run AS THE TENANT'S USER (agent/jobfiles.py), never as root.
 - `FileAnswerer` answers file requests: the path is packed with GNU tar run AS THE TENANT'S USER
-  (so it reads nothing the job could not), links leading out are refused, and the tar.gz goes
-  back to the control plane as a blob of the tenant — or the reason it could not.
+  (so it reads nothing the job could not), and the tar.gz goes back to the control plane as a blob
+  of the tenant — or the reason it could not. Links in it that lead out are left out by the client.
+- Cached blobs no job used for a day are dropped (`prune`), checked at most every ten minutes.
 """
 
 from __future__ import annotations
@@ -19,23 +20,27 @@ import os
 import pwd
 import queue
 import shutil
-import subprocess
-import tarfile
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any
 
 from computepool.agent.api import AgentApi, ApiError, Unreachable
-from computepool.agent.sandbox import FIXED_PATH
-from computepool.agent.tenants import user_name
-from computepool.core.tarsafe import UnsafeArchive, check_members, is_sha256, safe_extract, sha256_hex
+from computepool.agent.jobfiles import pack_as, unpack_as
+from computepool.agent.sandbox import SandboxConfig
+from computepool.agent.tenants import TenantUserError, ensure_tenant_user, user_name
+from computepool.core.errors import InvalidInput
+from computepool.core.tarsafe import UnsafeArchive, check_stream, is_sha256, sha256_hex
 
 log = logging.getLogger("computepool.agent")
 CACHE_DIR = "blobs"
 STDIN_FILE = "stdin"
-MAX_UNPACKED = 64 << 30  # a code archive may not unpack to more than this (a gzip bomb stops here)
+MAX_UNPACKED = 8 << 30  # by default a code archive may not unpack to more than this (`--code-max-gib`)
+PRUNE_AFTER_S = 24 * 3600  # a cached blob no job used for this long is dropped
+PRUNE_EVERY_S = 600.0
 MAX_PACKED = 4 << 30  # what the agent packs before the server's own cap refuses it
 
 
@@ -46,9 +51,21 @@ class CodeUnavailable(ValueError):
 class BlobCache:
     """Blobs fetched by this node, kept by hash (root only)."""
 
-    def __init__(self, data_dir: Path, api: AgentApi) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        api: AgentApi,
+        *,
+        sandbox: SandboxConfig | None = None,
+        max_unpacked: int = MAX_UNPACKED,
+    ) -> None:
+        """`sandbox`: the executor's; where set on a root agent, code is unpacked as the tenant's user."""
         self.dir = data_dir / CACHE_DIR
         self.api = api
+        self.sandbox = sandbox
+        self.max_unpacked = max_unpacked
+        self.max_age_s = PRUNE_AFTER_S
+        self._pruned_at = 0.0
         self._lock = threading.Lock()  # guards `_fetching`
         self._fetching: dict[str, threading.Lock] = {}  # one fetch per sha; others wait for it
 
@@ -81,21 +98,80 @@ class BlobCache:
             os.replace(tmp, path)
         return path
 
-    def unpack_code(self, sha: str, work_dir: Path) -> int:
-        """Unpack the code blob into `work_dir`; the number of entries. Raises CodeUnavailable."""
-        data = self.fetch(sha, "code").read_bytes()
+    def unpack_code(self, sha: str, work_dir: Path, tenant: str = "") -> int:
+        """Unpack the code blob into `work_dir` as the tenant's user (see `code_user`); the number of
+        entries. Raises CodeUnavailable."""
+        user = self.code_user(tenant)
+        path = self._use(sha, "code")
         try:
-            return len(safe_extract(data, work_dir, max_bytes=MAX_UNPACKED))
+            with path.open("rb") as f:
+                verdict = check_stream(f, max_bytes=self.max_unpacked)
+            unpack_as(user, path, work_dir, self.max_unpacked)
         except UnsafeArchive as e:
             raise CodeUnavailable(f"code: refused the archive: {e}") from None
+        except (ValueError, OSError) as e:
+            raise CodeUnavailable(f"code: {e}") from None
+        self.prune()
+        return verdict.members
+
+    def code_user(self, tenant: str) -> pwd.struct_passwd | None:
+        """Who unpacks: the tenant's user on a sandboxing root agent (made if missing, as the
+        launcher would), else the agent's own user — whose jobs run as it anyway."""
+        if self.sandbox is None or os.geteuid() != 0:
+            return None
+        try:
+            return ensure_tenant_user(tenant, self.sandbox.uid_range)
+        except (TenantUserError, InvalidInput) as e:
+            raise CodeUnavailable(f"code: {e}") from None
 
     def stdin_file(self, sha: str, run_dir: Path) -> Path:
         """A copy of the stdin blob in the run dir (root's, read by the job's wrapper)."""
-        src = self.fetch(sha, "stdin")
+        src = self._use(sha, "stdin")
         dest = run_dir / STDIN_FILE
         shutil.copyfile(src, dest)
         os.chmod(dest, 0o600)
+        self.prune()
         return dest
+
+    def _use(self, sha: str, what: str) -> Path:
+        """The blob's cached file, marked used now (so `prune` keeps it); fetched again if a prune
+        took it between the fetch and this use."""
+        for _ in range(2):
+            path = self.fetch(sha, what)
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                continue
+            return path
+        raise CodeUnavailable(f"{what}: blob {sha[:16]}… vanished from the cache")
+
+    def prune(self, now: float | None = None) -> int:
+        """Drop cached blobs (and stray partial fetches) unused for `max_age_s`; how many went.
+
+        A job needs its blob only until it has started (code unpacked, stdin copied), and each use
+        marks the blob, so an old one is no live job's. Runs at most every PRUNE_EVERY_S."""
+        now = time.time() if now is None else now
+        if now - self._pruned_at < PRUNE_EVERY_S:
+            return 0
+        self._pruned_at = now
+        gone = 0
+        try:
+            entries = list(os.scandir(self.dir))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            if not (is_sha256(entry.name) or entry.name.startswith(".fetch-")):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > self.max_age_s:
+                    os.unlink(entry.path)
+                    gone += 1
+            except FileNotFoundError:
+                continue
+        if gone:
+            log.info("blob cache: dropped %d blob(s) unused for %.0f h", gone, self.max_age_s / 3600)
+        return gone
 
 
 # --- file requests ------------------------------------------------------------------------------
@@ -112,34 +188,6 @@ def _inside(root: Path, rel: str) -> Path:
     if not os.path.lexists(target):
         raise ValueError(f"{rel}: no such file or directory in the job's work dir")
     return target
-
-
-def pack_as(user: pwd.struct_passwd | None, work_dir: Path, rel: str, out: Path) -> None:
-    """`tar -czf OUT -C WORK REL` as `user` (None: the agent's own user); raises ValueError."""
-    tar = shutil.which("tar", path=FIXED_PATH)
-    if tar is None:
-        raise ValueError("GNU tar is not installed on the node")
-    as_root = os.geteuid() == 0 and user is not None
-    with out.open("wb") as f:
-        try:
-            r = subprocess.run(
-                [tar, "--create", "--gzip", "--file", "-", "--directory", str(work_dir), "--", rel],
-                stdout=f,
-                stderr=subprocess.PIPE,
-                env={"PATH": FIXED_PATH, "LANG": "C.UTF-8"},
-                user=user.pw_uid if as_root and user else None,
-                group=user.pw_gid if as_root and user else None,
-                extra_groups=[] if as_root else None,
-                timeout=600,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise ValueError(f"{rel}: packing took over 10 minutes") from None
-    if r.returncode not in (0, 1):  # 1: a file changed while read (the job still writes): still sent
-        why = r.stderr.decode(errors="replace").strip().splitlines()
-        raise ValueError(f"{rel}: {why[-1] if why else f'tar exited {r.returncode}'}")
-    if out.stat().st_size > MAX_PACKED:
-        raise ValueError(f"{rel}: over {MAX_PACKED >> 20} MiB packed")
 
 
 class FileAnswerer:
@@ -205,8 +253,8 @@ class FileAnswerer:
                     raise ValueError(f"the job's directory is gone from this node (attempt {attempt})")
                 _inside(work, rel)
                 pack_as(self.run_as(tenant), work, rel, out)
-                with out.open("rb") as f, tarfile_open(f) as tar:
-                    check_members(tar)
+                with out.open("rb") as f:
+                    check_stream(f, links_out="skip")  # links out: the client leaves them out, saying so
             except UnsafeArchive as e:
                 self._failed(rid, f"refused: {e}")
                 return
@@ -231,18 +279,14 @@ class FileAnswerer:
         log.info("file request %d failed: %s", rid, why)
 
 
-def tarfile_open(f: BinaryIO) -> tarfile.TarFile:
-    try:
-        return tarfile.open(fileobj=f, mode="r:gz")
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise UnsafeArchive(f"unreadable archive: {e}") from None
-
-
 def tenant_user(tenant: str) -> pwd.struct_passwd | None:
-    """The tenant's Unix user on this node (None when jobs do not run as one here)."""
-    if os.geteuid() != 0 or not tenant:
+    """The tenant's Unix user on a root agent (None when not root: it packs as itself). Raises
+    ValueError when there is none: the files are then not read at all, never as root."""
+    if os.geteuid() != 0:
         return None
     try:
         return pwd.getpwnam(user_name(tenant))
     except (KeyError, ValueError):
-        return None
+        raise ValueError(
+            f"tenant {tenant!r} has no Unix user on this node; its files are not read as root"
+        ) from None

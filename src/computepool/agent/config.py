@@ -41,6 +41,7 @@ class AgentConfig:
     tick_s: float = 0.5
     max_backoff_s: float = 5.0
     log_chunk_bytes: int = 256 * 1024
+    code_max_bytes: int = 8 << 30  # what one code archive may unpack to (agent/blobs.py)
     watchdog_interval_s: float = 2.0
     fence_s: float | None = None  # None: as long as the control plane's lost-node timeout allows
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # users, namespaces (sandbox.py)

@@ -26,6 +26,7 @@ from computepool.agent.isolation import (
     resolve_slices,
     slice_env,
 )
+from computepool.agent.jobfiles import write_job_file
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.core.allocation import Isolation, Slice
 from computepool.core.errors import InvalidInput
@@ -133,7 +134,7 @@ class JobStarter:
         if (a.code or a.stdin) and self.blobs is None:
             raise CodeUnavailable("this agent cannot fetch blobs (no control plane connection)")
         if a.code and self.blobs is not None:
-            self.blobs.unpack_code(a.code, work_dir)
+            self.blobs.unpack_code(a.code, work_dir, a.tenant)  # as the tenant's user, never root
         if a.stdin and self.blobs is not None:
             return str(self.blobs.stdin_file(a.stdin, run_dir))
         return None
@@ -145,9 +146,7 @@ class JobStarter:
             return {}
         out = {"CPOOL_SERVER": self.server}
         if self.ca is not None and self.ca.is_file():
-            copy = work_dir / WORKER_CA_FILE
-            copy.write_bytes(self.ca.read_bytes())
-            copy.chmod(0o644)
+            copy = write_job_file(work_dir, WORKER_CA_FILE, self.ca.read_bytes())  # never through a link
             out["CPOOL_CA"] = str(copy)
         return out
 

@@ -110,7 +110,9 @@ class Agent:
             self.name, inventory, self.executor, config.data_dir, self.watchdog, server=config.server,
             ca=config.ca or (pinned if pinned.exists() else None),
         )  # fmt: skip
-        self.starter.blobs = BlobCache(config.data_dir, api)  # a run's code and stdin, by hash
+        self.starter.blobs = BlobCache(  # a run's code and stdin, by hash; code unpacked as the tenant
+            config.data_dir, api, sandbox=self.executor.launcher.sandbox, max_unpacked=config.code_max_bytes
+        )
         self.files = FileAnswerer(api, config.data_dir, self.executor.work_dir, self._file_user)
         self.reports = Reporter(api, self.executor, self._refused)
         self.logs = LogShipper(api, self.executor, config.log_chunk_bytes, self._refused)

@@ -125,6 +125,15 @@ def register(app: typer.Typer) -> None:
                 "environments): DIR/<tenant>, owned by the tenant's user.",
             ),
         ] = Path("/var/cache/computepool"),  # sandbox.DEFAULT_CACHE_ROOT (not imported: start-up time)
+        code_max_gib: Annotated[
+            float,
+            typer.Option(
+                "--code-max-gib",
+                min=0.001,
+                max=4096.0,
+                help="A run's code archive may unpack to at most this many GiB (and 100,000 entries).",
+            ),
+        ] = 8.0,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
@@ -175,6 +184,7 @@ def register(app: typer.Typer) -> None:
             poll_wait_s=poll_wait_s,
             fence_s=fence_s,
             sandbox=sandbox,
+            code_max_bytes=int(code_max_gib * (1 << 30)),
         )
         try:
             run_agent(config)

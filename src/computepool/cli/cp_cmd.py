@@ -41,8 +41,13 @@ def register(app: typer.Typer) -> None:
         """Copy a file or directory a job wrote back from its node: `cpool cp 42:out/ ./results`."""
         alloc, path = split_source(source)
         with open_client(server, token, timeout=60.0) as pool:
-            landed = pool.download(alloc, path.rstrip("/") or path, dest, rank=rank)
+            left_out: list[str] = []
+            landed = pool.download(alloc, path.rstrip("/") or path, dest, rank=rank, left_out=left_out)
         if as_json:
-            print_json({"source": source, "path": str(landed)})
+            print_json({"source": source, "path": str(landed), "left_out": left_out})
         else:
             err_console.print(f"{source} → {landed}", style="dim", highlight=False, markup=False)
+            if left_out:
+                from computepool.cli.ship import left_out_note  # noqa: PLC0415 - start-up time
+
+                err_console.print(left_out_note(left_out), style="dim", highlight=False, markup=False)

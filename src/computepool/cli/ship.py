@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from computepool.cli.common import err_console
 from computepool.client import AllocationRequest, PoolClient, PoolError
-from computepool.client.archive import pack_with_stats, safe_extract, scan
+from computepool.client.archive import extract, pack_with_stats, scan
 from computepool.core.errors import InvalidInput
 
 MIB = 1 << 20
@@ -124,8 +124,9 @@ def ship(
         except PoolError as e:
             raise PoolError(e.status, f"code ({root}): {e.message}", e.field) from None
         note = "uploaded" if sent else "already on the pool"
+        left = f"; {stats.links_left_out} link(s) leading outside it left out" if stats.links_left_out else ""
         err_console.print(
-            f"code: {_size(len(data))}, {stats.files} files ({note})",
+            f"code: {_size(len(data))}, {stats.files} files ({note}){left}",
             style="dim",
             highlight=False,
             markup=False,
@@ -145,10 +146,18 @@ def fetch_outputs(pool: PoolClient, job_id: str, outputs: list[str], base: Path)
     for path in outputs:
         try:
             data = pool.fetch_files(job_id, path)
-            safe_extract(data, base)
+            left_out = extract(data, base, links_out="skip").left_out
         except (PoolError, ValueError, OSError) as e:
             message = e.message if isinstance(e, PoolError) else str(e)
             errors.append(f"--output {path}: {message}")
             continue
         err_console.print(f"output: {path} → {base / path}", style="dim", highlight=False, markup=False)
+        if left_out:
+            err_console.print(left_out_note(sorted(left_out)), style="dim", highlight=False, markup=False)
     return errors
+
+
+def left_out_note(names: list[str]) -> str:
+    """One line naming what a fetch did not bring back (links leading out of the job's work dir)."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return f"left out {len(names)} link(s) leading outside the job's work dir (or special files): {shown}"

@@ -4,7 +4,9 @@ Deterministic (names sorted, mtime 0, owner 0:0, gzip header without a time) so 
 always give the same bytes, hence the same sha256: an unchanged directory is recognised by the
 server (`HEAD /blobs/{sha}`) and never sent twice. `.gitignore` files (at any depth) and a root
 `.cpoolignore` (and the repository's `.git/info/exclude`) are honoured with git's own matching
-rules (pathspec); `.git` is always left out, and so are links that lead out of the tree.
+rules (pathspec); `.git` is always left out, and so are links that lead out of the tree (counted,
+so the CLI can say so). A link to an absolute path inside the tree is shipped as the relative
+link to the same place, since the agent refuses absolute link targets.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from pathlib import Path, PurePosixPath
 
 import pathspec
 
-from computepool.core.tarsafe import UnsafeArchive, safe_extract, sha256_hex
+from computepool.core.tarsafe import UnsafeArchive, extract, safe_extract, sha256_hex
 
-__all__ = ["ArchiveStats", "UnsafeArchive", "pack", "pack_with_stats", "safe_extract", "scan", "sha256_hex"]
+__all__ = [
+    "ArchiveStats", "UnsafeArchive", "extract", "pack", "pack_with_stats", "safe_extract", "scan",
+    "sha256_hex",
+]  # fmt: skip
 
 IGNORE_FILES = (".git/info/exclude", ".gitignore", ".cpoolignore")  # at the root; deeper: .gitignore
 ALWAYS_SKIPPED = frozenset({".git"})
@@ -33,6 +38,7 @@ TREE_SKIPPED = frozenset({"__pycache__"})
 class ArchiveStats:
     files: int
     bytes_in: int  # the files' sizes, before compression
+    links_left_out: int = 0  # links leading out of the tree (or nowhere): not shipped
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,7 @@ def _ignored(rel: PurePosixPath, is_dir: bool, rules: list[_Rules]) -> bool:
 
 
 def _walk(root: Path) -> Iterator[tuple[PurePosixPath, Path]]:
-    """(archive name, path) of every file, dir and in-tree link of `root` not ignored, sorted."""
-    real_root = root.resolve()
+    """(archive name, path) of every file, dir and link of `root` not ignored, sorted."""
 
     def visit(
         directory: Path, rel: PurePosixPath, rules: list[_Rules]
@@ -90,11 +95,7 @@ def _walk(root: Path) -> Iterator[tuple[PurePosixPath, Path]]:
             if _ignored(name, is_dir, here):
                 continue
             if is_link:
-                try:
-                    path.resolve(strict=True).relative_to(real_root)
-                except (OSError, ValueError):
-                    continue  # dangling, or leaving the tree: not shipped
-                yield name, path
+                yield name, path  # judged by _link_text: shipped only when it stays in the tree
             elif is_dir:
                 yield name, path
                 yield from visit(path, name, here)
@@ -118,13 +119,35 @@ def _info(name: str, st: os.stat_result, kind: bytes, link: str = "") -> tarfile
     return info
 
 
+def _link_text(path: Path, name: PurePosixPath, real_root: Path) -> str | None:
+    """What the link at `name` (in the tree at `real_root`) is shipped as; None when it leads out of
+    the tree or nowhere. Absolute (or climbing) links to a place in the tree become relative."""
+    raw = os.readlink(path)
+    try:
+        real = path.resolve(strict=True)
+        real.relative_to(real_root)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    depth = len(name.parts) - 1
+    for part in PurePosixPath(raw).parts:
+        depth += -1 if part == ".." else 0 if part in (".", "/") else 1
+        if depth < 0 or part == "/":
+            return os.path.relpath(real, real_root / name.parent)
+    return raw
+
+
 def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: frozenset[str]) -> ArchiveStats:
-    files = size = 0
+    files = size = left_out = 0
+    real_root = root.resolve()
     for name, path in _walk(root) if not skip else _walk_all(root, skip):
         arcname = f"{prefix}/{name}" if prefix else str(name)
         st = path.lstat()
         if stat.S_ISLNK(st.st_mode):
-            tar.addfile(_info(arcname, st, tarfile.SYMTYPE, os.readlink(path)))
+            text = _link_text(path, name, real_root)
+            if text is None:
+                left_out += 1
+                continue
+            tar.addfile(_info(arcname, st, tarfile.SYMTYPE, text))
         elif stat.S_ISDIR(st.st_mode):
             tar.addfile(_info(arcname, st, tarfile.DIRTYPE))
         else:
@@ -135,12 +158,11 @@ def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: frozenset[str
             tar.addfile(info, io.BytesIO(data))
             files += 1
             size += len(data)
-    return ArchiveStats(files, size)
+    return ArchiveStats(files, size, left_out)
 
 
 def _walk_all(root: Path, skip: frozenset[str]) -> Iterator[tuple[PurePosixPath, Path]]:
     """A whole local package (no ignore files), minus `skip` names and links leaving it, sorted."""
-    real_root = root.resolve()
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in skip and d not in ALWAYS_SKIPPED)
         here = Path(dirpath)
@@ -149,12 +171,7 @@ def _walk_all(root: Path, skip: frozenset[str]) -> Iterator[tuple[PurePosixPath,
             path = here / name
             if name in skip or name.endswith(".pyc"):
                 continue
-            if path.is_symlink():
-                try:
-                    path.resolve(strict=True).relative_to(real_root)
-                except (OSError, ValueError):
-                    continue
-            elif not (path.is_file() or path.is_dir()):
+            if not path.is_symlink() and not (path.is_file() or path.is_dir()):
                 continue
             yield PurePosixPath(rel / name), path
 
@@ -177,17 +194,17 @@ def pack_with_stats(
 ) -> tuple[bytes, ArchiveStats]:
     """`pack`, and how many files and bytes went in."""
     raw = io.BytesIO()
-    files = size = 0
+    files = size = left_out = 0
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         if root is not None:
             if not root.is_dir():
                 raise NotADirectoryError(f"{root}: not a directory")
             got = _add_tree(tar, root, "", frozenset())
-            files, size = files + got.files, size + got.bytes_in
+            files, size, left_out = files + got.files, size + got.bytes_in, left_out + got.links_left_out
         for prefix, tree in sorted((extra_trees or {}).items()):
             clean = str(PurePosixPath(prefix)).strip("/")
             got = _add_tree(tar, tree, clean, TREE_SKIPPED)
-            files, size = files + got.files, size + got.bytes_in
+            files, size, left_out = files + got.files, size + got.bytes_in, left_out + got.links_left_out
         for name, data in sorted((extra_files or {}).items()):
             info = tarfile.TarInfo(str(PurePosixPath(name)).lstrip("/"))
             info.mtime, info.mode, info.size = 0, 0o644, len(data)
@@ -196,7 +213,7 @@ def pack_with_stats(
     out = io.BytesIO()
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=6, filename="") as gz:
         gz.write(raw.getvalue())
-    return out.getvalue(), ArchiveStats(files, size)
+    return out.getvalue(), ArchiveStats(files, size, left_out)
 
 
 def pack(

@@ -121,10 +121,20 @@ class BlobMethods:
             raise PoolError(422, f"{path}: {req.get('error') or 'the node could not send it'}", "path")
         return self.get_blob(str(req["blob"]))
 
-    def download(self, alloc_id: int | str, path: str, dest: Path, *, rank: int | None = None) -> Path:
+    def download(
+        self,
+        alloc_id: int | str,
+        path: str,
+        dest: Path,
+        *,
+        rank: int | None = None,
+        left_out: list[str] | None = None,
+    ) -> Path:
         """`path` of the job (a file or a directory) to `dest`, like `cp`: into `dest` when it is a
-        directory, else as `dest`. Returns where it landed."""
-        from computepool.core.tarsafe import UnsafeArchive, safe_extract  # noqa: PLC0415 - tarfile: only here
+        directory, else as `dest`. Returns where it landed; ValueError where a file would replace a
+        directory (or the other way). Links in it that lead out of the job's
+        work dir (and fifos, devices) are not brought back: their names go to `left_out`."""
+        from computepool.core.tarsafe import UnsafeArchive, extract  # noqa: PLC0415 - tarfile: only here
 
         data = self.fetch_files(alloc_id, path, rank=rank)
         dest = dest.expanduser()
@@ -132,16 +142,15 @@ class BlobMethods:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".cpool-cp-") as tmp:
             try:
-                safe_extract(data, Path(tmp))
+                verdict = extract(data, Path(tmp), links_out="skip")
             except UnsafeArchive as e:
                 raise PoolError(422, f"{path}: refused the files sent back: {e}") from None
+            if left_out is not None:
+                left_out.extend(sorted(verdict.left_out))
             got = Path(tmp) / path
             if not got.exists() and not got.is_symlink():
                 raise PoolError(422, f"{path}: not in the files sent back", "path")
-            if target.is_dir() and got.is_dir():
-                _merge(got, target)
-            else:
-                got.replace(target)
+            _place(got, target)
         return target
 
 
@@ -174,11 +183,24 @@ def _check_room(size: int, headers: Mapping[str, str]) -> None:
         )
 
 
+def _place(got: Path, target: Path) -> None:
+    """`got` moved to `target` as `cp -r` would: a directory merged into an existing one, a file
+    replacing a file; a directory never replaced by a file nor the other way (ValueError, one line)."""
+    got_dir = got.is_dir() and not got.is_symlink()
+    there = target.exists() or target.is_symlink()
+    target_dir = target.is_dir()  # a link to a directory counts as one, as for cp
+    if there and target_dir and not got_dir:
+        raise ValueError(f"cannot overwrite directory {target} with a file")
+    if there and got_dir and not target_dir:
+        raise ValueError(f"cannot overwrite non-directory {target} with a directory")
+    if got_dir and target_dir:
+        _merge(got, target)
+    else:
+        got.replace(target)
+
+
 def _merge(src: Path, dst: Path) -> None:
-    """Move `src`'s entries into the existing directory `dst` (files replace files)."""
-    for entry in src.iterdir():
-        to = dst / entry.name
-        if entry.is_dir() and to.is_dir():
-            _merge(entry, to)
-        else:
-            entry.replace(to)
+    """Move `src`'s entries into the existing directory `dst` (files replace files); raises
+    ValueError where a directory and a file meet, after moving whatever came before."""
+    for entry in sorted(src.iterdir()):
+        _place(entry, dst / entry.name)

@@ -174,9 +174,9 @@ def fetch_outcomes(client: Any, alloc_id: int, ranks: int) -> dict[int, dict[str
 
 
 def _read_outcome(packed: bytes) -> dict[str, Any] | None:
-    """The outcome file out of the tar.gz a file request answers with (read in memory, never extracted)."""
+    """The outcome file out of the tar(.gz) a file request answers with (read in memory, never extracted)."""
     try:
-        with tarfile.open(fileobj=BytesIO(packed), mode="r:gz") as tar:
+        with tarfile.open(fileobj=BytesIO(packed), mode="r:*") as tar:
             member = tar.getmember(OUTCOME_PATH)
             f = tar.extractfile(member) if member.isfile() else None
             data = json.loads(f.read()) if f is not None else None

@@ -135,7 +135,7 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.WORKER_OUTPUT: frozenset({Role.WORKER}),
     Action.BLOB_PUT: _WRITERS,
     Action.BLOB_GET: _ALL | {Role.NODE},
-    Action.FILE_REQUEST: _ALL,
+    Action.FILE_REQUEST: _WRITERS,
     Action.FILE_GET: _ALL,
     Action.NODE_FILE_ANSWER: frozenset({Role.NODE}),
 }

@@ -27,6 +27,17 @@ from computepool.store.models import (
 )
 
 LEASE_ID = 1
+# Secrets a job needs while it holds and nobody after: dropped from the stored env (and the
+# request's copy of it) when its allocation ends — a function worker's bearer token.
+SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN"})
+
+
+def _has_secret(env: dict[str, str] | None) -> bool:
+    return bool(env) and not SECRET_ENV.isdisjoint(env or {})
+
+
+def _without_secrets(env: dict[str, str] | None) -> dict[str, str] | None:
+    return None if env is None else {k: v for k, v in env.items() if k not in SECRET_ENV}
 
 
 def get(session: Session, alloc_id: int, *, for_update: bool = False) -> Allocation | None:
@@ -72,6 +83,7 @@ _END = (
     _ALLOC.update()
     .where(_ALLOC.c.id == bindparam("alloc_id"))
     .values(state=bindparam("state"), reason=bindparam("reason"), ended_at=bindparam("ended_at"))
+    .returning(_ALLOC.c.env)
 )
 _UNINDEX = _NODES.delete().where(_NODES.c.allocation_id == bindparam("alloc_id"))
 
@@ -138,7 +150,16 @@ def lock_head(session: Session, alloc_id: int) -> Head | None:
 def end(session: Session, head: Head, state: str, reason: str, now: datetime) -> None:
     """End a live allocation (released, cancelled …): row, node index and event, in three statements."""
     conn = session.connection()
-    conn.execute(_END, {"alloc_id": head.id, "state": state, "reason": reason[:1024], "ended_at": now})
+    env = conn.execute(
+        _END, {"alloc_id": head.id, "state": state, "reason": reason[:1024], "ended_at": now}
+    ).scalar_one_or_none()
+    if _has_secret(env):
+        req = conn.execute(select(_ALLOC.c.request).where(_ALLOC.c.id == head.id)).scalar_one()
+        conn.execute(
+            _ALLOC.update()
+            .where(_ALLOC.c.id == head.id)
+            .values(env=_without_secrets(env), request=dict(req, env=_without_secrets(req.get("env"))))
+        )
     if head.state in HOLDING:
         conn.execute(_UNINDEX, {"alloc_id": head.id})
     conn.execute(
@@ -190,6 +211,9 @@ def transition(
         alloc.started_at = alloc.started_at or now
     elif state in ENDED:
         alloc.ended_at = now
+        if _has_secret(alloc.env):
+            alloc.env = _without_secrets(alloc.env)
+            alloc.request = dict(alloc.request, env=_without_secrets(alloc.request.get("env")))
     if was_holding and state not in HOLDING:
         session.execute(
             delete(AllocationNode).where(AllocationNode.allocation_id == alloc.id),

@@ -109,8 +109,9 @@ def tenant_bytes(s: Session, tenant_id: int) -> int:
 
 def lock_tenant(s: Session, tenant_id: int) -> None:
     """Hold the tenant's row until the transaction ends, so that two uploads check its cap in turn
-    (PostgreSQL; SQLite writers are one at a time already)."""
-    s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+    (PostgreSQL; SQLite writers are one at a time already). `FOR NO KEY UPDATE`: inserts that
+    merely reference the tenant (allocations, calls) are not held up."""
+    s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True))
 
 
 def hold(s: Session, tenant_id: int, sha: str, size: int, now: datetime) -> bool:
@@ -119,8 +120,9 @@ def hold(s: Session, tenant_id: int, sha: str, size: int, now: datetime) -> bool
     An insert that finds the row there (another upload of the same bytes won) counts as held."""
     dialect = postgresql if s.get_bind().dialect.name == "postgresql" else sqlite
     values = {"tenant_id": tenant_id, "sha256": sha, "size": size, "created_at": now, "last_used_at": now}
-    res = s.execute(dialect.insert(Blob).values(**values).on_conflict_do_nothing())
-    if res.rowcount:
+    table = Blob.__table__
+    stmt = dialect.insert(table).values(**values).on_conflict_do_nothing().returning(table.c.sha256)
+    if s.connection().execute(stmt).first() is not None:
         return True
     touch(s, tenant_id, [sha], now)
     return False
@@ -183,14 +185,10 @@ def pending_of_tenant(s: Session, tenant_id: int) -> int:
 
 def expire_pending(s: Session, tenant_id: int, before: datetime, error: str, now: datetime) -> int:
     """Fail the tenant's file requests asked before `before` that no agent answered."""
-    res = s.execute(
-        update(FileRequest)
-        .where(
-            FileRequest.tenant_id == tenant_id,
-            FileRequest.state == "pending",
-            FileRequest.created_at < before,
-        )
+    fr = FileRequest.__table__
+    res = s.connection().execute(
+        fr.update()
+        .where(fr.c.tenant_id == tenant_id, fr.c.state == "pending", fr.c.created_at < before)
         .values(state="failed", error=error[:1024], ended_at=now)
-        .execution_options(synchronize_session=False)
     )
     return int(res.rowcount or 0)

@@ -3,8 +3,14 @@ its work), and the files a job wrote, packed by its node's agent and handed back
 
 Uploads are streamed to a temp file while hashed, so a 256 MiB archive is never held in memory;
 the caps are checked on the declared length first (nothing is read), then on the bytes as they
-come. Over a cap is 413 with the sizes in the message, and nothing is kept. A blob no live
-allocation names and nobody used for a day is forgotten by a sweep that runs with uploads.
+come. Over a cap is 413 with the sizes in the message, and nothing is kept. Two uploads of one
+tenant check its cap in turn (its row is locked), and the same bytes sent twice at once are one
+blob. A blob no live allocation and no function names, and nobody used for a day, is forgotten by
+a sweep that runs with uploads.
+
+The bytes live in the blob dir (`--blob-dir`), the rows in the shared database: replicas must share
+the dir. A blob held whose file is missing here is taken again when re-sent (HEAD says 404, so
+clients re-send), and a read of it says what is wrong instead of a bare 404.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from computepool.store.models import FileRequest, Tenant
 
 MIB = 1 << 20
 KEEP_UNUSED = timedelta(days=1)
+MAX_PENDING_FILES = 16  # file requests one tenant may have waiting for agents
+FILES_UNANSWERED = timedelta(minutes=10)  # a request no agent answered this long is failed
 SWEEP_EVERY_S = 3600.0
 _sweep_lock = threading.Lock()
 _last_sweep = [0.0]
@@ -43,6 +51,18 @@ _last_sweep = [0.0]
 
 class TooLarge(ApiError):
     status = 413
+
+
+class TooMany(ApiError):
+    status = 429
+
+
+class NotHere(NotFound):
+    """The database says the blob is held, but its file is not under this replica's blob dir."""
+
+
+def _dir(ctx: Ctx) -> Path:
+    return ctx.settings.blobs_path
 
 
 def _mib(n: int) -> str:
@@ -89,7 +109,7 @@ def _over_tenant(ctx: Ctx, tenant: str, used: int, size: int) -> str:
 async def _stream(ctx: Ctx, chunks: AsyncIterator[bytes]) -> tuple[store.TempBlob, str]:
     """The body into a temp file under the per-upload cap; (temp, sha256). Raises TooLarge."""
     cap = _upload_cap(ctx)
-    tmp = await run_in_threadpool(store.new_temp, ctx.settings.data_dir)
+    tmp = await run_in_threadpool(store.new_temp, _dir(ctx))
     try:
         async for chunk in chunks:
             if tmp.size + len(chunk) > cap:
@@ -111,9 +131,10 @@ async def put(ctx: Ctx, sha: str, declared: int | None, chunks: AsyncIterator[by
     if declared is not None and declared > _upload_cap(ctx):
         raise TooLarge(_over_upload(ctx, declared), "body")
     held_size, used = await run_in_threadpool(_holding, ctx, tenant_id, sha)
-    if held_size is not None:
+    if held_size is not None and store.blob_path(_dir(ctx), sha).is_file():
         return await run_in_threadpool(_commit, ctx, tenant, tenant_id, sha, held_size, None), False
-    if declared is not None and used + declared > _tenant_cap(ctx):
+    # not held, or held but its file is not here (another replica's blob dir): take the bytes
+    if held_size is None and declared is not None and used + declared > _tenant_cap(ctx):
         raise TooLarge(_over_tenant(ctx, tenant, used, declared), "body")
     tmp, got = await _stream(ctx, chunks)
     if got != sha:
@@ -138,12 +159,13 @@ def _commit(
     ctx: Ctx, tenant: str, tenant_id: int, sha: str, size: int, tmp: store.TempBlob | None
 ) -> BlobOut:
     with ctx.db.write() as s:
+        store.lock_tenant(s, tenant_id)  # uploads of one tenant check its cap one after another
         now = db_now(s)
         used = store.tenant_bytes(s, tenant_id)
         if tmp is not None and store.held(s, tenant_id, sha) is None and used + size > _tenant_cap(ctx):
             raise TooLarge(_over_tenant(ctx, tenant, used, size), "body")
         if tmp is not None:
-            store.keep(ctx.settings.data_dir, tmp, sha)
+            store.keep(_dir(ctx), tmp, sha)
         created = store.hold(s, tenant_id, sha, size, now)
         if created:
             used += size
@@ -159,7 +181,7 @@ def _maybe_sweep(ctx: Ctx) -> None:
     try:
         _last_sweep[0] = now
         with ctx.db.write() as s:
-            store.sweep(s, ctx.settings.data_dir, KEEP_UNUSED, db_now(s))
+            store.sweep(s, _dir(ctx), KEEP_UNUSED, db_now(s))
     finally:
         _sweep_lock.release()
 
@@ -182,7 +204,7 @@ def locate(ctx: Ctx, sha: str, *, own: bool = False) -> tuple[Path, int]:
     """
     _check_sha(sha)
     caller = ctx.caller()
-    path = store.blob_path(ctx.settings.data_dir, sha)
+    path = store.blob_path(_dir(ctx), sha)
     with ctx.db.read() as s:
         if caller.role is Role.NODE:
             ok = caller.node is not None and store.referenced_on(s, caller.node, sha)
@@ -191,8 +213,13 @@ def locate(ctx: Ctx, sha: str, *, own: bool = False) -> tuple[Path, int]:
         else:
             t = tenant_store.get(s, caller.tenant or "")
             ok = t is not None and store.held(s, t.id, sha) is not None
-    if not ok or not path.is_file():
+    if not ok:
         raise NotFound.of("blob", sha)
+    if not path.is_file():
+        raise NotHere(
+            f"blob {sha} is held but its bytes are not on this replica: give replicas one --blob-dir "
+            "(a directory they share), or upload the blob again through this one"
+        )
     return path, path.stat().st_size
 
 
@@ -250,6 +277,8 @@ def request_files(ctx: Ctx, alloc_id: int, body: FileRequestCreate, hub: Hub) ->
         nodes = list(a.nodes)
         if not nodes:
             raise Conflict(f"allocation {alloc_id} is {a.state} and has not run on any node yet")
+        now = db_now(s)
+        _room_for_files(s, a.tenant_id, a.tenant.name, now)
         rank = body.rank or 0
         if rank >= len(nodes):
             raise Invalid(f"rank: {rank} is past the last member (the job has {len(nodes)})", "rank")
@@ -257,7 +286,6 @@ def request_files(ctx: Ctx, alloc_id: int, body: FileRequestCreate, hub: Hub) ->
             raise Conflict(
                 f"node {nodes[rank]}, where the job ran, has left the pool: its files went with it"
             )
-        now = db_now(s)
         row = FileRequest(
             allocation_id=a.id,
             tenant_id=a.tenant_id,
@@ -275,6 +303,20 @@ def request_files(ctx: Ctx, alloc_id: int, body: FileRequestCreate, hub: Hub) ->
         out = _file_out(row)
     hub.notify(f"node:{out.node}")
     return out
+
+
+def _room_for_files(s: Session, tenant_id: int, tenant: str, now: datetime) -> None:
+    """429 when the tenant has MAX_PENDING_FILES requests waiting (those unanswered too long fail)."""
+    store.lock_tenant(s, tenant_id)
+    mins = int(FILES_UNANSWERED.total_seconds() // 60)
+    why = f"no answer from the node in {mins} minutes"
+    store.expire_pending(s, tenant_id, now - FILES_UNANSWERED, why, now)
+    waiting = store.pending_of_tenant(s, tenant_id)
+    if waiting >= MAX_PENDING_FILES:
+        raise TooMany(
+            f"tenant {tenant} has {waiting} file requests pending, the most a tenant may have "
+            f"({MAX_PENDING_FILES}): wait for them to be answered"
+        )
 
 
 def get_file_request(ctx: Ctx, alloc_id: int, rid: int) -> FileRequestOut:
