@@ -86,7 +86,7 @@ class Hosts:
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
     root = Path("/var/tmp") / f"cpool-sdkgang-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o755)  # the outcomes come back by file requests, packed as the tenant's user
+    root.mkdir(mode=0o700)  # hidden from tenants: the agent hands the job dirs to their tar as descriptors
     h = Hosts(root)
     try:
         h.start()
