@@ -61,19 +61,22 @@ def test_local_modules_are_the_callers_own_files(project: Path) -> None:
     assert not any(n.startswith(("computepool", "cloudpickle", "pytest", "json")) for n in names)
 
 
-def test_shipment_holds_the_tree_the_worker_cloudpickle_and_the_function(project: Path) -> None:
+def test_shipment_holds_the_modules_the_worker_cloudpickle_and_the_function(project: Path) -> None:
     import helpermod  # type: ignore[import-not-found]
     from helperpkg import triple  # type: ignore[import-not-found]
 
     def job(x: int) -> int:
         return int(triple(x)) * helpermod.SCALE
 
+    (project / ".ssh").mkdir()
+    (project / ".ssh" / "id_rsa").write_text("a key\n")
     s = shipment(job, project)
-    assert s.root == project and "." in s.sys_path  # (pytest's test dirs are the caller's too)
+    assert s.root is None  # the modules travel, never the directory they came from
     archive = pack_shipment(s)
     files = _names(archive)
-    assert "helperpkg/inner.py" in files and "helpermod.py" in files and "data.txt" in files
-    assert "ignored.log" not in files  # the .gitignore is honoured
+    [prefix] = [p for p in s.sys_path if f"{p}/helpermod.py" in files]
+    assert prefix.startswith("__cpool__/paths/") and f"{prefix}/helperpkg/inner.py" in files
+    assert not any(n.endswith(("data.txt", "ignored.log", "id_rsa")) for n in files), sorted(files)
     assert files[WORKER_PATH] == (Path(worker_mod.__file__)).read_bytes()
     assert "__cpool__/lib/cloudpickle/__init__.py" in files
     assert not any("__pycache__" in n for n in files)

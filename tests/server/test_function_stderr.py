@@ -48,3 +48,66 @@ def test_stderr_is_kept_apart_and_read_from_its_own_offset(api: Api) -> None:
     next_call(api, token, {"id": cid, "ok": True, "result": base64.b64encode(b"1").decode()})
     [c] = results(api, fid, [cid])
     assert c["state"] == "done" and c["output"] == "OUT1\nOUT2\n" and c["stderr"] == "ERR1\nERR2\n"
+
+
+def test_a_nul_printed_or_raised_is_kept_as_a_replacement_character(api: Api) -> None:
+    """PostgreSQL text holds no NUL: output and tracebacks carrying one used to answer 500 there."""
+    manual(api)
+    n1 = join(api, "n1", ["3.11"], devices=0)
+    fid = register(api, max_workers=1)["id"]
+    [cid] = submit(api, fid, b"x")
+    cycle(api)
+    [token] = worker_tokens(api, "n1", n1).values()
+    assert next_call(api, token).json()["call"]["id"] == cid
+    for stream in ("stdout", "stderr"):
+        r = api.post(
+            "/api/v1/worker/output", json={"id": cid, "data": "a\x00b", "stream": stream}, headers=bearer(token)
+        )
+        assert r.status_code == 200 and r.json() == {"accepted": True}, r.text
+    done = {"id": cid, "ok": False, "result": base64.b64encode(b"e").decode(), "traceback": "x\x00y"}
+    assert next_call(api, token, done).status_code == 200
+    [c] = results(api, fid, [cid])
+    assert (c["output"], c["stderr"], c["traceback"]) == ("a\ufffdb", "a\ufffdb", "x\ufffdy")
+    assert c["output_next"] == 3  # one character for one: the offsets callers read by still hold
+
+
+def test_a_log_chunk_with_a_nul_is_refused_naming_the_field(api: Api) -> None:
+    manual(api)
+    node = join(api, "n1", None, devices=0)
+    alloc = api.ok("POST", "/api/v1/allocations", json={"cpu_milli": 100, "command": ["true"]})
+    cycle(api)
+    r = api.post(
+        f"/api/v1/allocations/{alloc['id']}/logs",
+        json={"attempt": 1, "stream": "stdout", "offset": 0, "data": "a\x00b"},
+        headers=node,
+    )
+    assert r.status_code == 422 and r.json()["field"] == "data", r.text
+
+
+def test_one_answer_carries_results_up_to_a_budget_and_the_rest_comes_next(api: Api, db_url: str) -> None:
+    """A thousand large results are never read (nor sent) at once: the lowest ids that fit the
+    budget come first, at least one, and the caller asks again for the rest."""
+    from computepool.store import functions as store
+    from computepool.store.db import Database
+
+    manual(api)
+    n1 = join(api, "n1", ["3.11"], devices=0)
+    fid = register(api, max_workers=1, keep_warm_s=60)["id"]
+    ids = submit(api, fid, b"a", b"b", b"c")
+    cycle(api)
+    [token] = worker_tokens(api, "n1", n1).values()
+    got = next_call(api, token).json()["call"]
+    for i in range(3):
+        done = {"id": got["id"], "ok": True, "result": base64.b64encode(bytes(3000)).decode()}  # 4,000 chars
+        got = next_call(api, token, done).json()["call"]
+        assert (got is None) == (i == 2)
+    db = Database(db_url)
+    try:
+        with db.read() as s:
+            assert [r.id for r in store.results(s, fid, ids, budget=9000)] == ids[:2]
+            assert [r.id for r in store.results(s, fid, ids, budget=100)] == ids[:1]  # at least one
+            assert [r.id for r in store.results(s, fid, ids[2:], budget=9000)] == ids[2:]
+            assert len(store.results(s, fid, ids)) == 3
+    finally:
+        db.dispose()
+    assert [c["id"] for c in results(api, fid, ids)] == ids  # the server's budget holds them all

@@ -63,13 +63,15 @@ class _LogTail:
 
 
 def _utf8_chunk(raw: bytes, final: bool) -> tuple[bytes, str]:
-    """Cut `raw` at a character boundary (unless it is the last of the file) and decode it."""
+    """Cut `raw` at a character boundary (unless it is the last of the file) and decode it. A NUL
+    goes out as U+FFFD, as undecodable bytes do: the control plane's text columns hold no NUL."""
     try:
-        return raw, raw.decode()
+        text = raw.decode()
     except UnicodeDecodeError as e:
         if not final and e.reason == "unexpected end of data" and e.start > 0:
             raw = raw[: e.start]
-        return raw, raw.decode(errors="replace")
+        text = raw.decode(errors="replace")
+    return raw, text.replace("\x00", "\ufffd")
 
 
 class LogShipper:

@@ -9,7 +9,6 @@ archive is deterministic, so registering the same function again re-uses the blo
 
 from __future__ import annotations
 
-import os
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -114,17 +113,14 @@ def shipment(fn: Any, cwd: Path | None = None) -> Shipment:
     """Everything the function needs on the node, short of its dependencies (pip) and the node's Python."""
     cwd = (cwd or Path.cwd()).resolve()
     mods = local_modules(cwd)
-    ship_cwd = any(_inside(m.root, cwd) for m in mods)
-    out = Shipment(root=cwd if ship_cwd else None)
+    # Only the modules themselves travel, never the whole directory they were imported from: a
+    # notebook started in a home directory must not ship its dot-files (keys, credentials).
+    out = Shipment(root=None)
     out.extra_files[WORKER_PATH] = _worker_source()
     out.extra_files[FUNCTION_PATH] = pickle_function(fn, mods)
     out.extra_trees[f"{LIB_PREFIX}/cloudpickle"] = Path(cloudpickle.__file__).resolve().parent
     roots: list[str] = []
     for root in _unique(m.root for m in mods):
-        if _inside(root, cwd):
-            rel = os.path.relpath(root, cwd)
-            roots.append("." if rel == "." else rel)
-            continue
         prefix = f"{PATHS_PREFIX}/{len(roots)}"
         roots.append(prefix)
         for m in mods:

@@ -365,9 +365,16 @@ def call_of(s: Session, cid: int) -> tuple[str, int | None, int] | None:
     return None if row is None else (row[0], row[1], row[2])
 
 
+def _text(data: str) -> str:
+    """PostgreSQL text holds no NUL: a program may print one; it is kept as U+FFFD (one character,
+    so the character offsets the callers read by stay right)."""
+    return data.replace("\x00", "\ufffd")
+
+
 def finish(
     s: Session, cid: int, worker: int, ok: bool, result: str | None, tb: str | None, now: datetime
 ) -> bool:
+    tb = None if tb is None else _text(tb)
     res = s.connection().execute(
         _FINISH,
         {
@@ -398,7 +405,8 @@ _APPEND = {
 
 def append_output(s: Session, cid: int, worker: int, data: str, stream: str = "stdout") -> bool:
     """Append to the call's stdout or stderr (each capped on its own)."""
-    return bool(s.connection().execute(_APPEND[stream], {"cid": cid, "w": worker, "data": data}).rowcount)
+    params = {"cid": cid, "w": worker, "data": _text(data)}
+    return bool(s.connection().execute(_APPEND[stream], params).rowcount)
 
 
 def fail_calls_of_worker(s: Session, worker: int, error: str, now: datetime) -> list[int]:
@@ -463,14 +471,38 @@ _CALL_COLS = (
 )  # fmt: skip
 
 
-def results(s: Session, fid: int, ids: Sequence[int], *, with_news: bool = False) -> list[CallRow]:
+def results(
+    s: Session, fid: int, ids: Sequence[int], *, with_news: bool = False, budget: int | None = None
+) -> list[CallRow]:
     """The calls of `fid` among `ids` (ids of other functions are simply absent); with `with_news`,
-    only those that ended or printed something: a poll over many waiting calls reads few rows."""
+    only those that ended or printed something: a poll over many waiting calls reads few rows.
+
+    With a `budget` (characters), the lowest ids whose results, tracebacks and output fit in it (at
+    least one): a thousand 64 MiB results are never read at once; the caller asks again for the rest.
+    """
     cond = and_(_C.c.function_id == fid, _C.c.id.in_(list(ids)))
     if with_news:
         printed = (func.length(_C.c.output) > 0) | (func.length(_C.c.stderr) > 0)
         cond = and_(cond, _C.c.state.in_(ENDED_CALL) | printed)
-    return [CallRow(*r) for r in s.connection().execute(select(*_CALL_COLS).where(cond))]
+    conn = s.connection()
+    if budget is not None:
+        size = (
+            func.coalesce(func.length(_C.c.result), 0)
+            + func.coalesce(func.length(_C.c.traceback), 0)
+            + func.length(_C.c.output)
+            + func.length(_C.c.stderr)
+        )
+        chosen: list[int] = []
+        total = 0
+        for cid, n in conn.execute(select(_C.c.id, size).where(cond).order_by(_C.c.id)):
+            if chosen and total + int(n) > budget:
+                break
+            chosen.append(int(cid))
+            total += int(n)
+        if not chosen:
+            return []
+        cond = _C.c.id.in_(chosen)
+    return [CallRow(*r) for r in conn.execute(select(*_CALL_COLS).where(cond))]
 
 
 def known(s: Session, fid: int, ids: Sequence[int]) -> set[int]:

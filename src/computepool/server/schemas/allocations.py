@@ -128,6 +128,7 @@ class AllocationCreate(In):
             if key.startswith("CPOOL_") and key not in OPEN_CPOOL_ENV:
                 raise ValueError(f"{key}: names starting with CPOOL_ are set by the pool, not by requests")
         return env
+
     colocate: LabelKey | None = Field(
         default=None,
         description="A gang's nodes must all share one value of this node label (e.g. rack).",
@@ -310,7 +311,14 @@ class LogChunk(In):
         le=2**62,
         description="Byte offset (UTF-8) where `data` starts in this attempt's stream.",
     )
-    data: str = Field(max_length=MAX_LOG_CHUNK)
+    data: str = Field(max_length=MAX_LOG_CHUNK, description="Text without NUL (agents send U+FFFD).")
+
+    @field_validator("data")
+    @classmethod
+    def _no_nul(cls, data: str) -> str:
+        if "\x00" in data:
+            raise ValueError("holds a NUL character, which logs do not store (send U+FFFD instead)")
+        return data
 
 
 class LogAppended(Out):

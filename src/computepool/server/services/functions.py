@@ -34,6 +34,10 @@ from computepool.server.services.function_workers import fn_key, results_key
 from computepool.store import functions as store
 from computepool.store.db import db_now
 
+# Results, tracebacks and output one answer carries at most (base64 characters): the rest waits
+# for the next poll, so neither the server nor the caller holds a thousand large results at once.
+RESULTS_BUDGET_CHARS = 96 << 20
+
 
 def _out(fn: store.FunctionRow, live: int, pending: int) -> FunctionOut:
     return FunctionOut(
@@ -184,7 +188,7 @@ def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
             seen = store.known(s, fid, list(wanted))
             missing = next(i for i in body.ids if i not in seen)
             raise NotFound.of("call", missing, "ids")
-        rows = store.results(s, fid, list(wanted), with_news=True)
+        rows = store.results(s, fid, list(wanted), with_news=True, budget=RESULTS_BUDGET_CHARS)
     return ResultsOut(calls=_relevant(rows, body.output_from, body.stderr_from))
 
 
