@@ -61,7 +61,9 @@ def test_a_nul_printed_or_raised_is_kept_as_a_replacement_character(api: Api) ->
     assert next_call(api, token).json()["call"]["id"] == cid
     for stream in ("stdout", "stderr"):
         r = api.post(
-            "/api/v1/worker/output", json={"id": cid, "data": "a\x00b", "stream": stream}, headers=bearer(token)
+            "/api/v1/worker/output",
+            json={"id": cid, "data": "a\x00b", "stream": stream},
+            headers=bearer(token),
         )
         assert r.status_code == 200 and r.json() == {"accepted": True}, r.text
     done = {"id": cid, "ok": False, "result": base64.b64encode(b"e").decode(), "traceback": "x\x00y"}
