@@ -127,7 +127,8 @@ def request_text(req: dict[str, Any]) -> str:
             g += " exclusive"
         parts.append(g)
     if req.get("cpu_milli"):
-        parts.append(f"{cpus_text(req['cpu_milli'])} CPUs")
+        cpus = cpus_text(req["cpu_milli"])
+        parts.append(f"{cpus} CPU{'' if cpus == '1' else 's'}")
     if req.get("memory_mib"):
         parts.append(format_mib(req["memory_mib"]))
     if int(req.get("gang_nodes") or 1) > 1:
