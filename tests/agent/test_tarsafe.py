@@ -185,3 +185,27 @@ def test_our_own_packer_output_passes(tmp_path: Path) -> None:
     assert (dest / "a" / "rel_up").read_text() == "f" and not (dest / "leaves").is_symlink()
     started = time.monotonic()
     assert check_stream(io.BytesIO(data)).members == 5 and time.monotonic() - started < 5
+
+
+def _raw_member(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, link: str = "") -> bytes:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.size, ti.linkname = kind, len(data), link
+    return ti.tobuf(format=tarfile.GNU_FORMAT) + data + b"\0" * (-len(data) % 512)
+
+
+def test_members_after_a_broken_header_are_judged_as_gnu_tar_would_write_them(tmp_path: Path) -> None:
+    """Python's tarfile used to stop at a broken header, unlike GNU tar, which skips it and goes on
+    writing: the check passed an archive whose rest was never looked at (a link to /etc, 20 MB)."""
+    bad = bytearray(_raw_member("junk"))
+    bad[148:156] = b"0000000\0"  # a wrong checksum
+    body = _raw_member("ok.txt", b"hello\n") + bytes(bad)
+    body += b"".join(_raw_member(f"f{i}.bin", bytes(1 << 20)) for i in range(4))
+    body += _raw_member("out", kind=tarfile.SYMTYPE, link="/etc") + b"\0" * 1024
+    data = gzip.compress(body)
+    with pytest.raises(UnsafeArchive, match="unpacks to more than"):
+        check_stream(io.BytesIO(data), max_bytes=1 << 20)
+    with pytest.raises(UnsafeArchive, match="'out': link to '/etc'"):
+        check_stream(io.BytesIO(data))
+    # and GNU tar does go on past the broken header: what the check must see
+    listing = subprocess.run(["tar", "-tzf", "-"], input=data, capture_output=True, check=False).stdout
+    assert b"out\n" in listing

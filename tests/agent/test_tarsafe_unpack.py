@@ -228,3 +228,16 @@ def cache_with_more(cache: BlobCache, data: bytes) -> tuple[BlobCache, str]:
     sha = sha256_hex(data)
     cache.path(sha).write_bytes(data)
     return cache, sha
+
+
+def test_packing_files_back_stops_at_its_cap(tmp_path: Path) -> None:
+    """A job that wrote more than a fetch may carry is refused while packing, not packed whole."""
+    work = tmp_path / "work"
+    (work / "out").mkdir(parents=True)
+    (work / "out" / "big.bin").write_bytes(os.urandom(3 << 20))  # random: gzip cannot shrink it
+    with pytest.raises(ValueError, match="more than 1 MiB packed"):
+        pack_as(None, work, "out", tmp_path / "a.tar.gz", 1 << 20)
+    assert (tmp_path / "a.tar.gz").stat().st_size <= 1 << 20
+    pack_as(None, work, "out", tmp_path / "b.tar.gz", 8 << 20)  # under the cap: packed
+    with tarfile.open(tmp_path / "b.tar.gz") as t:
+        assert t.getmember("out/big.bin").size == 3 << 20

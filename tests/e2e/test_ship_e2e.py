@@ -365,3 +365,18 @@ def test_code_and_stdin_reach_a_container_job(pool: Pool, image: str, tmp_path: 
                  stdin="piped words\n")  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr + pool.logs()
     assert "container got piped words" in r.stdout
+
+
+def test_output_never_writes_through_a_local_link(pool: Pool, tmp_path: Path) -> None:
+    """`--output out` where the local out/ holds a link to a file of the caller's: the job's file
+    replaces the link; the file the link pointed at is left alone."""
+    a = pool.member(f"sl{uuid.uuid4().hex[:6]}")
+    here = tmp_path / "here"
+    (here / "out").mkdir(parents=True)
+    (here / "README.md").write_text("mine\n")
+    (here / "out" / "x").symlink_to("../README.md")
+    job = "import os; os.makedirs('out', exist_ok=True); open('out/x', 'w').write('from the job\\n')"
+    r = pool.cli(a, "run", "--no-code", "--output", "out", "--", JOB_PYTHON, "-c", job, cwd=here)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (here / "README.md").read_text() == "mine\n"
+    assert not (here / "out" / "x").is_symlink() and (here / "out" / "x").read_text() == "from the job\n"

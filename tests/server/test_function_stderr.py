@@ -113,3 +113,30 @@ def test_one_answer_carries_results_up_to_a_budget_and_the_rest_comes_next(api: 
     finally:
         db.dispose()
     assert [c["id"] for c in results(api, fid, ids)] == ids  # the server's budget holds them all
+
+
+def test_output_already_read_costs_the_budget_nothing(api: Api, db_url: str) -> None:
+    """A running call that printed a lot, all of it read, must not hold back a call that ended."""
+    from computepool.store import functions as store
+    from computepool.store.db import Database
+
+    manual(api)
+    n1 = join(api, "n1", ["3.11"], devices=0)
+    fid = register(api, max_workers=2, keep_warm_s=60)["id"]
+    a, b = submit(api, fid, b"a", b"b")
+    cycle(api)
+    (ta, tb) = worker_tokens(api, "n1", n1).values()
+    assert next_call(api, ta).json()["call"]["id"] == a
+    assert next_call(api, tb).json()["call"]["id"] == b
+    out = api.post("/api/v1/worker/output", json={"id": a, "data": "x" * 1000}, headers=bearer(ta))
+    assert out.status_code == 200, out.text
+    next_call(api, tb, {"id": b, "ok": True, "result": base64.b64encode(b"B").decode()})
+    db = Database(db_url)
+    try:
+        with db.read() as s:
+            fresh = store.results(s, fid, [a, b], with_news=True, budget=500)
+            seen = store.results(s, fid, [a, b], with_news=True, budget=500, read={a: (1000, 0)})
+    finally:
+        db.dispose()
+    assert [r.id for r in fresh] == [a]  # its 1,000 unread characters fill the answer
+    assert [r.id for r in seen] == [b]  # read already: the ended call comes

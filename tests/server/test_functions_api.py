@@ -451,3 +451,27 @@ def test_two_servers_workers_claim_each_call_once(make_api: Any) -> None:
     assert {c["id"]: base64.b64decode(c["result"]) for c in out} == {
         i: str(n).encode() for n, i in enumerate(ids)
     }
+
+
+def test_a_worker_that_delivered_breaks_a_run_of_failures(api: Api) -> None:
+    """Two workers failing in a row fail the waiting calls; a one-call worker that delivered in
+    between breaks the run (it is settled when told to stop, so the sweep never counted it)."""
+    manual(api)
+    n1 = join(api, "n1", ["3.11"], devices=0)
+    fid = register(api, keep_warm_s=0, max_workers=1)["id"]
+    [a, b, c] = submit(api, fid, b"a", b"b", b"c")
+    cycle(api)
+    [w1] = worker_tokens(api, "n1", n1)
+    report(api, "n1", n1, w1, state="failed", reason="node hiccup")  # failure 1, nothing claimed
+    sweep(api.app.state.db)
+    cycle(api)
+    [(w2, t2)] = worker_tokens(api, "n1", n1).items()
+    assert next_call(api, t2).json()["call"]["id"] == a
+    assert next_call(api, t2, {"id": a, "ok": True, "result": b64(b"A")}).json()["stop"] is True
+    report(api, "n1", n1, w2, state="exited", exit_code=0)  # it delivered
+    sweep(api.app.state.db)
+    cycle(api)
+    w3 = max(worker_tokens(api, "n1", n1))
+    report(api, "n1", n1, w3, state="failed", reason="node hiccup again")  # failure 2, not in a row
+    sweep(api.app.state.db)
+    assert not [x for x in results(api, fid, [b, c]) if x["state"] == "failed"]

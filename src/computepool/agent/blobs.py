@@ -252,7 +252,7 @@ class FileAnswerer:
                 if not work.is_dir():
                     raise ValueError(f"the job's directory is gone from this node (attempt {attempt})")
                 _inside(work, rel)
-                pack_as(self.run_as(tenant), work, rel, out)
+                pack_as(self.run_as(tenant), work, rel, out, MAX_PACKED)
                 with out.open("rb") as f:
                     check_stream(f, links_out="skip")  # links out: the client leaves them out, saying so
             except UnsafeArchive as e:

@@ -119,13 +119,18 @@ def unpack_as(user: pwd.struct_passwd | None, archive: Path, work_dir: Path, max
         raise ValueError(f"unpacking failed: {_first_error(r.stderr, r.returncode)}")
 
 
-def pack_as(user: pwd.struct_passwd | None, work_dir: Path, rel: str, out: Path) -> None:
+def pack_as(
+    user: pwd.struct_passwd | None, work_dir: Path, rel: str, out: Path, max_bytes: int | None = None
+) -> None:
     """`tar -czf OUT REL` in `work_dir` as `user` (None: the agent's own user); raises ValueError
-    with tar's first complaint."""
+    with tar's first complaint. `max_bytes` bounds the archive written (the file-size limit of tar and
+    its gzip): a job that wrote 100 GiB is refused there, not packed whole first."""
     with dir_fd(work_dir) as wfd, out.open("wb") as f:
         # --hard-dereference: a file with two names travels twice, never as a hard link (refused)
         args = ["--create", "--gzip", "--hard-dereference", "--file", "-", "--", rel]
-        r = run_tar(user, wfd, args, stdout=f.fileno())
+        r = run_tar(user, wfd, args, stdout=f.fileno(), max_file_bytes=max_bytes)
+    if max_bytes is not None and out.stat().st_size >= max_bytes:
+        raise ValueError(f"{rel}: more than {max_bytes >> 20} MiB packed, more than a fetch carries")
     if r.returncode not in (0, 1):  # 1: a file changed while read (the job still writes): still sent
         raise ValueError(f"{rel}: {_first_error(r.stderr, r.returncode)}")
 

@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from computepool.cli.common import err_console
 from computepool.client import AllocationRequest, PoolClient, PoolError
-from computepool.client.archive import extract, pack_with_stats, scan
+from computepool.client.archive import pack_with_stats, scan
 from computepool.core.errors import InvalidInput
 
 MIB = 1 << 20
@@ -144,9 +144,13 @@ def fetch_outputs(pool: PoolClient, job_id: str, outputs: list[str], base: Path)
     """Bring each `--output` path back under `base` (same relative path); the errors, one line each."""
     errors: list[str] = []
     for path in outputs:
+        left_out: list[str] = []
         try:
-            data = pool.fetch_files(job_id, path)
-            left_out = extract(data, base, links_out="skip").left_out
+            # unpacked beside the target and moved into place as `cp` would: never written through
+            # a link that happens to stand in the local directory
+            parent = (base / path).parent
+            parent.mkdir(parents=True, exist_ok=True)
+            pool.download(job_id, path, parent, left_out=left_out)
         except (PoolError, ValueError, OSError) as e:
             message = e.message if isinstance(e, PoolError) else str(e)
             errors.append(f"--output {path}: {message}")

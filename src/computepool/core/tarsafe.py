@@ -61,9 +61,13 @@ def _nbytes(text: str) -> int:
 
 
 def open_stream(f: BinaryIO) -> tarfile.TarFile:
-    """A tar stream (gzip or plain) read front to back; raises UnsafeArchive if it is not one."""
+    """A tar stream (gzip or plain) read front to back; raises UnsafeArchive if it is not one.
+
+    `ignore_zeros`: a broken header does not end the reading here, as it would by default, because
+    GNU tar (which unpacks on the agent) skips it and goes on: every member it would write is judged.
+    """
     try:
-        return tarfile.open(fileobj=f, mode="r|*")
+        return tarfile.open(fileobj=f, mode="r|*", ignore_zeros=True)
     except (tarfile.TarError, OSError, EOFError) as e:
         raise UnsafeArchive(f"not a readable tar archive: {e}") from None
 

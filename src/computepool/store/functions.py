@@ -6,7 +6,7 @@ statement each: a warm call costs a handful of indexed statements in all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -472,13 +472,20 @@ _CALL_COLS = (
 
 
 def results(
-    s: Session, fid: int, ids: Sequence[int], *, with_news: bool = False, budget: int | None = None
+    s: Session,
+    fid: int,
+    ids: Sequence[int],
+    *,
+    with_news: bool = False,
+    budget: int | None = None,
+    read: Mapping[int, tuple[int, int]] | None = None,
 ) -> list[CallRow]:
     """The calls of `fid` among `ids` (ids of other functions are simply absent); with `with_news`,
     only those that ended or printed something: a poll over many waiting calls reads few rows.
 
-    With a `budget` (characters), the lowest ids whose results, tracebacks and output fit in it (at
-    least one): a thousand 64 MiB results are never read at once; the caller asks again for the rest.
+    With a `budget` (characters), the lowest ids whose results, tracebacks and output not yet read
+    (`read`: id → stdout and stderr characters the caller has) fit in it, at least one: a thousand
+    64 MiB results are never read at once; the caller asks again for the rest.
     """
     cond = and_(_C.c.function_id == fid, _C.c.id.in_(list(ids)))
     if with_news:
@@ -486,19 +493,25 @@ def results(
         cond = and_(cond, _C.c.state.in_(ENDED_CALL) | printed)
     conn = s.connection()
     if budget is not None:
-        size = (
-            func.coalesce(func.length(_C.c.result), 0)
-            + func.coalesce(func.length(_C.c.traceback), 0)
-            + func.length(_C.c.output)
-            + func.length(_C.c.stderr)
-        )
+        sizes = select(
+            _C.c.id,
+            _C.c.state,
+            func.coalesce(func.length(_C.c.result), 0) + func.coalesce(func.length(_C.c.traceback), 0),
+            func.length(_C.c.output),
+            func.length(_C.c.stderr),
+        ).where(cond)
         chosen: list[int] = []
         total = 0
-        for cid, n in conn.execute(select(_C.c.id, size).where(cond).order_by(_C.c.id)):
-            if chosen and total + int(n) > budget:
+        for cid, state, outcome, out_n, err_n in conn.execute(sizes.order_by(_C.c.id)):
+            have_out, have_err = (read or {}).get(int(cid), (0, 0))
+            unread = max(0, int(out_n) - have_out) + max(0, int(err_n) - have_err)
+            if state not in ENDED_CALL and unread == 0:
+                continue  # nothing new to send: it costs the answer nothing
+            n = int(outcome) + unread
+            if chosen and total + n > budget:
                 break
             chosen.append(int(cid))
-            total += int(n)
+            total += n
         if not chosen:
             return []
         cond = _C.c.id.in_(chosen)

@@ -140,21 +140,25 @@ def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
     with ctx.db.write() as s:
         worker, fid, head = _check(ctx, s)
         now = db_now(s)
+        retiring = done is not None and head.keep_warm_s == 0 and not head.deleted
+        # the function's row before the call's, as cancel and delete take them (no lock-order deadlock)
+        fn = store.get_function(s, fid, lock=True) if retiring else None
         if done is not None and not store.finish(
             s, done.id, worker, done.ok, done.result, done.traceback, now
         ):
             _not_claimed(s, done.id, worker, "done.id")
         started = 0
-        if head.deleted or (done is not None and head.keep_warm_s == 0):
+        if head.deleted or retiring:
             got = None
             stop = True
-            if not head.deleted:
+            if fn is not None:
                 # a one-call worker is done: it no longer counts as live or idle, so the calls
-                # waiting get a worker of their own now rather than at the next sweep
+                # waiting get a worker of their own now rather than at the next sweep; and it
+                # delivered, so the count of workers failing in a row starts again
                 store.settle_worker(s, worker)
-                fn = store.get_function(s, fid, lock=True)
-                if fn is not None:
-                    started = ensure_workers(s, fn, now)
+                if fn.failures:
+                    store.set_failures(s, fid, 0, "")
+                started = ensure_workers(s, fn, now)
         else:
             got = store.claim_next(s, fid, worker, now)
             stop = False

@@ -188,7 +188,8 @@ def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
             seen = store.known(s, fid, list(wanted))
             missing = next(i for i in body.ids if i not in seen)
             raise NotFound.of("call", missing, "ids")
-        rows = store.results(s, fid, list(wanted), with_news=True, budget=RESULTS_BUDGET_CHARS)
+        read = {i: (body.output_from.get(str(i), 0), body.stderr_from.get(str(i), 0)) for i in wanted}
+        rows = store.results(s, fid, list(wanted), with_news=True, budget=RESULTS_BUDGET_CHARS, read=read)
     return ResultsOut(calls=_relevant(rows, body.output_from, body.stderr_from))
 
 
