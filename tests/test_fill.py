@@ -257,7 +257,7 @@ def test_fill_tiny_failures_counted():
     r = run_fill(nodes, pods, "bestfit", 3, tune=1.0)
     # 2430 milli arrive on 2000: two fit, one fails
     assert r.pods_arrived == 3 and r.pods_failed == 1
-    assert r.first_failure.endswith(": 1 nodes: 1 no GPU with 810m free")
+    assert r.first_failure.endswith(": 1 node: 1 no GPU with 810m free")
     assert r.curve[-1] == [123, 81.0]  # 2430/2000 arrived, 1620/2000 allocated
 
 

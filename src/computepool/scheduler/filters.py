@@ -171,7 +171,7 @@ def feasibility(state: ClusterState, view: View, req: Request) -> Feasibility:
         else:
             on_mig = (models_ok & (view.gpu_profile >= 0)).sum(axis=1) > 0
             reject(on_mig & (need.allowed.sum(axis=1) < k), "GPUs split into MIG instances (ask with mig)")
-        reject(need.allowed.sum(axis=1) < k, f"fewer than {k} GPUs")
+        reject(need.allowed.sum(axis=1) < k, f"fewer than {k} GPU{'' if k == 1 else 's'}")
     reject(view.cpu_free < req.cpu_milli, "CPU")
     reject(view.mem_free < req.memory_mib, "host memory")
     if k > 0:
@@ -230,11 +230,12 @@ class Reasons:
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
+        nodes = f"{self.total_nodes} node{'' if self.total_nodes == 1 else 's'}"
         if not self.counts:
-            text = f"{self.total_nodes} nodes: none rejected"
+            text = f"{nodes}: none rejected"
         else:
             parts = ", ".join(f"{n} {label}" for label, n in self.counts.most_common())
-            text = f"{self.total_nodes} nodes: {parts}"
+            text = f"{nodes}: {parts}"
         return "; ".join([text, *self.notes])
 
     def to_dict(self) -> dict[str, object]:
