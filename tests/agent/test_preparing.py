@@ -7,8 +7,10 @@ tests/e2e/test_preparing_e2e.py.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import socket
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,8 @@ from computepool.agent.api import AgentApi
 from computepool.agent.assignment import Assignment
 from computepool.agent.blobs import BlobCache
 from computepool.agent.executor import Executor
-from computepool.agent.preparing import PREPARING, READY, Preparer
+from computepool.agent.jobstart import CODE_MARKER, JobStarter
+from computepool.agent.preparing import PREPARING, READY, Preparer, Readiness
 from computepool.core.tarsafe import sha256_hex
 
 
@@ -109,6 +112,75 @@ def test_one_fetch_shared_and_its_failure_reads_like_the_start(
     assert any(f"{gone.key} withdrawn while preparing" in r.getMessage() for r in caplog.records)
     # a failure is not kept: the next attempt needing the blob fetches again
     assert prep.check(assignment("4", code=sha)) == PREPARING
+    prep.close()
+
+
+def tgz(members: dict[str, bytes]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return raw.getvalue()
+
+
+def test_code_is_unpacked_on_a_worker_once_and_a_withdrawn_unpack_never_begins(
+    executor: Executor, tmp_path: Path, silent: Silent
+) -> None:
+    cache = BlobCache(tmp_path / "agent", AgentApi(silent.url, timeout_s=5))
+    starter = JobStarter("n", None, executor, tmp_path / "agent", None)  # type: ignore[arg-type,unused-ignore]
+    starter.blobs = cache
+    woken = threading.Event()
+    prep = Preparer(lambda: cache, executor.launcher, woken.set, workers=1, unpack=starter.unpack)
+    good = tgz({"hello.txt": b"hi"})
+    cache.dir.mkdir(parents=True)
+    cache.path(sha256_hex(good)).write_bytes(good)
+    a = assignment("1", code=sha256_hex(good))
+    assert prep.check(a) == PREPARING  # cached, but not yet unpacked
+    assert woken.wait(20)
+    wait(lambda: prep.check(a) != PREPARING)
+    assert prep.preparing() == set()
+    run_dir = executor.run_dir("1", 1)
+    assert (executor.work_dir("1", 1) / "hello.txt").read_bytes() == b"hi"
+    assert (run_dir / CODE_MARKER).read_text() == a.code
+    (executor.work_dir("1", 1) / "hello.txt").write_bytes(b"the job's own")
+    assert starter._shipped(a, run_dir, executor.work_dir("1", 1)) is None  # found done: not again
+    assert (executor.work_dir("1", 1) / "hello.txt").read_bytes() == b"the job's own"
+    # the one worker is held by a fetch: an unpack queued behind it and then withdrawn never begins
+    held = assignment("3", code=sha256_hex(b"never arrives"))
+    gone = assignment("4", code=a.code)
+    assert prep.check(held) == prep.check(gone) == PREPARING
+    wait(lambda: silent.conns)
+    assert prep.check(gone) == PREPARING
+    prep.forget([held.key])
+    silent.close()
+    wait(lambda: prep.check(held) != PREPARING, 30)
+    time.sleep(0.5)  # the skipped unpack has had its turn on the one worker
+    assert not executor.run_dir("4", 1).exists()
+    prep.close()
+
+
+def test_a_refused_archive_fails_the_attempt_with_the_start_reason(
+    executor: Executor, tmp_path: Path
+) -> None:
+    cache = BlobCache(tmp_path / "agent", AgentApi("http://127.0.0.1:9", timeout_s=5))
+    starter = JobStarter("n", None, executor, tmp_path / "agent", None)  # type: ignore[arg-type,unused-ignore]
+    starter.blobs = cache
+    prep = Preparer(lambda: cache, executor.launcher, lambda: None, unpack=starter.unpack)
+    bad = tgz({"../out.txt": b"x"})
+    cache.dir.mkdir(parents=True)
+    cache.path(sha256_hex(bad)).write_bytes(bad)
+    b = assignment("2", code=sha256_hex(bad))
+    ready = prep.check(b)
+    deadline = time.monotonic() + 20
+    while ready == PREPARING:
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+        ready = prep.check(b)
+    assert isinstance(ready, Readiness) and ready.ready
+    assert ready.failure.startswith("code: refused the archive:"), ready.failure
+    assert not (executor.run_dir("2", 1) / CODE_MARKER).exists()
     prep.close()
 
 

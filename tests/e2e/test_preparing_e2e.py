@@ -280,3 +280,65 @@ def test_a_slow_image_pull_holds_up_nothing_and_is_pulled_once(node: Node) -> No
     assert "could not be pulled" in done["reason"]
     assert node.logs().count(f"preparing image {image} failed") == 1  # one pull for both jobs
     assert not (node.agent_dir / "runs" / str(first)).exists()
+
+
+def zeros_blob(node: Node, mib: int) -> str:
+    """A code archive of `hello.txt` and four files of zeros (`mib` MiB in all, a few MiB packed):
+    seconds to check and unpack. Stored on the pool; its sha256."""
+
+    class Zeros(io.RawIOBase):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: Any) -> int:
+            k = min(len(b), self.n)
+            b[:k] = bytes(k)
+            self.n -= k
+            return k
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=1) as tar:
+        hello = tarfile.TarInfo("hello.txt")
+        hello.size = len(b"unpacked off the loop")
+        tar.addfile(hello, io.BytesIO(b"unpacked off the loop"))
+        for i in range(4):
+            info = tarfile.TarInfo(f"zeros{i}.bin")
+            info.size = (mib << 20) // 4
+            tar.addfile(info, io.BufferedReader(Zeros(info.size)))
+    body = raw.getvalue()
+    sha = hashlib.sha256(body).hexdigest()
+    assert node.http.put(f"/blobs/{sha}", content=body).status_code in (200, 201)
+    return sha
+
+
+def test_a_slow_unpack_holds_up_no_other_start_nor_a_stop(node: Node) -> None:
+    sleeper = node.job("import time; print('asleep', flush=True); time.sleep(300)")
+    wait_for("the sleeper to run", lambda: "asleep" in node.stdout(sleeper), 60, node.logs)
+    big = zeros_blob(node, 1536)
+    sizes = (
+        "import os; print(open('hello.txt').read(), sum(os.path.getsize(f'zeros{i}.bin') for i in range(4)))"
+    )
+    slow = node.job(sizes, big)
+    wait_for(
+        "the unpack to begin", lambda: f"{slow}#1 preparing: unpack {slow}#1" in node.logs(), 60, node.logs
+    )
+    # while the archive is checked and unpacked: a job with no code starts and ends, a cancel stops a job
+    quick = node.job("print('quick ran', flush=True)")
+    assert node.http.post(f"/allocations/{sleeper}/cancel").status_code < 300
+    done = node.ended(quick)
+    assert done["state"] == "released" and "quick ran" in node.stdout(quick), done
+    wait_for("the sleeper to be stopped", lambda: f"{sleeper}#1 ended:" in node.logs(), 30, node.logs)
+    logs = node.logs()
+    assert f"{slow}#1 started" not in logs, "the unpack ended before the others: too fast to show anything"
+    assert node.get(slow)["state"] == "bound"
+    done = node.ended(slow, 120)
+    assert done["state"] == "released", done
+    assert node.stdout(slow).split() == ["unpacked", "off", "the", "loop", str(1536 << 20)]
+    logs = node.logs()
+    assert logs.index(f"{quick}#1 started") < logs.index(f"{slow}#1 started")
+    marker = node.agent_dir / "runs" / str(slow) / "1" / ".code-unpacked"
+    assert marker.read_text() == big and marker.stat().st_uid == 0 and marker.stat().st_mode & 0o077 == 0
+    shutil.rmtree(node.agent_dir / "runs" / str(slow), ignore_errors=True)  # 1.5 GiB of zeros

@@ -1,15 +1,17 @@
 """Turning an assignment into a started job: the slices resolved on this node's devices (uuids
 checked), MPS daemons up, the job's environment and JobSpec built, the assignment kept on disk.
-Its code, stdin and image were fetched beforehand off the loop thread (preparing.py): here they
-are found in the caches.
+Its code, stdin and image were fetched beforehand off the loop thread (preparing.py), and its code
+unpacked there too (`unpack`, on the preparer's thread): here they are found in place.
 
 Kept apart from the loop (loop.py), which decides *what* starts and stops; this holds *how*.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from computepool.core.errors import InvalidInput
 
 log = logging.getLogger("computepool.agent")
 WORKER_CA_FILE = ".cpool-ca.pem"  # in the job's work dir: the control plane's CA, for function workers
+CODE_MARKER = ".code-unpacked"  # in the run dir (root's): the sha of the code unpacked in work/
 
 
 class JobStarter:
@@ -94,9 +97,7 @@ class JobStarter:
         run_dir = self.executor.run_dir(a.allocation_id, a.attempt)
         try:
             resolved = self.resolve(a)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            work_dir = self.executor.work_dir(a.allocation_id, a.attempt)  # the job's; run_dir is ours
-            work_dir.mkdir(parents=True, exist_ok=True)
+            run_dir, work_dir = self.dirs(a)
             stdin = self._shipped(a, run_dir, work_dir)  # the run's code unpacked, its stdin in place
             env = slice_env(
                 a.allocation_id, a.attempt, resolved, work_dir, mps=self._mps_daemons(resolved),
@@ -129,12 +130,43 @@ class JobStarter:
             return None
         return rec, resolved
 
+    def dirs(self, a: Assignment) -> tuple[Path, Path]:
+        """The attempt's run dir (ours) and work dir (the job's), made if missing."""
+        run_dir = self.executor.run_dir(a.allocation_id, a.attempt)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        work_dir = self.executor.work_dir(a.allocation_id, a.attempt)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir, work_dir
+
+    def unpack(self, a: Assignment) -> None:
+        """Put the attempt's code in its work dir, off the loop (the preparer's thread): a big archive
+        takes seconds to check and unpack. Raises CodeUnavailable or OSError (the job's reason)."""
+        if self.blobs is None:
+            raise CodeUnavailable("this agent cannot fetch blobs (no control plane connection)")
+        run_dir, work_dir = self.dirs(a)
+        self._unpack_once(a, run_dir, work_dir)
+
+    def _unpack_once(self, a: Assignment, run_dir: Path, work_dir: Path) -> None:
+        """Unpack unless the marker says this code is already there (a restarted agent, or `unpack`
+        done); without it (cut short) tar unpacks again over what is there."""
+        code, marker = a.code or "", run_dir / CODE_MARKER
+        if not code or self.blobs is None:
+            return
+        with contextlib.suppress(OSError):
+            if marker.read_text() == code:
+                return
+        self.blobs.unpack_code(code, work_dir, a.tenant)  # as the tenant's user, never root
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(code)
+
     def _shipped(self, a: Assignment, run_dir: Path, work_dir: Path) -> str | None:
-        """Unpack the assignment's code into the work dir; its stdin file. Raises CodeUnavailable."""
+        """The assignment's code in the work dir (unpacked now unless `unpack` did); its stdin file.
+        Raises CodeUnavailable."""
         if (a.code or a.stdin) and self.blobs is None:
             raise CodeUnavailable("this agent cannot fetch blobs (no control plane connection)")
         if a.code and self.blobs is not None:
-            self.blobs.unpack_code(a.code, work_dir, a.tenant)  # as the tenant's user, never root
+            self._unpack_once(a, run_dir, work_dir)
         if a.stdin and self.blobs is not None:
             return str(self.blobs.stdin_file(a.stdin, run_dir))
         return None

@@ -120,7 +120,9 @@ class Agent:
         self._stop = threading.Event()
         self._wake = threading.Event()
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
-        self.preparing = Preparer(lambda: self.starter.blobs, self.executor.launcher, self._wake.set)
+        self.preparing = Preparer(
+            lambda: self.starter.blobs, self.executor.launcher, self._wake.set, unpack=self.starter.unpack
+        )
         self._desired: dict[str, Assignment] | None = None  # None until the first answer
         self._stale: set[str] = set()
         self._term = 0

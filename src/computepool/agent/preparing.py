@@ -7,10 +7,15 @@ node) goes to a few worker threads, and the attempt waits, "preparing", until a 
 ready. The start itself stays on the loop thread, and finds its inputs in the caches.
 
 - One task per input: jobs that need the same blob or image share one fetch or pull.
+- Once its code blob is cached, an attempt gets one more task of its own (`unpack`, JobStarter's):
+  its run and work dirs made, the archive checked and unpacked there as the tenant, a marker left
+  in the run dir — a 2 GiB unpack is as slow as a fetch. The start then finds the code in place.
 - A failure fails the start with the reason the start itself would give (`Readiness.failure`).
 - An attempt withdrawn while it prepares (`forget`) is dropped, never started; its tasks still end
-  and fill the caches, which hurts no one. Nothing here is on disk: a restarted agent prepares again
-  what it had not started (cached inputs are found at once).
+  and fill the caches, which hurts no one. An unpack not yet begun is skipped; one under way ends,
+  and its run dir stays under runs/ like any attempt's (never started, so nothing reports it).
+- A restarted agent prepares again what it had not started: cached inputs are found at once, and
+  code the marker says is unpacked is not unpacked twice.
 - The control plane hears nothing of a preparing attempt: its allocation stays bound.
 """
 
@@ -62,13 +67,17 @@ class Preparer:
         launcher: Launcher,
         wake: Callable[[], None],
         workers: int = DEFAULT_WORKERS,
+        unpack: Callable[[Assignment], None] | None = None,
     ) -> None:
         """`blobs` answers the agent's BlobCache (None: this agent cannot fetch; the start says so);
-        `wake` nudges the loop when a task ends, so that a ready attempt starts at once."""
+        `wake` nudges the loop when a task ends, so that a ready attempt starts at once; `unpack`
+        puts an attempt's cached code in its work dir (None: the start unpacks it itself)."""
         self._blobs = blobs
         self._launcher = launcher
         self._wake = wake
         self._workers = max(1, workers)
+        self._unpack = unpack
+        self._unpacking: set[str] = set()  # job keys whose unpack task was queued
         self._queue: queue.Queue[_Task | None] = queue.Queue()
         self._tasks: dict[str, _Task] = {}  # by input, while queued or running
         self._waiting: dict[str, list[_Task]] = {}  # by job key: the tasks the attempt waits for
@@ -80,14 +89,16 @@ class Preparer:
         tasks = self._waiting.get(a.key)
         if tasks is None:
             tasks = [self._task(name, run) for name, run in self._needs(a)]
-            if not tasks:
-                return READY
+            if tasks:
+                log.info("%s preparing: %s", a.key, ", ".join(t.name for t in tasks))
             self._waiting[a.key] = tasks
-            log.info("%s preparing: %s", a.key, ", ".join(t.name for t in tasks))
         if not all(t.done.is_set() for t in tasks):
             return PREPARING
-        del self._waiting[a.key]
         failed = next((t.error for t in tasks if t.error), "")
+        if not failed and self._unpack_next(a):
+            return PREPARING
+        del self._waiting[a.key]
+        self._unpacking.discard(a.key)
         return Readiness(True, failed)
 
     def preparing(self) -> set[str]:
@@ -99,6 +110,7 @@ class Preparer:
         wanted = set(keep)
         for key in [k for k in self._waiting if k not in wanted]:
             del self._waiting[key]
+            self._unpacking.discard(key)
             log.info("%s withdrawn while preparing: not started", key)
 
     def close(self) -> None:
@@ -122,6 +134,24 @@ class Preparer:
         if image and not launcher.container_engine().image_known(image):
             needs.append((f"image {image}", _puller(launcher, image)))
         return needs
+
+    def _unpack_next(self, a: Assignment) -> bool:
+        """Queue the attempt's unpack once its inputs are here; whether it now waits for it."""
+        unpack = self._unpack
+        if unpack is None or not a.code or not is_sha256(a.code) or a.key in self._unpacking:
+            return False
+        if self._blobs() is None:
+            return False  # the start says why it cannot have its code
+        self._unpacking.add(a.key)
+
+        def run() -> None:
+            if a.key in self._waiting:  # else withdrawn before its turn: nothing made on disk
+                unpack(a)
+
+        task = self._task(f"unpack {a.key}", run)
+        self._waiting[a.key] = [task]
+        log.info("%s preparing: %s", a.key, task.name)
+        return True
 
     def _task(self, name: str, run: Callable[[], None]) -> _Task:
         with self._lock:
