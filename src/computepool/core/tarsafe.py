@@ -192,17 +192,6 @@ def check_stream(
     return checker.finish()
 
 
-def check_members(tar: tarfile.TarFile, max_bytes: int | None = None) -> list[tarfile.TarInfo]:
-    """Every member of an opened archive, after refusing the unsafe ones (small archives only)."""
-    checker = Checker(max_bytes=max_bytes, max_members=MAX_MEMBERS, links_out="refuse")
-    members = []
-    for m in stream_members(tar):
-        checker.see(m)
-        members.append(m)
-    checker.finish()
-    return members
-
-
 def extract(
     data: bytes,
     dest: Path,
