@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Check the node agent's isolation on a machine with an NVIDIA GPU, in one go (< 8 minutes).
+# Check the node agent's isolation on a machine with an NVIDIA GPU, in one go (the checks take under
+# 7 minutes), then the pool end to end on it (scripts/gpu-check-e2e.sh, under 5 minutes, which ends
+# by serving a small model through the gateway where llama-cpp-python is there).
 # Installs the project (from .whl/ without network when present), then runs scripts/gpu_check.py,
 # which prints a pass/fail/skip table and, when $OUT is set, writes gpu-check.json / gpu-check.txt
 # and job logs there. Arguments go to gpu_check.py (`--dry-run`: simulated devices, no GPU needed).
@@ -26,5 +28,10 @@ fi
 
 timeout 420 "$PY" scripts/gpu_check.py "$@"
 rc=$?
+# On a real GPU, the pool end to end as well: `cpool up`, slices, a remote function, and a model
+# served through the gateway (scripts/gpu-check-e2e.sh; its output goes to $OUT/e2e.log too).
+if [[ " $* " != *" --dry-run "* ]] && nvidia-smi -L >/dev/null 2>&1; then
+  timeout 300 bash scripts/gpu-check-e2e.sh 2>&1 | tee "${OUT:-/tmp}/e2e.log"
+fi
 echo "gpu-check finished in $(( $(date +%s) - start )) s with exit code $rc"
 exit $rc

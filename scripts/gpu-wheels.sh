@@ -4,7 +4,8 @@
 #
 # Starts from the prepared folder beside the checkout (../shared/gpu-wheels, or $CPOOL_GPU_WHEELS),
 # then downloads what pyproject.toml needs beyond it and beyond what that machine has already
-# (PRESENT below), plus the build backend (setuptools, wheel) an editable install needs.
+# (PRESENT below), plus the build backend (setuptools, wheel, packaging) an editable install
+# needs: pip builds it in an isolated environment, where the installed packages do not count.
 # .whl/ is kept out of git through .git/info/exclude; carry it to the GPU machine with the tree.
 #   usage: scripts/gpu-wheels.sh        (needs the package index here, not there)
 set -euo pipefail
@@ -13,7 +14,7 @@ SRC="${CPOOL_GPU_WHEELS:-../shared/gpu-wheels}"
 DEST=.whl
 PY="${PYTHON:-python3}"
 # Installed on the GPU machine already: never carried (pip takes the installed ones).
-PRESENT="torch numpy aiohttp httpx rich typer psutil nvidia-ml-py prometheus-client cloudpickle"
+PRESENT="torch numpy aiohttp httpx rich typer psutil nvidia-ml-py prometheus-client cloudpickle matplotlib pillow fonttools kiwisolver contourpy cycler pyparsing python-dateutil six pyyaml pathspec"
 
 mkdir -p "$DEST"
 if [ -d "$SRC" ]; then
@@ -38,7 +39,7 @@ for dep in deps:
         print(dep)
 EOF
 )
-wanted+=("setuptools>=68" "wheel")
+wanted+=("setuptools>=68" "wheel" "packaging>=24")
 
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -102,3 +102,37 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     if done.returncode != 0:
         pytest.skip(f"test image {TEST_IMAGE} could not be built or loaded: {done.stderr.strip()[-300:]}")
     return TEST_IMAGE
+
+
+LLAMA_VENV_DEFAULT = Path("/opt/computepool-test/llama-venv")
+
+
+@pytest.fixture(scope="session")
+def llama_python() -> str:
+    """The python of the llama.cpp venv (scripts/llama-venv.sh), checked to import llama_cpp's server as
+    any user may. Skipped only when CPOOL_TEST_LLAMA_VENV is unset (and the default venv unusable)
+    outside CI; where that variable is set, or in CI, an unusable venv fails the test."""
+    named = os.environ.get("CPOOL_TEST_LLAMA_VENV")
+    venv = Path(named) if named else LLAMA_VENV_DEFAULT
+    py = venv / "bin" / "python"
+    why = ""
+    if not py.exists():
+        why = "it does not exist"
+    elif not all(os.stat(d).st_mode & 0o001 for d in py.parents):
+        why = "a tenant's user cannot enter it"
+    else:
+        r = subprocess.run(
+            [str(py), "-c", "import llama_cpp, llama_cpp.server.app"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        if r.returncode != 0:
+            why = f"llama_cpp does not import: {r.stderr.strip()[-300:]}"
+    if why:
+        msg = (
+            f"the llama.cpp venv {venv} is not usable ({why}): build it with "
+            f"`scripts/llama-venv.sh {venv}` or point CPOOL_TEST_LLAMA_VENV at one"
+        )
+        if named or os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return str(py)

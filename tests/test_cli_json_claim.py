@@ -11,7 +11,7 @@ from typer.main import get_command
 from computepool.cli import main
 
 # Commands that print something other than a report, by design; the README names each of them.
-NO_JSON = {"server", "agent", "up", "login", "logout", "run", "logs", "top", "sim report"}
+NO_JSON = {"server", "gateway", "agent", "up", "login", "logout", "run", "logs", "top", "sim report"}
 
 
 def _commands(cmd: Any, prefix: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -20,8 +20,9 @@ ALLOWED = {
     "sim": {"core", "scheduler"},
     "server": {"core", "scheduler", "store"},
     "agent": {"core"},
-    "client": {"core"},
+    "client": {"core", "serving"},
     "sdk": {"core", "client"},
+    "serving": set(),  # engines and traces that run as a tenant's job: nothing of the pool's
 }
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,26 @@ def test_mps_daemon_without_binary_says_why(tmp_path: Path) -> None:
     with pytest.raises(IsolationUnavailable, match="MPS unavailable"):
         daemon.start()
     daemon.stop()  # nothing running: a no-op
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root agent's check: tenants' users are other uids")
+def test_mps_pipes_a_tenant_cannot_reach_are_refused_with_the_directory() -> None:
+    """The MPS server runs as the client's uid: under a 0700 dir (an agent's data dir) every client
+    failed with CUDA error 805 on a real H200; the daemon now refuses to start there and says why."""
+    top = Path(tempfile.mkdtemp(prefix="cpool-mps-", dir="/tmp"))  # pytest's tmp_path sits under 0700
+    try:
+        os.chmod(top, 0o711)
+        closed = top / "agent"
+        closed.mkdir(mode=0o700)
+        daemon = MpsDaemon("GPU-aaaa", closed / "mps", binary="/bin/true")
+        ok, why = daemon.available()
+        assert not ok and str(closed) in why and "0700" in why and "--mps-dir" in why
+        with pytest.raises(IsolationUnavailable, match="cannot pass"):
+            daemon.start()
+        os.chmod(closed, 0o711)
+        assert MpsDaemon("GPU-aaaa", closed / "mps", binary="/bin/true").available() == (True, "")
+    finally:
+        shutil.rmtree(top)
 
 
 def test_timeslice_env_writes_the_shim_and_the_fraction(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -83,6 +84,61 @@ def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float 
             proc.kill()
             proc.wait()
     return int(proc.returncode)
+
+
+def job_readable_copy(src: Path) -> Path:
+    """A copy of `src` that a tenant's job can read, under /var/tmp: a job's sandbox has a /tmp of
+    its own, so a file of a checkout that lives under /tmp does not exist for the job. Named by the
+    file's hash, written once (atomically), world-readable."""
+    data = src.read_bytes()
+    folder = Path("/var/tmp") / "cpool-test-files"
+    folder.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(folder, 0o755)
+    dst = folder / f"{hashlib.sha256(data).hexdigest()[:16]}-{src.name}"
+    if not dst.exists():
+        part = folder / f".{dst.name}.{os.getpid()}"
+        part.write_bytes(data)
+        os.chmod(part, 0o644)
+        part.replace(dst)
+    return dst
+
+
+def kill_jobs_under(root: Path) -> int:
+    """SIGKILL whatever still runs from `root` (job supervisors and sandbox inits whose command line
+    names it): an agent stopped at a test's end leaves its jobs running, as it should in a real pool,
+    and a replica left behind would hold its port for the next test. Killing a job's sandbox init
+    ends everything in its PID namespace. Returns how many processes were killed."""
+    mine, killed = str(root), 0
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(mine in arg for arg in proc.info["cmdline"] or ()):
+                proc.kill()
+                killed += 1
+        except psutil.Error:
+            continue
+    return killed + _remove_containers_under(mine)
+
+
+def _remove_containers_under(mine: str) -> int:
+    """Containers of the pool's agents whose mounts come from `mine` (a container job's work dir):
+    conmon keeps them running after their agent and supervisor are gone."""
+    podman = shutil.which("podman")
+    if podman is None:
+        return 0
+    ids = subprocess.run(
+        [podman, "ps", "-aq", "--filter", "label=computepool.agent"], capture_output=True, text=True
+    ).stdout.split()
+    gone = 0
+    for cid in ids:
+        mounts = subprocess.run(
+            [podman, "inspect", "--format", "{{range .Mounts}}{{.Source}} {{end}}", cid],
+            capture_output=True,
+            text=True,
+        ).stdout
+        if mine in mounts:
+            subprocess.run([podman, "rm", "-f", "-t", "0", cid], capture_output=True)
+            gone += 1
+    return gone
 
 
 def alive(pid: int) -> bool:
@@ -188,3 +244,4 @@ def local_pool(tmp: Path, simulate: str = "1xA100-80GB") -> Iterator[tuple[dict[
             pool.close()
     finally:
         stop(proc, signal.SIGINT, timeout=40)
+        kill_jobs_under(data)

@@ -52,6 +52,13 @@ def world(api: Api) -> dict[str, Any]:
         json={"name": "f", "request": {"cpu_milli": 100, "command": ["true"]}, "python": "3.11"},
     )
     [call] = api.ok("POST", f"/api/v1/functions/{fn['id']}/calls", headers=owner, json=CALLS)["ids"]
+    # a service of tenant a named like the tenant, so that {name} = "a" names it on the services routes
+    api.ok(
+        "PUT",
+        "/api/v1/services/a",
+        headers=owner,
+        json={"spec": {"request": {"cpu_milli": 100, "command": ["true"]}, "min_replicas": 0}},
+    )
     blob = b"tenant a's bytes"
     sha = hashlib.sha256(blob).hexdigest()
     r = api.request("PUT", f"/api/v1/blobs/{sha}", headers=owner, content=blob)
@@ -99,6 +106,8 @@ NODE_ROUTES = {("POST", "/api/v1/allocations/{alloc_id}/logs")}
 NOT_TENANT_SCOPED = ("/api/v1/nodes/",)  # node names are shared by every tenant: nothing is hidden
 # an upload names bytes the caller sends, held per tenant: it looks up nothing of another's
 NOT_LOOKUPS = {("PUT", "/api/v1/blobs/{sha256}")}
+# a service's name is the caller's tenant's own: PUT creates it there, it finds nothing of another's
+NOT_LOOKUPS.add(("PUT", "/api/v1/services/{name}"))
 
 
 def _scoped_routes(api: Api) -> list[tuple[str, str]]:

@@ -38,6 +38,7 @@ class Assignment:
     gang: Gang | None = None  # a member of a gang over several nodes (agent/gang.py)
     code: str | None = None  # sha256 of a tar.gz unpacked into the work dir before the start
     stdin: str | None = None  # sha256 of the blob fed to the job's stdin
+    service_port: int | None = None  # a service replica's port: the agent reports who listens on it
 
     @property
     def key(self) -> str:
@@ -62,6 +63,7 @@ class Assignment:
             gang=Gang.parse(d.get("gang")),
             code=str(d["code"]) if d.get("code") else None,
             stdin=str(d["stdin"]) if d.get("stdin") else None,
+            service_port=int(d["service_port"]) if d.get("service_port") else None,
         )
 
 
@@ -89,6 +91,7 @@ def assignment_json(a: Assignment) -> dict[str, Any]:
         "gang": a.gang.to_json() if a.gang is not None else None,
         "code": a.code,
         "stdin": a.stdin,
+        "service_port": a.service_port,
     }
 
 

@@ -6,6 +6,8 @@ re-adoption after an agent restart work the same way for both. What differs is t
 
 - podman reads its settings from a `containers.conf` in the agent's data dir (runc, ulimits a
   VM's hybrid cgroup v1 accepts) and sees nothing else of the agent's environment (`env -i`);
+- the job's variables reach podman in a root-only env file in the run dir (`--env-file`), not on
+  its command line, which every user of the node can read;
 - the container runs as the tenant's uid with no capabilities, `no-new-privileges`, no network
   unless the job publishes ports, only the job directory mounted (at /work), and only the
   slice's devices;
@@ -28,6 +30,8 @@ import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 
 if TYPE_CHECKING:
     from computepool.agent.executor import JobSpec
@@ -250,7 +254,12 @@ class Podman:
         cache = env.get("CPOOL_CACHE_DIR", "")
         if cache.startswith("/") and os.path.isdir(cache):
             argv.append(f"--volume={cache}:{cache}:rw,nosuid,nodev")  # the tenant's cache, same path
-        argv += [f"--env={k}={v}" for k, v in env.items()]
+        # through a file, never `--env=K=V`: podman's command line is readable by every user of the
+        # node (`ps`), and the environment holds secrets (the replica's key, a worker's token, the user's)
+        try:
+            argv.append(f"--env-file={write_env_file(run_dir.parent / ENV_FILE, env)}")
+        except EnvFileError as e:
+            raise ContainerError(str(e)) from None
         argv += [image, *spec.command]
         return argv
 

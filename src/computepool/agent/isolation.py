@@ -272,6 +272,25 @@ class MpsDaemon:
     def available(self) -> tuple[bool, str]:
         if shutil.which(self.binary) is None:
             return False, f"MPS unavailable: {self.binary} not found on PATH"
+        return self.reachable()
+
+    def reachable(self) -> tuple[bool, str]:
+        """The MPS server runs as its client's uid (a tenant's user), so every directory above the
+        pipes must let others pass; else clients fail with CUDA error 805 and nothing says why."""
+        if os.geteuid() != 0:
+            return True, ""  # a non-root agent's jobs run as its own user
+        for d in self.pipe_dir.parent.parent.parents:
+            try:
+                mode = d.stat().st_mode
+            except FileNotFoundError:
+                continue  # made below, 0711
+            except OSError as e:
+                return False, f"MPS unavailable: {d}: {e.strerror}"
+            if not mode & 0o001:
+                return False, (
+                    f"MPS unavailable: tenants' users cannot pass {d} (mode {mode & 0o777:04o}); "
+                    "give the agent an --mps-dir they can reach"
+                )
         return True, ""
 
     def _env(self) -> dict[str, str]:
@@ -311,9 +330,12 @@ class MpsDaemon:
             raise IsolationUnavailable(why)
         self._make_dirs()
         try:
+            # umask 022, not the agent's 077: the daemon's sockets must let tenants' clients connect
+            # (under 077 they silently ran without MPS, and without its limits, on a real H200)
             done = subprocess.run(
-                [self.binary, "-d"], env=self._env(), capture_output=True, text=True, timeout=timeout_s
-            )
+                [self.binary, "-d"], env=self._env(), capture_output=True, text=True, timeout=timeout_s,
+                umask=0o022,
+            )  # fmt: skip
         except (OSError, subprocess.TimeoutExpired) as e:
             raise IsolationUnavailable(f"MPS unavailable: {e}") from None
         if done.returncode != 0:

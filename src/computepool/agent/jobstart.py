@@ -50,8 +50,11 @@ class JobStarter:
         watchdog: MemoryWatchdog | None,
         server: str | None = None,
         ca: Path | None = None,
+        mps_root: Path | None = None,
     ) -> None:
-        """`server` and `ca`: how a function's worker reaches the control plane (`worker_env`)."""
+        """`server` and `ca`: how a function's worker reaches the control plane (`worker_env`);
+        `mps_root`: where MPS daemons keep their pipes (DATA_DIR/mps when None)."""
+        self.mps_root = mps_root or data_dir / "mps"
         self.name = name
         self.blobs: BlobCache | None = None  # set by the agent: fetches code and stdin (agent/blobs.py)
         self.server = server
@@ -88,7 +91,7 @@ class JobStarter:
         for s in resolved:
             if s.isolation is Isolation.MPS:
                 uuid = s.device.uuid
-                daemon = self._mps.setdefault(uuid, MpsDaemon(uuid, self.data_dir / "mps"))
+                daemon = self._mps.setdefault(uuid, MpsDaemon(uuid, self.mps_root))
                 daemon.start()
         return self._mps
 

@@ -49,6 +49,7 @@ from computepool.agent.executor import Executor
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
 from computepool.agent.join import check_credential, connect, default_node_name, tenant_pythons
+from computepool.agent.listeners import ListenerWatch, Replica
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.agent.logship import LogShipper
 from computepool.agent.preparing import Preparer
@@ -108,7 +109,7 @@ class Agent:
         pinned = config.data_dir / SERVER_CERT_FILE
         self.starter = JobStarter(
             self.name, inventory, self.executor, config.data_dir, self.watchdog, server=config.server,
-            ca=config.ca or (pinned if pinned.exists() else None),
+            ca=config.ca or (pinned if pinned.exists() else None), mps_root=config.sandbox.mps_root,
         )  # fmt: skip
         self.starter.blobs = BlobCache(  # a run's code and stdin, by hash; code unpacked as the tenant
             config.data_dir, api, sandbox=self.executor.launcher.sandbox, max_unpacked=config.code_max_bytes
@@ -119,6 +120,8 @@ class Agent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.listeners = ListenerWatch(self._replicas, self._wake.set)  # who holds each replica's port
+        self.reports.listeners = self.listeners.found
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
         self.preparing = Preparer(
             lambda: self.starter.blobs, self.executor.launcher, self._wake.set, unpack=self.starter.unpack
@@ -155,6 +158,7 @@ class Agent:
             t.start()
         if self.watchdog is not None:
             self.watchdog.start()
+        self.listeners.start()
         try:
             while not self._stop.is_set():
                 self._step()
@@ -166,6 +170,7 @@ class Agent:
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
+            self.listeners.close()
             for t in threads:
                 t.join(timeout=1.0)
             self.preparing.close()
@@ -419,6 +424,9 @@ class Agent:
         self.logs.track(rec)
         if rec.state is JobState.RUNNING:
             self.reports.running_unreported.add(rec.key)
+            if a.service_port is not None:  # kept with the job: an agent restarted still watches it
+                rec.extra["service_port"] = str(a.service_port)
+                self.state.put(rec)
             if a.restartable:
                 rec.extra["restartable"] = "1"
                 self.state.put(rec)
@@ -428,6 +436,18 @@ class Agent:
                      ", ".join(f"GPU {s.device.index}" for s in resolved) or "CPU")  # fmt: skip
         else:
             log.warning("%s could not start: %s", rec.key, rec.reason)
+
+    def _replicas(self) -> list[Replica]:
+        """The running service replicas of this node, for the listener scan (off this loop)."""
+        out = []
+        for rec in self.executor.running():
+            port = rec.extra.get("service_port")
+            if port and port.isdigit() and not rec.stop_reason:
+                pids = frozenset(self.executor.job_pids(rec.key))
+                ctr = rec.extra.get("container")
+                name = self.executor.launcher.container_engine().name(ctr) if ctr else None
+                out.append(Replica(rec.key, int(port), pids, name))
+        return out
 
     def _send_reports(self) -> None:
         """Report starts and ends (raises Unreachable); stop the attempts the answer calls stale."""

@@ -60,12 +60,23 @@ class Reporter:
         self.state = executor.state
         self.refused = refused
         self.running_unreported: set[str] = set()
+        # who listens on each running replica's port (listeners.py): sent again whenever it changes
+        self.listeners: Callable[[], dict[str, str]] = dict
+        self._listener_sent: dict[str, str] = {}
 
     def pending(self) -> Iterator[tuple[str, dict[str, Any], JobRecord]]:
-        for key in sorted(self.running_unreported):
+        found = self.listeners()
+        for key in list(self._listener_sent):
+            if key not in found:
+                del self._listener_sent[key]
+        changed = {k for k, v in found.items() if v != self._listener_sent.get(k)}
+        for key in sorted(self.running_unreported | changed):
             rec = self.executor.get(key)
             if rec is not None and rec.state is JobState.RUNNING:
-                yield key, report_body(rec), rec
+                body = report_body(rec)
+                if key in found:
+                    body["listener"] = found[key]
+                yield key, body, rec
         for rec in self.state.unreported():
             yield rec.key, report_body(rec), rec
 
@@ -82,8 +93,10 @@ class Reporter:
                 self.refused("reports", e)
                 return set()
             answer = self._one_by_one(pending)
-        for key, _, rec in pending:
+        for key, body, rec in pending:
             self._acknowledged(key, rec)
+            if "listener" in body:
+                self._listener_sent[key] = body["listener"]
         return {job_key(str(s["allocation_id"]), int(s["attempt"])) for s in answer.get("stale") or []}
 
     def _one_by_one(self, pending: list[tuple[str, dict[str, Any], JobRecord]]) -> dict[str, Any]:

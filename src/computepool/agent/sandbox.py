@@ -31,6 +31,7 @@ from computepool.agent.tenants import DEFAULT_UID_RANGE
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
 DEFAULT_CACHE_ROOT = Path("/var/cache/computepool")
+DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 
 # Runs as root inside the new namespaces, then starts the command as the tenant (the "$@").
 # $1 is the job's directory, $2 a directory to hide under an empty tmpfs (the agent's data dir, or
@@ -90,6 +91,9 @@ class SandboxConfig:
     namespaces: bool = True
     pids_max: int = DEFAULT_PIDS_MAX
     cache_root: Path | None = None  # per-tenant caches (CPOOL_CACHE_DIR); `cpool agent`: DEFAULT_CACHE_ROOT
+    # MPS daemons' pipes: the MPS server runs as the client's uid and must reach them, which the
+    # agent's data dir (0700) forbids; `cpool agent`: DEFAULT_MPS_ROOT. None: DATA_DIR/mps.
+    mps_root: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,15 @@ def register(app: typer.Typer) -> None:
                 "environments): DIR/<tenant>, owned by the tenant's user.",
             ),
         ] = Path("/var/cache/computepool"),  # sandbox.DEFAULT_CACHE_ROOT (not imported: start-up time)
+        mps_dir: Annotated[
+            Path,
+            typer.Option(
+                "--mps-dir",
+                envvar="CPOOL_MPS_DIR",
+                help="MPS daemons' pipes and logs, DIR/<device uuid> (a root agent; the MPS server "
+                "runs as the tenant's user and must reach them). A non-root agent uses DATA_DIR/mps.",
+            ),
+        ] = Path("/run/computepool/mps"),  # sandbox.DEFAULT_MPS_ROOT
         code_max_gib: Annotated[
             float,
             typer.Option(
@@ -151,6 +160,7 @@ def register(app: typer.Typer) -> None:
                 uid_range=parse_uid_range(uid_range),
                 single_tenant=single_tenant,
                 cache_root=cache_dir.absolute(),
+                mps_root=mps_dir.absolute() if os.geteuid() == 0 else None,
             )
         except InvalidInput as e:
             raise fail(f"--uid-range: {e.message}") from None

@@ -62,9 +62,11 @@ def _register() -> None:
         bench_cycle_cmd,
         bench_pool_cmd,
         cp_cmd,
+        gateway_cmd,
         nodes_cmd,
         quota_cmd,
         run_cmd,
+        serve_cmd,
         server_cmd,
         sim_fill,
         sim_gangs,
@@ -80,6 +82,7 @@ def _register() -> None:
     sim_gangs.register(sim_app)
     bench_cmd.register(bench_app)
     server_cmd.register(app)
+    gateway_cmd.register(app)
     agent_cmd.register(app)
     up_cmd.register(app)
     access_cmd.register_login(app)  # the order of `cpool --help`
@@ -91,6 +94,7 @@ def _register() -> None:
     nodes_cmd.register(app)
     alloc_cmd.register(app)
     run_cmd.register(app)
+    serve_cmd.register(app)
     cp_cmd.register(app)
     bench_api_cmd.register(bench_app)
     bench_cycle_cmd.register(bench_app)

@@ -91,6 +91,20 @@ def register(app: typer.Typer) -> None:
                 help="FIRST-LAST: the ports a gang's rank-0 node may be given as MASTER_PORT.",
             ),
         ] = "29500-29999",
+        service_ports: Annotated[
+            str,
+            typer.Option(
+                "--service-ports",
+                help="FIRST-LAST: the ports a model service's replicas may be given to listen on.",
+            ),
+        ] = "31000-31999",
+        max_replicas_per_tenant: Annotated[
+            int,
+            typer.Option(
+                "--max-replicas-per-tenant",
+                help="Live model-service replicas one tenant may have over all its services.",
+            ),
+        ] = 256,
         audit_key_file: Annotated[
             Path | None,
             typer.Option(
@@ -112,6 +126,9 @@ def register(app: typer.Typer) -> None:
         port_lo, sep, port_hi = gang_ports.partition("-")
         if not (sep and port_lo.strip().isdigit() and port_hi.strip().isdigit()):
             raise fail(f"--gang-ports: expected FIRST-LAST, e.g. 29500-29999, got {gang_ports!r}")
+        svc_lo, sep, svc_hi = service_ports.partition("-")
+        if not (sep and svc_lo.strip().isdigit() and svc_hi.strip().isdigit()):
+            raise fail(f"--service-ports: expected FIRST-LAST, e.g. 31000-31999, got {service_ports!r}")
         try:
             settings = ServerSettings(
                 data_dir=data_dir.expanduser(),
@@ -133,6 +150,9 @@ def register(app: typer.Typer) -> None:
                 topology_label=topology_label,
                 gang_port_min=int(port_lo),
                 gang_port_max=int(port_hi),
+                service_port_min=int(svc_lo),
+                service_port_max=int(svc_hi),
+                max_replicas_per_tenant=max_replicas_per_tenant,
             )
         except ValidationError as e:
             first = e.errors()[0]

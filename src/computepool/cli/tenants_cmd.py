@@ -18,6 +18,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
+from computepool.client import PoolError
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_duration
 
@@ -104,6 +105,54 @@ def _register_tenants(app: typer.Typer) -> None:
             say(
                 f"tenant {name}: allocations idle for {format_duration(out['idle_s'])} are released, "
                 f"warned {format_duration(out['warn_s'])} before"
+            )
+
+    @tenants.command("gateway-limit")
+    @pool_command
+    def gateway_limit(
+        name: Annotated[str, typer.Argument(help="The tenant.")],
+        rpm: Annotated[
+            int | None,
+            typer.Option("--rpm", min=1, help="Gateway requests a minute, over all its tokens and services."),
+        ] = None,
+        burst: Annotated[
+            int | None,
+            typer.Option("--burst", min=1, help="Requests at once above the rate (default rpm/6)."),
+        ] = None,
+        off: Annotated[bool, typer.Option("--off", help="No gateway rate limit for this tenant.")] = False,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """A tenant's gateway rate limit (admin to change): show it, set it with --rpm, or turn it --off.
+
+        Beyond it the gateway answers 429 with Retry-After."""
+        if off and (rpm is not None or burst is not None):
+            raise fail("--off and --rpm/--burst: give one of them")
+        if burst is not None and rpm is None:
+            raise fail("--burst needs --rpm")
+        with open_client(server, token) as pool:
+            if off:
+                pool.delete_gateway_limit(name)
+                out = None
+            elif rpm is not None:
+                out = pool.set_gateway_limit(name, rpm, burst)
+            else:
+                try:
+                    out = pool.gateway_limit(name)
+                except PoolError as e:
+                    if e.status != 404:
+                        raise
+                    pool.get_tenant(name)  # a missing tenant says so; an existing one has no limit
+                    out = None
+        if json_out:
+            print_json(out)
+        elif out is None:
+            say(f"tenant {name}: no gateway rate limit")
+        else:
+            say(
+                f"tenant {out['tenant']}: at most {out['requests_per_minute']} gateway requests a minute, "
+                f"{out['burst']} at once"
             )
 
 

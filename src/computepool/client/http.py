@@ -24,6 +24,7 @@ import httpx
 from computepool.client.blobs import BlobMethods
 from computepool.client.config import ClientConfig, normalise_server
 from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.client.services import ServiceMethods
 from computepool.core.allocation import ENDED, PENDING, IsolationName
 from computepool.core.tls import client_context, describe_tls_failure
 
@@ -133,7 +134,7 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-class PoolClient(BlobMethods):
+class PoolClient(BlobMethods, ServiceMethods):
     """A connection to one pool server with one bearer token.
 
     A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After

@@ -29,6 +29,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from computepool.server import metrics
 from computepool.server.caches import Caches
 from computepool.server.errors import ApiError, install_handlers
+from computepool.server.gateway import Gateway
+from computepool.server.gateway import router as gateway_router
 from computepool.server.hub import Hub
 from computepool.server.limits import capped_receive, too_large
 from computepool.server.policy import Action
@@ -41,6 +43,7 @@ from computepool.server.services import audit as audit_checks
 from computepool.server.services.audit import record_refusal
 from computepool.server.services.bootstrap import ensure_admin
 from computepool.server.services.function_workers import Sweeper
+from computepool.server.services.service_controller import ServiceController
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
 from computepool.store.migrate import upgrade
@@ -60,7 +63,10 @@ CHECKPOINT_EVERY_S = 1.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 log = logging.getLogger("computepool.server")
 # frequent telemetry and function traffic; never changes a scheduling decision (new workers wake it)
-_NO_WAKE = ("/heartbeat", "/logs", "/worker/next", "/worker/output", "/results", "/calls")
+_NO_WAKE = (
+    "/heartbeat", "/logs", "/worker/next", "/worker/output", "/results", "/calls",
+    "/completions", "/embeddings",  # the gateway's inference traffic
+)  # fmt: skip
 
 
 class RequestMiddleware:
@@ -195,8 +201,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     controller.start()
     reclaimer: Reclaimer = app.state.reclaimer
     reclaimer.start()
+    services: ServiceController = app.state.service_controller
+    services.start()
     sweeper = Sweeper(db, hub)
     sweeper.start()
+    gateway: Gateway = app.state.gateway
+    await gateway.start()
     checkpoints = asyncio.get_running_loop().create_task(_checkpoints(db), name="cpool-checkpoint")
     audit_watch = asyncio.get_running_loop().create_task(_audit_watch(app), name="cpool-audit-watch")
     log.info("control plane ready (database: %s)", db.dialect)
@@ -207,7 +217,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await gateway.stop()
         await sweeper.stop()
+        await services.stop()
         await reclaimer.stop()
         await controller.stop()
         db.dispose()
@@ -234,6 +246,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.reclaimer = Reclaimer(
         app.state.db, settings, app.state.hub, app.state.controller, app.state.metrics.registry
     )
+    app.state.service_controller = ServiceController(
+        app.state.db, settings, app.state.hub, app.state.controller
+    )
+
+    app.state.gateway = Gateway(app.state.db, app.state.caches.tokens)  # /v1: see server.gateway
 
     app.add_middleware(RequestMiddleware, app_state=app.state)
 
@@ -253,6 +270,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     install_handlers(app, on_denied)
     app.include_router(health.router)
     app.include_router(metrics.router)
+    app.include_router(gateway_router)
     for router in api_routers():
         app.include_router(router, prefix=API_PREFIX)
     return app

@@ -73,6 +73,15 @@ class Action(StrEnum):
     FILE_REQUEST = "allocation.files.create"  # ask a job's node for files from its work dir
     FILE_GET = "allocation.files.get"
     NODE_FILE_ANSWER = "node.files.answer"  # the agent hands in the packed files (or why not)
+    SERVICE_PUT = "service.put"  # create or change a model service
+    SERVICE_LIST = "service.list"
+    SERVICE_GET = "service.get"
+    SERVICE_DELETE = "service.delete"
+    GATEWAY_USE = "gateway.use"  # OpenAI-compatible requests to a service (/v1/...)
+    GATEWAY_MODELS_LIST = "gateway.models.list"
+    GATEWAY_USAGE_LIST = "gateway.usage.list"
+    GATEWAY_LIMIT_SET = "gateway.limit.set"  # a tenant's gateway rate limit
+    GATEWAY_LIMIT_GET = "gateway.limit.get"
 
     @property
     def mutating(self) -> bool:
@@ -82,8 +91,8 @@ class Action(StrEnum):
         """
         if self in (Action.WHOAMI, Action.NODE_HEARTBEAT, Action.NODE_LOG_APPEND, Action.METRICS_READ):
             return False
-        if self in (Action.FUNCTION_CALL, Action.WORKER_NEXT, Action.WORKER_OUTPUT):
-            return False  # per-call traffic of remote functions, hundreds a second: not audited
+        if self in (Action.FUNCTION_CALL, Action.WORKER_NEXT, Action.WORKER_OUTPUT, Action.GATEWAY_USE):
+            return False  # per-call traffic (remote functions, inference), hundreds a second: not audited
         return self.split(".")[-1] not in ("list", "get", "verify")
 
 
@@ -138,6 +147,15 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.FILE_REQUEST: _WRITERS,
     Action.FILE_GET: _ALL,
     Action.NODE_FILE_ANSWER: frozenset({Role.NODE}),
+    Action.SERVICE_PUT: _WRITERS,
+    Action.SERVICE_LIST: _ALL,
+    Action.SERVICE_GET: _ALL,
+    Action.SERVICE_DELETE: _WRITERS,
+    Action.GATEWAY_USE: _WRITERS,
+    Action.GATEWAY_MODELS_LIST: _ALL,
+    Action.GATEWAY_USAGE_LIST: _ALL,
+    Action.GATEWAY_LIMIT_SET: _ADMIN,
+    Action.GATEWAY_LIMIT_GET: _ALL,
 }
 
 # Actions on tokens, where a member or viewer may only touch their own.

@@ -73,12 +73,29 @@ class ServerSettings(BaseModel):
     gang_port_max: int = Field(
         default=29999, ge=1024, le=65535, description="Highest master port of a gang's rank-0 node."
     )
+    service_port_min: int = Field(
+        default=31000, ge=1024, le=65535, description="Lowest port a model service's replica may listen on."
+    )
+    service_port_max: int = Field(
+        default=31999, ge=1024, le=65535, description="Highest port a model service's replica may listen on."
+    )
+    max_replicas_per_tenant: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="Live replicas one tenant's services may have together (no tenant takes every port).",
+    )
 
     @model_validator(mode="after")
     def _thresholds(self) -> ServerSettings:
         if self.gang_port_min > self.gang_port_max:
             raise ValueError(
                 f"gang_port_min ({self.gang_port_min}) must not exceed gang_port_max ({self.gang_port_max})"
+            )
+        if self.service_port_min > self.service_port_max:
+            raise ValueError(
+                f"service_port_min ({self.service_port_min}) must not exceed service_port_max "
+                f"({self.service_port_max})"
             )
         if not self.heartbeat_interval_s < self.suspect_after_s < self.lost_after_s:
             raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")

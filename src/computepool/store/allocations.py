@@ -28,8 +28,9 @@ from computepool.store.models import (
 
 LEASE_ID = 1
 # Secrets a job needs while it holds and nobody after: dropped from the stored env (and the
-# request's copy of it) when its allocation ends — a function worker's bearer token.
-SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN"})
+# request's copy of it) when its allocation ends — a function worker's bearer token, a service
+# replica's key (what the gateway must show it).
+SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN", "CPOOL_SERVICE_KEY"})
 
 
 def _has_secret(env: dict[str, str] | None) -> bool:

@@ -226,6 +226,15 @@ class Allocation(Base):
     bound_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # a replica of a model service: the service, the spec generation it runs, the port it listens
+    # on (its env's port variable), and what the service controller last found of it
+    service_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
+    service_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    service_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    replica_state: Mapped[str | None] = mapped_column(String(16), nullable=True)  # ReplicaState
+    replica_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # who listens on service_port, as the node's agent found it: "own", "other" or "none"
+    replica_listener: Mapped[str | None] = mapped_column(String(8), nullable=True)
 
     tenant: Mapped[Tenant] = relationship(lazy="joined")
 
@@ -384,3 +393,67 @@ class FunctionCall(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class Service(Base):
+    """A model service of a tenant: `spec` holds the validated ServiceSpec (schemas/services.py);
+    `generation` grows with every change of it (replicas of older generations are replaced one by
+    one); `desired` is the replica count the service controller last chose, and `reason` why."""
+
+    __tablename__ = "services"
+    __table_args__ = (Index("ix_services_tenant_name", "tenant_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"))
+    owner: Mapped[str] = mapped_column(String(NAME_LEN))
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    generation: Mapped[int] = mapped_column(Integer)
+    desired: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(1024), default="", server_default="")
+    last_request_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class GatewayLoad(Base):
+    """One gateway process's load on one service, rewritten about twice a second: requests in
+    flight and queued, and per replica allocation id (as a string) its requests in flight."""
+
+    __tablename__ = "gateway_load"
+
+    gateway: Mapped[str] = mapped_column(String(128), primary_key=True)
+    service_id: Mapped[int] = mapped_column(ForeignKey("services.id", ondelete="CASCADE"), primary_key=True)
+    inflight: Mapped[int] = mapped_column(Integer)
+    queued: Mapped[int] = mapped_column(Integer)
+    replicas: Mapped[dict[str, int]] = mapped_column(JSON)
+    requests: Mapped[int] = mapped_column(BigInteger)  # answered since the gateway started
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class GatewayUsage(Base):
+    """Gateway use per tenant, user, token, service and hour (UTC, truncated): requests, failed
+    ones, and the prompt and completion tokens the engine's answers reported."""
+
+    __tablename__ = "gateway_usage"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    user: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    token_id: Mapped[str] = mapped_column(String(TOKEN_ID_LEN), primary_key=True)
+    service: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    hour: Mapped[datetime] = mapped_column(UTCDateTime(), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    failed: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class GatewayLimit(Base):
+    """A tenant's gateway rate limit: requests per minute, with bursts up to `burst`."""
+
+    __tablename__ = "gateway_limits"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    requests_per_minute: Mapped[int] = mapped_column(Integer)
+    burst: Mapped[int] = mapped_column(Integer)

@@ -13,9 +13,11 @@ from computepool.server.routers import (
     audit,
     blobs,
     functions,
+    gateway,
     identity,
     nodes,
     quotas,
+    services,
     tenants,
 )
 
@@ -29,11 +31,13 @@ def api_routers() -> list[APIRouter]:
     return [
         allocations.router,
         functions.router,
+        services.router,
         nodes.router,
         agent.router,
         identity.router,
         tenants.router,
         quotas.router,
+        gateway.router,
         audit.router,
         blobs.router,
     ]

@@ -48,6 +48,15 @@ MAX_SELECTOR = 16
 # allocation, slices, rank, a function worker's token and server). A user who could set them
 # could pose as a function worker; only these, which the SDK passes to its worker, are open.
 OPEN_CPOOL_ENV = frozenset({"CPOOL_SYS_PATH", "CPOOL_PIP", "CPOOL_WORKER_TRACE"})
+
+
+def check_env_name(key: str) -> str:
+    """`key`, unless it is one of the pool's own names (CPOOL_…, but the open ones)."""
+    if key.startswith("CPOOL_") and key not in OPEN_CPOOL_ENV:
+        raise ValueError(f"{key}: names starting with CPOOL_ are set by the pool, not by requests")
+    return key
+
+
 MAX_PORTS = 16
 
 
@@ -125,8 +134,7 @@ class AllocationCreate(In):
     @classmethod
     def _pool_names_are_the_pools(cls, env: dict[str, str] | None) -> dict[str, str] | None:
         for key in env or {}:
-            if key.startswith("CPOOL_") and key not in OPEN_CPOOL_ENV:
-                raise ValueError(f"{key}: names starting with CPOOL_ are set by the pool, not by requests")
+            check_env_name(key)
         return env
 
     colocate: LabelKey | None = Field(
@@ -264,6 +272,9 @@ class Assignment(Out):
     gang: GangOut | None = Field(default=None, description="Set for a member of a gang over several nodes.")
     code: str | None = Field(default=None, description="Blob to unpack into the work dir before the start.")
     stdin: str | None = Field(default=None, description="Blob to feed to the job's stdin.")
+    service_port: int | None = Field(
+        default=None, description="A service replica's port: the agent reports who listens on it."
+    )
 
 
 class Assignments(Out):
@@ -285,6 +296,10 @@ class Report(In):
     reason: str | None = Field(default=None, max_length=1000)
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    listener: Literal["own", "other", "none"] | None = Field(
+        default=None,
+        description="A running service replica: who listens on its port (its job, another process, nobody).",
+    )
 
 
 class Reports(In):

@@ -71,6 +71,7 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 gang=gangs.gang_of(a, name),
                 code=a.request.get("code"),
                 stdin=a.request.get("stdin"),
+                service_port=a.service_port,
             )
             for a in store.holding_on(s, name)
             if a.command is not None
@@ -114,6 +115,10 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
                 if a.state == "bound":
                     a.started_at = _utc(r.started_at) or now
                     store.transition(s, a, "active", f"started on {name}", now)
+                    if a.service_id is not None:  # a new attempt: what an earlier one found is void
+                        a.replica_listener = r.listener
+                if r.listener is not None and a.service_id is not None:
+                    a.replica_listener = r.listener
             elif r.state == "exited" and r.exit_code == 0:
                 a.exit_code = 0
                 store.transition(s, a, "released", "exited 0", now)

@@ -242,7 +242,7 @@ def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, A
     return req, _admit(ctx, core, tenant)
 
 
-SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN"})  # given to the job by its env, never shown back
+SECRET_ENV = store.SECRET_ENV  # given to the job by its env, never shown back
 
 
 def _hide_secrets(env: dict[str, str] | None) -> dict[str, str] | None:

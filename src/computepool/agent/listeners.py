@@ -1,0 +1,191 @@
+"""Who listens on a service replica's port: the replica's own job, another process, or nobody.
+
+Process jobs share the node's network, so another tenant's job can bind a replica's port before
+the engine does (a large model takes minutes to load) and answer its health checks. Only the node
+can tell who holds a socket, so the agent looks: the LISTEN sockets on the port in /proc/net/tcp
+and /proc/net/tcp6 (their inodes), and whether those inodes are among the descriptors
+(`socket:[INODE]` in /proc/PID/fd) of the job's own processes (its cgroup, else its process
+tree: `Executor.job_pids`). It reports "own", "other" or "none" with the job's state; the
+control plane marks a replica ready only on "own".
+
+A container replica's engine listens in the container's own network namespace: on the node the
+port is podman's (its conmon may hold it open, or the firewall forwards it), so there a listener
+of podman's for that container counts as the job's, and no listener at all as its own too (the
+port is published to the container); another process holding the port is still "other".
+
+The scan runs on its own thread, once per pass for every replica of the node (every 2 s, every
+0.5 s while one is not yet its own listener; a report only on a change): /proc/net once,
+then only the descriptors of the replicas' processes; the whole /proc is read only to name an
+intruder in the agent's log (never to the tenant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("computepool.agent")
+
+LISTEN = "0A"  # the kernel's TCP_LISTEN in /proc/net/tcp's `st` column
+OWN, OTHER, NONE = "own", "other", "none"
+SCAN_EVERY_S = 2.0
+SCAN_STARTING_S = 0.5  # while a replica's own process does not listen yet: its readiness waits on this
+
+
+def listening(proc: Path = Path("/proc")) -> dict[int, set[int]]:
+    """Port → inodes of the LISTEN sockets on it (IPv4 and IPv6) in the reader's network namespace."""
+    out: dict[int, set[int]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / name).read_text().splitlines()[1:]
+        except OSError:  # no IPv6 on this node
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 10 or f[3] != LISTEN:
+                continue
+            with contextlib.suppress(ValueError):
+                port = int(f[1].rsplit(":", 1)[1], 16)
+                inode = int(f[9])
+                if inode:
+                    out.setdefault(port, set()).add(inode)
+    return out
+
+
+def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[int]:
+    """Inodes of the sockets process `pid` holds (empty if it is gone or not ours to read)."""
+    fd_dir = proc / str(pid) / "fd"
+    found: set[int] = set()
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(fd_dir / name)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            with contextlib.suppress(ValueError):
+                found.add(int(target[8:-1]))
+    return found
+
+
+def holders(inodes: set[int], proc: Path = Path("/proc")) -> dict[int, int]:
+    """Inode → a pid holding it, over every process this agent may read (for its log only)."""
+    out: dict[int, int] = {}
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        for inode in socket_inodes(int(entry), proc) & inodes:
+            out.setdefault(inode, int(entry))
+        if len(out) == len(inodes):
+            break
+    return out
+
+
+def cmdline(pid: int, proc: Path = Path("/proc")) -> str:
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One running replica to look at: its job key, port, processes and container (if any)."""
+
+    key: str
+    port: int
+    pids: frozenset[int]
+    container: str | None = None
+
+
+def classify(r: Replica, sockets: dict[int, set[int]], proc: Path = Path("/proc")) -> tuple[str, set[int]]:
+    """ "own", "other" or "none" for one replica, and the inodes on its port that are not its own."""
+    inodes = sockets.get(r.port, set())
+    if not inodes:
+        return (OWN if r.container else NONE), set()
+    own: set[int] = set()
+    for pid in r.pids:
+        own |= socket_inodes(pid, proc)
+    foreign = inodes - own
+    if foreign and r.container:  # podman's conmon holding the published port of this very container
+        for inode, pid in holders(foreign, proc).items():
+            if r.container in cmdline(pid, proc).split():
+                foreign.discard(inode)
+    return (OTHER if foreign else OWN), foreign
+
+
+class ListenerWatch:
+    """Scans the node's replicas every `every_s` on its own thread; `found()` is the latest result
+    (job key → "own"/"other"/"none") and `on_change` is called when it changed."""
+
+    def __init__(
+        self,
+        replicas: Callable[[], Iterable[Replica]],
+        on_change: Callable[[], None],
+        every_s: float = SCAN_EVERY_S,
+        proc: Path = Path("/proc"),
+    ) -> None:
+        self.replicas, self.on_change, self.every_s, self.proc = replicas, on_change, every_s, proc
+        self._found: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def found(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._found)
+
+    def scan(self) -> dict[str, str]:
+        """One pass over every replica of the node; logs an intruder the first time it is seen."""
+        reps = list(self.replicas())
+        sockets = listening(self.proc) if reps else {}
+        found: dict[str, str] = {}
+        for r in reps:
+            status, foreign = classify(r, sockets, self.proc)
+            found[r.key] = status
+            with self._lock:
+                before = self._found.get(r.key)
+            if status == OTHER and before != OTHER:
+                who = ", ".join(
+                    f"pid {pid} ({cmdline(pid, self.proc)[:120] or '?'})"
+                    for pid in sorted(set(holders(foreign, self.proc).values()))
+                )
+                log.warning(
+                    "%s: port %d is held by another process, not by the replica: %s",
+                    r.key, r.port, who or "a process this agent cannot see",
+                )  # fmt: skip
+        with self._lock:
+            changed = found != self._found
+            self._found = found
+        if changed:
+            self.on_change()
+        return found
+
+    def _run(self) -> None:
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            try:
+                found = self.scan()
+            except Exception:  # a scan must never take the agent down: log, try again next pass
+                log.exception("scanning the replicas' ports failed")
+                found = {}
+            settled = all(v == OWN for v in found.values())
+            wait = self.every_s if settled else min(self.every_s, SCAN_STARTING_S)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cpool-listeners", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
