@@ -22,6 +22,7 @@ class Role(StrEnum):
     VIEWER = "viewer"  # reads only (may still revoke their own tokens)
     NODE = "node"  # a node agent's credential, bound to that node
     WORKER = "worker"  # a function worker's token: its own function's worker routes, while it holds
+    SCRAPER = "scraper"  # a monitoring system's user: reads /metrics and nothing else
 
 
 HUMAN_ROLES = frozenset({Role.ADMIN, Role.TENANT_ADMIN, Role.MEMBER, Role.VIEWER})
@@ -82,6 +83,17 @@ class Action(StrEnum):
     GATEWAY_USAGE_LIST = "gateway.usage.list"
     GATEWAY_LIMIT_SET = "gateway.limit.set"  # a tenant's gateway rate limit
     GATEWAY_LIMIT_GET = "gateway.limit.get"
+    USAGE_LIST = "usage.list"  # the usage ledger, grouped (GPU-hours, energy, cost)
+    USAGE_STATIC_GET = "usage.static.get"  # what static partitions would have needed
+    NODE_HISTORY_GET = "node.history.get"  # a node's devices' utilization, memory and power history
+    PRICE_LIST = "price.list"
+    PRICE_SET = "price.set"
+    ALERT_LIST = "alert.list"
+    ALERT_RULE_LIST = "alert.rule.list"
+    ALERT_RULE_SET = "alert.rule.set"
+    WEBHOOK_CREATE = "webhook.create"
+    WEBHOOK_LIST = "webhook.list"
+    WEBHOOK_DELETE = "webhook.delete"
 
     @property
     def mutating(self) -> bool:
@@ -102,7 +114,7 @@ _ADMINS = frozenset({Role.ADMIN, Role.TENANT_ADMIN})
 _WRITERS = frozenset({Role.ADMIN, Role.TENANT_ADMIN, Role.MEMBER})
 
 GRANTS: dict[Action, frozenset[Role]] = {
-    Action.WHOAMI: _ALL | {Role.NODE},
+    Action.WHOAMI: _ALL | {Role.NODE, Role.SCRAPER},
     Action.TENANT_CREATE: _ADMIN,
     Action.TENANT_LIST: _ALL,
     Action.TENANT_GET: _ALL,
@@ -132,7 +144,7 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.NODE_ASSIGNMENTS: frozenset({Role.NODE}),
     Action.NODE_REPORT: frozenset({Role.NODE}),
     Action.NODE_LOG_APPEND: frozenset({Role.NODE}),
-    Action.METRICS_READ: _ADMIN,
+    Action.METRICS_READ: frozenset({Role.ADMIN, Role.SCRAPER}),
     Action.FUNCTION_CREATE: _WRITERS,
     Action.FUNCTION_LIST: _ALL,
     Action.FUNCTION_GET: _ALL,
@@ -156,6 +168,17 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.GATEWAY_USAGE_LIST: _ALL,
     Action.GATEWAY_LIMIT_SET: _ADMIN,
     Action.GATEWAY_LIMIT_GET: _ALL,
+    Action.USAGE_LIST: _ALL,  # scoped to the caller's tenant but for admins
+    Action.USAGE_STATIC_GET: _ALL,  # likewise: a tenant sees its own partition, admins the pool's
+    Action.NODE_HISTORY_GET: _ALL,
+    Action.PRICE_LIST: _ALL,
+    Action.PRICE_SET: _ADMIN,
+    Action.ALERT_LIST: _ALL,  # a tenant's users see their tenant's alerts only
+    Action.ALERT_RULE_LIST: _ALL,
+    Action.ALERT_RULE_SET: _ADMIN,
+    Action.WEBHOOK_CREATE: _ADMIN,
+    Action.WEBHOOK_LIST: _ADMIN,
+    Action.WEBHOOK_DELETE: _ADMIN,
 }
 
 # Actions on tokens, where a member or viewer may only touch their own.

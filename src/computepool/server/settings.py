@@ -86,6 +86,26 @@ class ServerSettings(BaseModel):
         description="Live replicas one tenant's services may have together (no tenant takes every port).",
     )
 
+    ledger_interval_s: float = Field(
+        default=10.0, gt=0, le=3600, description="How often the usage ledger books use and energy."
+    )
+    history_keep_s: float = Field(
+        default=7 * 86400.0, gt=0, description="How long devices' utilization history is kept."
+    )
+    alerts_interval_s: float = Field(default=5.0, gt=0, le=3600, description="How often alert rules run.")
+    webhook_key_file: Path | None = Field(
+        default=None,
+        description="Key webhook signing secrets are derived from (default DATA_DIR/webhook-key, made on "
+        "first start); replicas sharing a database must share it.",
+    )
+    smtp_host: str | None = Field(default=None, description="Mail server for alert mail (none: no mail).")
+    smtp_port: int = Field(default=25, ge=1, le=65535)
+    smtp_starttls: bool = Field(default=False, description="Upgrade the SMTP connection with STARTTLS.")
+    smtp_user: str | None = Field(default=None, description="SMTP login (with smtp_password_file).")
+    smtp_password_file: Path | None = Field(default=None, description="File holding the SMTP password.")
+    mail_from: str = Field(default="computepool@localhost", description="From address of alert mail.")
+    mail_to: tuple[str, ...] = Field(default=(), description="Where alert mail goes.")
+
     @model_validator(mode="after")
     def _thresholds(self) -> ServerSettings:
         if self.gang_port_min > self.gang_port_max:
@@ -131,6 +151,10 @@ class ServerSettings(BaseModel):
     @property
     def audit_key_path(self) -> Path:
         return self.audit_key_file or self.data_dir / "audit-key"
+
+    @property
+    def webhook_key_path(self) -> Path:
+        return self.webhook_key_file or self.data_dir / "webhook-key"
 
     @property
     def audit_anchor_path(self) -> Path:

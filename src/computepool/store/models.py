@@ -101,6 +101,13 @@ class Device(Base):
     mig_parent_uuid: Mapped[str | None] = mapped_column(String(128), nullable=True)
     used_memory_mib: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     utilization_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # power draw (W) and the vendor's total-energy counter (J, NVML's since driver load) as the
+    # last heartbeat reported them; `energy_mark_j` is the counter where the ledger last booked
+    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
+    energy_j: Mapped[float | None] = mapped_column(Float, nullable=True)
+    energy_mark_j: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # "" while healthy, else why not (NVML errors, XID events), as the last heartbeat said
+    health: Mapped[str] = mapped_column(String(256), default="", server_default="")
 
     node: Mapped[Node] = relationship(back_populates="devices")
 
@@ -457,3 +464,129 @@ class GatewayLimit(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
     requests_per_minute: Mapped[int] = mapped_column(Integer)
     burst: Mapped[int] = mapped_column(Integer)
+
+
+class UsageEntry(Base):
+    """The usage ledger: what one allocation used on one node and device model in one UTC hour.
+
+    `allocation_id` 0 is the pool's own row: the energy of devices that held nothing. `gpu_seconds`
+    is device share × seconds (a half slice for an hour: 1800); `model` is "" for the host share
+    (CPU and memory) of an allocation. `idle_waste_j` is energy of devices held but not used."""
+
+    __tablename__ = "usage_ledger"
+    __table_args__ = (
+        UniqueConstraint("hour", "allocation_id", "node", "model", name="uq_usage_ledger_key"),
+        Index("ix_usage_ledger_hour", "hour"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hour: Mapped[datetime] = mapped_column(UTCDateTime())
+    allocation_id: Mapped[int] = mapped_column(Integer)
+    tenant: Mapped[str] = mapped_column(String(NAME_LEN))
+    user: Mapped[str] = mapped_column(String(NAME_LEN))
+    job: Mapped[str] = mapped_column(String(NAME_LEN))
+    service: Mapped[str] = mapped_column(String(NAME_LEN), default="", server_default="")
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    model: Mapped[str] = mapped_column(String(NAME_LEN))
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    memory_mib_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    energy_j: Mapped[float] = mapped_column(Float, default=0.0)
+    idle_waste_j: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class LedgerClock(Base):
+    """The single row saying up to when the ledger has booked (so a new leader books no second time)."""
+
+    __tablename__ = "ledger_clock"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class DeviceSample(Base):
+    """A device's utilization, memory and power at one moment: its history (kept a while)."""
+
+    __tablename__ = "device_samples"
+    __table_args__ = (Index("ix_device_samples_device_at", "node", "device_index", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    device_index: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    utilization_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    used_memory_mib: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Price(Base):
+    """One price: per GPU-hour of a device model (`item` the model), or per kWh (`item` "energy-kwh")."""
+
+    __tablename__ = "prices"
+
+    item: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    amount: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class AlertRule(Base):
+    """An operator's setting of one built-in alert rule (no row: the rule's defaults)."""
+
+    __tablename__ = "alert_rules"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    enabled: Mapped[bool] = mapped_column(Boolean)
+    threshold: Mapped[float] = mapped_column(Float)
+    duration_s: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Alert(Base):
+    """One alert of one rule about one subject (a node, a device, an allocation, a tenant…): firing
+    from `since`, resolved at `resolved_at`. `tenant` is set where the subject belongs to one."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_rule_subject_state", "rule", "subject", "state"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rule: Mapped[str] = mapped_column(String(64))
+    subject: Mapped[str] = mapped_column(String(256))
+    tenant: Mapped[str | None] = mapped_column(String(NAME_LEN), nullable=True, index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # firing | resolved
+    severity: Mapped[str] = mapped_column(String(16))  # warning | critical
+    summary: Mapped[str] = mapped_column(String(1024))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+    since: Mapped[datetime] = mapped_column(UTCDateTime())
+    resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class Webhook(Base):
+    """Where alert notifications are POSTed. The signing secret is not stored: it is derived from the
+    server's webhook key and the id, and shown once when the webhook is made."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    created_by: Mapped[str] = mapped_column(String(NAME_LEN + 8))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class AlertDelivery(Base):
+    """The notification outbox: one firing or resolved event of an alert to one channel (a webhook,
+    or mail), retried with back-off until sent or given up."""
+
+    __tablename__ = "alert_deliveries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), index=True)
+    event: Mapped[str] = mapped_column(String(16))  # firing | resolved
+    channel: Mapped[str] = mapped_column(String(16))  # webhook | mail
+    webhook_id: Mapped[int | None] = mapped_column(
+        ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    state: Mapped[str] = mapped_column(String(16), index=True)  # pending | sent | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    last_error: Mapped[str] = mapped_column(String(1024), default="", server_default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -29,6 +29,9 @@ class DeviceUsage:
     index: int
     used_memory_mib: int | None
     utilization_pct: float | None
+    power_w: float | None = None
+    energy_j: float | None = None  # the vendor's total-energy counter (J); None where it has none
+    health: str = ""  # "" while healthy, else why not
 
 
 def get(session: Session, name: str) -> Node | None:
@@ -74,6 +77,9 @@ def heartbeat(session: Session, node: Node, now: datetime, usage: Sequence[Devic
         dev = by_index[u.index]
         dev.used_memory_mib = u.used_memory_mib
         dev.utilization_pct = u.utilization_pct
+        dev.power_w = u.power_w
+        dev.energy_j = u.energy_j
+        dev.health = u.health
     session.flush()
 
 
@@ -89,7 +95,13 @@ _DEV_INDEXES = select(_DEV.c.index).where(_DEV.c.node_id == bindparam("node_id")
 _DEV_USAGE = (
     _DEV.update()
     .where(_DEV.c.node_id == bindparam("b_node"), _DEV.c.index == bindparam("dev_index"))
-    .values(used_memory_mib=bindparam("used"), utilization_pct=bindparam("util"))
+    .values(
+        used_memory_mib=bindparam("used"),
+        utilization_pct=bindparam("util"),
+        power_w=bindparam("power"),
+        energy_j=bindparam("energy"),
+        health=bindparam("health"),
+    )
 )
 
 
@@ -127,6 +139,9 @@ def beat(session: Session, name: str, now: datetime, usage: Sequence[DeviceUsage
                     "dev_index": u.index,
                     "used": u.used_memory_mib,
                     "util": u.utilization_pct,
+                    "power": u.power_w,
+                    "energy": u.energy_j,
+                    "health": u.health,
                 }
                 for u in usage
             ],

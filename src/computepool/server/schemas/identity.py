@@ -9,7 +9,7 @@ from pydantic import Field
 
 from computepool.server.schemas.common import MAX_EXPIRES_S, In, Name, Out
 
-UserRole = Literal["admin", "tenant-admin", "member", "viewer"]
+UserRole = Literal["admin", "tenant-admin", "member", "viewer", "scraper"]
 
 
 class TenantCreate(In):
@@ -28,7 +28,10 @@ class TenantOut(Out):
 class UserCreate(In):
     name: Name = Field(description="Unique in the whole pool.")
     tenant: Name = Field(description="The tenant the user belongs to.")
-    role: UserRole = Field(description="admin (whole pool), tenant-admin, member or viewer (read-only).")
+    role: UserRole = Field(
+        description="admin (whole pool), tenant-admin, member, viewer (read-only) or scraper (reads "
+        "/metrics only, for Prometheus)."
+    )
 
 
 class UserOut(Out):

@@ -20,6 +20,8 @@ from computepool.server.schemas.common import (
 )
 
 MAX_DEVICE_MEMORY_MIB = 2**24  # 16 TiB on one device
+MAX_DEVICE_POWER_W = 100_000.0
+MAX_ENERGY_J = 1e18
 MAX_LABELS = 64
 NodeState = Literal["ready", "suspect", "lost"]
 Uuid = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:/-]{0,127})?$")]
@@ -98,6 +100,19 @@ class DeviceUsageIn(In):
     index: int = Field(strict=True, ge=0, lt=MAX_DEVICES_PER_NODE, description="Device index on this node.")
     used_memory_mib: int | None = Field(default=None, strict=True, ge=0, le=MAX_DEVICE_MEMORY_MIB)
     utilization_pct: float | None = Field(default=None, ge=0, le=100, allow_inf_nan=False)
+    power_w: float | None = Field(
+        default=None, ge=0, le=MAX_DEVICE_POWER_W, allow_inf_nan=False, description="Power draw now (W)."
+    )
+    energy_j: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_ENERGY_J,
+        allow_inf_nan=False,
+        description="The device's total-energy counter (J; NVML's counts from driver load).",
+    )
+    health: str = Field(
+        default="", max_length=256, description="Empty while healthy, else why not (NVML error, XID event)."
+    )
 
 
 class Heartbeat(In):
@@ -123,6 +138,8 @@ class DeviceOut(Out):
     mig_parent_uuid: str | None
     used_memory_mib: int | None
     utilization_pct: float | None
+    power_w: float | None
+    health: str = Field(description="Empty while healthy, else why not.")
 
 
 class NodeOut(Out):

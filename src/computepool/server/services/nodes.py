@@ -78,6 +78,8 @@ def _out(n: Node, now: datetime, settings: ServerSettings, viewer: Principal | N
                 mig_parent_uuid=d.mig_parent_uuid,
                 used_memory_mib=d.used_memory_mib,
                 utilization_pct=d.utilization_pct,
+                power_w=d.power_w,
+                health=d.health or "",
             )
             for d in n.devices
         ],
@@ -190,7 +192,10 @@ def join(ctx: Ctx, body: NodeJoin, peer: str | None = None) -> NodeJoined:
 
 def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> HeartbeatOut:
     authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
-    usage = [DeviceUsage(u.index, u.used_memory_mib, u.utilization_pct) for u in body.devices_usage]
+    usage = [
+        DeviceUsage(u.index, u.used_memory_mib, u.utilization_pct, u.power_w, u.energy_j, u.health)
+        for u in body.devices_usage
+    ]
     with ctx.db.write() as s:
         try:
             got = nodes.beat(s, name, db_now(s), usage)
