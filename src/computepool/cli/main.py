@@ -55,6 +55,7 @@ def _register() -> None:
     from computepool.cli import (
         access_cmd,
         agent_cmd,
+        alerts_cmd,
         alloc_cmd,
         audit_cmd,
         bench_api_cmd,
@@ -74,6 +75,7 @@ def _register() -> None:
         sim_report,
         tenants_cmd,
         up_cmd,
+        usage_cmd,
     )
 
     sim_fill.register(sim_app)
@@ -95,6 +97,8 @@ def _register() -> None:
     alloc_cmd.register(app)
     run_cmd.register(app)
     serve_cmd.register(app)
+    usage_cmd.register(app)
+    alerts_cmd.register(app)
     cp_cmd.register(app)
     bench_api_cmd.register(bench_app)
     bench_cycle_cmd.register(bench_app)

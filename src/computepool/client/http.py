@@ -21,10 +21,12 @@ from urllib.parse import quote
 
 import httpx
 
+from computepool.client.alerts import AlertMethods
 from computepool.client.blobs import BlobMethods
 from computepool.client.config import ClientConfig, normalise_server
 from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.client.services import ServiceMethods
+from computepool.client.usage import UsageMethods
 from computepool.core.allocation import ENDED, PENDING, IsolationName
 from computepool.core.tls import client_context, describe_tls_failure
 
@@ -134,7 +136,7 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-class PoolClient(BlobMethods, ServiceMethods):
+class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods):
     """A connection to one pool server with one bearer token.
 
     A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After

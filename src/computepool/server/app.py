@@ -26,12 +26,14 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from computepool.server import metrics
+from computepool.server import metrics, web
+from computepool.server.alerts import AlertEngine
 from computepool.server.caches import Caches
 from computepool.server.errors import ApiError, install_handlers
 from computepool.server.gateway import Gateway
 from computepool.server.gateway import router as gateway_router
 from computepool.server.hub import Hub
+from computepool.server.ledger import Accountant
 from computepool.server.limits import capped_receive, too_large
 from computepool.server.policy import Action
 from computepool.server.reclaim import Reclaimer
@@ -207,6 +209,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     sweeper.start()
     gateway: Gateway = app.state.gateway
     await gateway.start()
+    accountant: Accountant = app.state.accountant
+    accountant.start()
+    alert_engine: AlertEngine = app.state.alert_engine
+    alert_engine.start()
     checkpoints = asyncio.get_running_loop().create_task(_checkpoints(db), name="cpool-checkpoint")
     audit_watch = asyncio.get_running_loop().create_task(_audit_watch(app), name="cpool-audit-watch")
     log.info("control plane ready (database: %s)", db.dialect)
@@ -217,6 +223,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await alert_engine.stop()
+        await accountant.stop()
         await gateway.stop()
         await sweeper.stop()
         await services.stop()
@@ -251,6 +259,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
 
     app.state.gateway = Gateway(app.state.db, app.state.caches.tokens)  # /v1: see server.gateway
+    app.state.accountant = Accountant(app.state.db, settings, app.state.hub, app.state.controller)
+    app.state.alert_engine = AlertEngine(
+        app.state.db,
+        settings,
+        app.state.hub,
+        app.state.controller,
+        audit_problem=lambda: app.state.audit_problem,
+    )
 
     app.add_middleware(RequestMiddleware, app_state=app.state)
 
@@ -273,4 +289,5 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(gateway_router)
     for router in api_routers():
         app.include_router(router, prefix=API_PREFIX)
+    app.include_router(web.router)  # the dashboard: / and /ui/… (last: the API's routes match first)
     return app

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 
 from computepool.server.routers import (
     agent,
+    alerts,
     allocations,
     audit,
     blobs,
@@ -19,6 +20,7 @@ from computepool.server.routers import (
     quotas,
     services,
     tenants,
+    usage,
 )
 
 
@@ -38,6 +40,8 @@ def api_routers() -> list[APIRouter]:
         tenants.router,
         quotas.router,
         gateway.router,
+        usage.router,
+        alerts.router,
         audit.router,
         blobs.router,
     ]

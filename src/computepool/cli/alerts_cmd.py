@@ -1,0 +1,9 @@
+"""`cpool alerts` (being built)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the CLI."""

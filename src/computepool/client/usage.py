@@ -1,0 +1,7 @@
+"""Client calls for usage, prices and the static equivalent (being built)."""
+
+from __future__ import annotations
+
+
+class UsageMethods:
+    """Mixed into PoolClient."""

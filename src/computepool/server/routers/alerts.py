@@ -1,0 +1,7 @@
+"""The alerts API (being built)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+router = APIRouter(tags=["alerts"])
