@@ -235,7 +235,14 @@ class Agent:
             return []
         try:
             return [
-                {"index": u.index, "used_memory_mib": u.memory_used_mib, "utilization_pct": u.utilization_pct}
+                {
+                    "index": u.index,
+                    "used_memory_mib": u.memory_used_mib,
+                    "utilization_pct": u.utilization_pct,
+                    "power_w": u.power_w,
+                    "energy_j": u.energy_j,
+                    "health": u.health[:256],  # what the pool keeps of it
+                }
                 for u in backend.usage()
             ]
         except Exception as e:  # a driver hiccup must not stop the heartbeat

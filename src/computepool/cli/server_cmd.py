@@ -114,6 +114,40 @@ def register(app: typer.Typer) -> None:
                 "Replicas sharing one PostgreSQL database must all use the same key.",
             ),
         ] = None,
+        alerts_interval: Annotated[
+            float, typer.Option("--alerts-interval", help="Seconds between passes of the alert rules.")
+        ] = 5.0,
+        ledger_interval: Annotated[
+            float, typer.Option("--ledger-interval", help="Seconds between bookings of the usage ledger.")
+        ] = 10.0,
+        webhook_key_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--webhook-key-file",
+                envvar="CPOOL_WEBHOOK_KEY_FILE",
+                help="Key webhook secrets are derived from (default DATA_DIR/webhook-key, made on first "
+                "start). Replicas sharing one database must all use the same key.",
+            ),
+        ] = None,
+        smtp_host: Annotated[
+            str | None,
+            typer.Option("--smtp-host", envvar="CPOOL_SMTP_HOST", help="Mail server for alert mail."),
+        ] = None,
+        smtp_port: Annotated[int, typer.Option("--smtp-port", help="Its port.")] = 25,
+        smtp_starttls: Annotated[
+            bool, typer.Option("--smtp-starttls", help="Upgrade the mail connection with STARTTLS.")
+        ] = False,
+        smtp_user: Annotated[str | None, typer.Option("--smtp-user", help="SMTP login name.")] = None,
+        smtp_password_file: Annotated[
+            Path | None, typer.Option("--smtp-password-file", help="File holding the SMTP password.")
+        ] = None,
+        mail_from: Annotated[
+            str, typer.Option("--mail-from", help="From address of alert mail.")
+        ] = "computepool@localhost",
+        mail_to: Annotated[
+            list[str] | None,
+            typer.Option("--mail-to", help="Where alert mail goes (repeat for several; none: no mail)."),
+        ] = None,
     ) -> None:
         """Start the control plane; the first start writes an admin token to DATA_DIR/admin-token."""
         from pydantic import ValidationError
@@ -153,6 +187,16 @@ def register(app: typer.Typer) -> None:
                 service_port_min=int(svc_lo),
                 service_port_max=int(svc_hi),
                 max_replicas_per_tenant=max_replicas_per_tenant,
+                alerts_interval_s=alerts_interval,
+                ledger_interval_s=ledger_interval,
+                webhook_key_file=webhook_key_file.expanduser() if webhook_key_file else None,
+                smtp_host=smtp_host or None,
+                smtp_port=smtp_port,
+                smtp_starttls=smtp_starttls,
+                smtp_user=smtp_user or None,
+                smtp_password_file=smtp_password_file.expanduser() if smtp_password_file else None,
+                mail_from=mail_from,
+                mail_to=tuple(mail_to or ()),
             )
         except ValidationError as e:
             first = e.errors()[0]
@@ -160,6 +204,15 @@ def register(app: typer.Typer) -> None:
             raise fail(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
         if settings.db_url and not settings.db_url.startswith(("sqlite", "postgres")):
             raise fail(f"--db: expected a sqlite:/// or postgresql+psycopg:// URL, got {settings.db_url!r}")
+        if settings.smtp_password_file is not None and not settings.smtp_password_file.is_file():
+            raise fail(f"--smtp-password-file: no such file {settings.smtp_password_file}")
+        if settings.smtp_user and settings.smtp_password_file is None:
+            raise fail("--smtp-user needs --smtp-password-file")
+        for addr in (settings.mail_from, *settings.mail_to):
+            if "@" not in addr or any(c.isspace() for c in addr):
+                raise fail(f"--mail-from/--mail-to: not a mail address: {addr!r}")
+        if settings.mail_to and not settings.smtp_host:
+            raise fail("--mail-to needs --smtp-host (the mail server that sends it)")
         for opt, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
             if path is not None and not path.is_file():
                 raise fail(f"{opt}: no such file {path}")

@@ -22,7 +22,7 @@ from computepool.client import PoolError
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_duration
 
-ROLES = ("admin", "tenant-admin", "member", "viewer")
+ROLES = ("admin", "tenant-admin", "member", "viewer", "scraper")
 
 
 def register(app: typer.Typer) -> None:
@@ -180,7 +180,7 @@ def _register_users(app: typer.Typer) -> None:
         name: Annotated[str, typer.Argument(help="Unique in the whole pool.")],
         tenant: Annotated[str, typer.Option("--tenant", help="The user's tenant.")],
         role: Annotated[
-            str, typer.Option("--role", help="admin, tenant-admin, member or viewer.")
+            str, typer.Option("--role", help="admin, tenant-admin, member, viewer or scraper.")
         ] = "member",
         server: ServerOpt = None,
         token: TokenOpt = None,

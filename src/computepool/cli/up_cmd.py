@@ -284,6 +284,7 @@ def register(app: typer.Typer) -> None:
 
         print(f"ComputePool is up: API {url}", flush=True)
         print(f"admin token in {token_file}", flush=True)
+        print(f"dashboard {url}/ (sign in with that token)", flush=True)
         ca_env = f" CPOOL_CA={cert}" if tls else ""
         print(f"  export CPOOL_SERVER={url}{ca_env} CPOOL_TOKEN=$(cat {token_file})", flush=True)
         print(f"logs in {logs}/ (server.log, agent.log); Ctrl-C stops both (running jobs keep running "

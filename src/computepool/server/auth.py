@@ -2,10 +2,15 @@
 
 A token found valid is remembered for a second (`caches.TokenCache`), so most calls cost one
 SHA-256 and no query; the secret is checked against the stored hash every time.
+
+The dashboard sends the same token in its session cookie; a write made with that cookie must also
+carry the session's CSRF token (`check_csrf`), which a page of another site cannot know.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
@@ -13,10 +18,30 @@ from sqlalchemy.orm import Session
 from computepool.core.allocation import HOLDING
 from computepool.server.caches import TokenCache
 from computepool.server.credentials import hash_secret, secret_matches, split_token
-from computepool.server.errors import Unauthorized
+from computepool.server.errors import Forbidden, Unauthorized
 from computepool.server.policy import Principal, Role
 from computepool.store import functions, tokens
 from computepool.store.db import Database, db_now
+
+SESSION_COOKIE = "cpool_session"  # the dashboard's pool token (HttpOnly)
+CSRF_COOKIE = "cpool_csrf"  # its CSRF token, readable by the dashboard's script
+CSRF_HEADER = "X-CSRF-Token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def csrf_token(bearer: str) -> str:
+    """The CSRF token of a dashboard session, derived from its pool token.
+
+    Derived rather than stored, so every replica computes the same one with no shared state; one
+    who cannot read the token (another site's page) cannot make it, and it does not reveal the token.
+    """
+    return hmac.new(bearer.encode(), b"computepool dashboard csrf", hashlib.sha256).hexdigest()
+
+
+def check_csrf(bearer: str, given: str | None) -> None:
+    """A write sent with the session cookie must carry the session's CSRF token, else 403."""
+    if not given or not hmac.compare_digest(given.encode(), csrf_token(bearer).encode()):
+        raise Forbidden(f"missing or wrong CSRF token (send header {CSRF_HEADER} with writes)")
 
 
 def authenticate(db: Database, bearer: str | None, cache: TokenCache | None = None) -> Principal:

@@ -4,8 +4,9 @@
     def create(body: ThingIn, ctx: Annotated[Ctx, Depends(requires(Action.THING_CREATE))]) -> ThingOut:
         return things.create(ctx, body)
 
-`requires` authenticates the bearer token, checks the role may do the action at all, and marks
-the route; a test walks `app.routes` and fails on any /api/v1 route without such a mark.
+`requires` authenticates the bearer token (or, without one, the dashboard's session cookie, whose
+writes must carry the CSRF token), checks the role may do the action at all, and marks the
+route; a test walks `app.routes` and fails on any /api/v1 route without such a mark.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from computepool.server.auth import authenticate
+from computepool.server.auth import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE, authenticate, check_csrf
 from computepool.server.caches import TokenCache
 from computepool.server.context import Ctx
 from computepool.server.credentials import secret_matches, split_token
-from computepool.server.errors import NotFound
-from computepool.server.policy import Action, Principal, authorize
+from computepool.server.errors import NotFound, Unauthorized
+from computepool.server.policy import HUMAN_ROLES, Action, Principal, authorize
 from computepool.server.schemas.common import MAX_ID
 
 ACTION_ATTR = "__cpool_action__"
@@ -83,12 +84,20 @@ def requires(action: Action) -> Callable[..., object]:
         request.state.action = action
         caches = request.app.state.caches
         bearer = creds.credentials if creds else None
+        session = bearer is None and SESSION_COOKIE in request.cookies
+        if session:
+            bearer = request.cookies[SESSION_COOKIE]
         hit = _cached(caches.tokens, bearer)
         if hit is not None:
             principal = hit
         else:
             principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
         request.state.principal = principal
+        if session and bearer:
+            if principal.role not in HUMAN_ROLES:
+                raise Unauthorized(f"a {principal.role} token cannot be used as a dashboard session")
+            if request.method not in SAFE_METHODS:
+                check_csrf(bearer, request.headers.get(CSRF_HEADER))
         authorize(principal, action)
         _check_ids(request)
         return _ctx(request, action)

@@ -51,13 +51,23 @@ class DeviceInfo:
 
 @dataclass(frozen=True)
 class DeviceUsage:
-    """A device's load right now. `utilization_pct` is None where the vendor cannot tell (MIG)."""
+    """A device's load right now. `utilization_pct` is None where the vendor cannot tell (MIG).
+
+    `power_w` is the draw now and `energy_j` the vendor's total-energy counter (monotonic, reset
+    only when the driver or agent restarts), so the pool can book energy between two heartbeats;
+    both are None where the device cannot tell (a MIG instance: the GPU draws for all of them).
+    `health` is "" while the device is healthy, else why it is not (which vendor call failed, or
+    the XID event seen).
+    """
 
     index: int
     uuid: str
     utilization_pct: float | None
     memory_used_mib: int
     process_memory_mib: dict[int, int] = field(default_factory=dict)
+    power_w: float | None = None
+    energy_j: float | None = None
+    health: str = ""
 
 
 @runtime_checkable

@@ -3,11 +3,22 @@
 `pynvml` is imported inside the backend, never at module import, so this module loads on any
 machine; without the library or the driver the backend is simply unavailable and says why.
 Everything here only reads: it never changes MIG mode, clocks or any other GPU setting.
+
+Usage carries each GPU's power (`nvmlDeviceGetPowerUsage`, mW) and total-energy counter
+(`nvmlDeviceGetTotalEnergyConsumption`, mJ since the driver loaded; None on boards without
+one), and its health: "" unless an NVML query for the device fails (NotSupported is not a
+failure) or the driver reported a critical XID event for its GPU. XIDs are watched through one
+NVML event set per GPU, polled without waiting at each usage; the XIDs that come from the
+application rather than the board (13, 31, 43, 45, 68, 109: the set NVIDIA's Kubernetes device
+plugin also skips) are ignored, and any other stays reported until the agent restarts, as the
+GPU needs a reset then anyway. A MIG instance reports no power or energy: NVML gives them per
+GPU, and the GPU draws for all its instances; its health is its GPU's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +30,9 @@ from computepool.core.quantities import MILLI_PER_DEVICE
 
 MIB = 1024 * 1024
 T = TypeVar("T")
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})  # a job's fault, not the board's
+MAX_EVENTS_PER_POLL = 64
+NVML_ERROR_NOT_SUPPORTED = 3  # nvml.h; nvidia-ml-py names it too
 
 
 def _text(value: bytes | str) -> str:
@@ -79,6 +93,10 @@ class NvidiaBackend:
         self._nvml: ModuleType | None = None
         self._tried = False
         self._reason = ""
+        self._known: list[DeviceInfo] = []  # as last enumerated: what a failed usage() reports on
+        self._event_sets: dict[str, Any] = {}  # GPU uuid → its XID event set (None: not supported)
+        self._xids: dict[str, list[int]] = {}  # GPU uuid → the critical XIDs seen on it
+        self._events_lock = threading.Lock()  # usage() runs on the heartbeat and watchdog threads
 
     @property
     def reason(self) -> str:
@@ -114,7 +132,11 @@ class NvidiaBackend:
 
     def close(self) -> None:
         if self._nvml is not None:
+            for es in self._event_sets.values():
+                if es is not None:
+                    _try(self._nvml.nvmlEventSetFree, None, es)
             _try(self._nvml.nvmlShutdown, None)
+        self._event_sets = {}
         self._nvml = None
         self._tried = False
 
@@ -141,10 +163,10 @@ class NvidiaBackend:
                 handles.append(nv.nvmlDeviceGetMigDeviceHandleByIndex(gpu.handle, j))
         return handles
 
-    def _enumerate(self, nv: ModuleType) -> list[tuple[DeviceInfo, Any]]:
+    def _enumerate(self, nv: ModuleType, gpus: list[_Gpu] | None = None) -> list[tuple[DeviceInfo, Any]]:
         """Schedulable devices in a stable order, with their NVML handles (no link groups yet)."""
         out: list[tuple[DeviceInfo, Any]] = []
-        for gpu in self._gpus(nv):
+        for gpu in self._gpus(nv) if gpus is None else gpus:
             h = gpu.handle
             cc = _try(_compute_capability, "", nv, h)
             numa = int(_try(nv.nvmlDeviceGetNumaNodeId, -1, h))
@@ -192,6 +214,7 @@ class NvidiaBackend:
         except Exception as e:
             self._reason = f"NVML discovery failed: {e}"
             return []
+        self._known = [info for info, _ in devices]
         return [replace(info, link_group=groups.get(info.physical_index, "")) for info, _ in devices]
 
     def mig_modes(self) -> dict[str, bool]:
@@ -209,20 +232,112 @@ class NvidiaBackend:
         if nv is None:
             return []
         try:
-            devices = self._enumerate(nv)
+            gpus = self._gpus(nv)
+            devices = self._enumerate(nv, gpus)
         except Exception as e:
+            # a GPU fallen off the bus fails the enumeration: say so on every device we know of
             self._reason = f"NVML usage failed: {e}"
-            return []
+            why = f"NVML cannot enumerate the GPUs: {e}"
+            return [DeviceUsage(d.index, d.uuid, None, 0, health=why) for d in self._known]
+        self._known = [info for info, _ in devices]
+        self._poll_xids(nv, gpus)
+        gpu_of = {g.physical_index: g for g in gpus}
         out = []
         for info, h in devices:
-            util = None if info.is_mig else _utilization(nv, h)
-            used = _try(_memory_used, 0, nv, h)
-            out.append(DeviceUsage(info.index, info.uuid, util, used, _processes(nv, h)))
+            failed: list[str] = []
+            util = None
+            if not info.is_mig:
+                util = _query(nv, failed, "nvmlDeviceGetUtilizationRates", _utilization, h)
+            used = _query(nv, failed, "nvmlDeviceGetMemoryInfo", _memory_used, h)
+            power = energy = None
+            if not info.is_mig:
+                power = _query(nv, failed, "nvmlDeviceGetPowerUsage", _power_w, h)
+                energy = _query(nv, failed, "nvmlDeviceGetTotalEnergyConsumption", _energy_j, h)
+            gpu = gpu_of.get(info.physical_index)
+            if gpu is not None and self._xids.get(gpu.uuid):
+                xids = ", ".join(str(x) for x in self._xids[gpu.uuid])
+                failed.append(f"the driver reported critical XID {xids}")
+            out.append(
+                DeviceUsage(
+                    info.index,
+                    info.uuid,
+                    util,
+                    used or 0,
+                    _processes(nv, h),
+                    power_w=power,
+                    energy_j=energy,
+                    health="; ".join(failed)[:256],
+                )
+            )
         return out
 
+    def _poll_xids(self, nv: ModuleType, gpus: list[_Gpu]) -> None:
+        """Read, without waiting, the XID events each GPU's event set holds (registering the set
+        the first time; a GPU or driver that cannot deliver them is skipped quietly)."""
+        with self._events_lock:
+            for g in gpus:
+                self._poll_gpu_xids(nv, g)
 
-def _utilization(nv: ModuleType, handle: Any) -> float | None:
-    return _try(lambda: float(nv.nvmlDeviceGetUtilizationRates(handle).gpu), None)
+    def _poll_gpu_xids(self, nv: ModuleType, g: _Gpu) -> None:
+        if g.uuid not in self._event_sets:
+            self._event_sets[g.uuid] = _xid_event_set(nv, g.handle)
+        es = self._event_sets[g.uuid]
+        if es is None:
+            return
+        for _ in range(MAX_EVENTS_PER_POLL):
+            try:
+                data = nv.nvmlEventSetWait(es, 0)
+            except Exception:
+                return  # NVML_ERROR_TIMEOUT: nothing (more) waiting
+            xid = int(data.eventData)
+            seen = self._xids.setdefault(g.uuid, [])
+            if xid not in APPLICATION_XIDS and xid not in seen:
+                seen.append(xid)
+
+
+def _xid_event_set(nv: ModuleType, handle: Any) -> Any:
+    """An event set that collects this GPU's critical XID events, or None where unsupported."""
+    try:
+        es = nv.nvmlEventSetCreate()
+    except Exception:
+        return None
+    try:
+        nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, es)
+    except Exception:
+        _try(nv.nvmlEventSetFree, None, es)
+        return None
+    return es
+
+
+def _not_supported(nv: ModuleType, e: Exception) -> bool:
+    """The board has no such query (or the bindings predate it): not a failure of the device."""
+    if isinstance(e, AttributeError):
+        return True
+    return getattr(e, "value", None) == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", NVML_ERROR_NOT_SUPPORTED)
+
+
+def _query(
+    nv: ModuleType, failed: list[str], name: str, fn: Callable[[ModuleType, Any], T], h: Any
+) -> T | None:
+    """`fn(nv, h)`, or None; a failure other than NotSupported is added to `failed`, named."""
+    try:
+        return fn(nv, h)
+    except Exception as e:
+        if not _not_supported(nv, e):
+            failed.append(f"{name} failed: {e or type(e).__name__}")
+        return None
+
+
+def _power_w(nv: ModuleType, handle: Any) -> float:
+    return float(nv.nvmlDeviceGetPowerUsage(handle)) / 1000.0
+
+
+def _energy_j(nv: ModuleType, handle: Any) -> float:
+    return float(nv.nvmlDeviceGetTotalEnergyConsumption(handle)) / 1000.0
+
+
+def _utilization(nv: ModuleType, handle: Any) -> float:
+    return float(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
 
 
 def _bus_id(nv: ModuleType, handle: Any) -> str:

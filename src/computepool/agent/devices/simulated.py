@@ -5,6 +5,13 @@ driver would see it; processes that exit are dropped on their own. A workload ca
 use some GPU memory by writing a number of MiB into the file named by `CPOOL_SIM_MEMORY_FILE`,
 so the memory watchdog can be exercised without a GPU.
 
+Power follows utilization through the pool's power model (core/power.py: idle to peak watts
+per model, with their sources), and each whole GPU keeps a total-energy counter in joules from
+the backend's start, as NVML keeps one from the driver's load, so the ledger books simulated
+energy the way it books real energy. The draw between two looks is taken as it was at the first
+(attaching or detaching a process books up to that moment). A MIG instance reports no power of
+its own, as on real GPUs.
+
 A simulated GPU can be split into MIG instances (`1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb`):
 each instance is reported as NVML reports a real one — a device of its own with a `MIG-` uuid,
 its parent GPU's uuid, the profile's memory, and `compute_milli = 1000 × slices / 7`.
@@ -18,7 +25,9 @@ import re
 import socket
 import stat
 import threading
+import time
 import uuid as uuidlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +35,7 @@ import psutil
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.core.errors import InvalidInput
+from computepool.core.power import PowerModel, model_power
 from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import MAX_DEVICES_PER_NODE
 from computepool.core.resources import MIG_PROFILE
@@ -203,7 +213,9 @@ class SimulatedBackend:
     name = "simulated"
     reason = ""
 
-    def __init__(self, spec: str, seed: str | None = None) -> None:
+    def __init__(
+        self, spec: str, seed: str | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.spec = spec
         specs = parse_spec(spec)
         seed = socket.gethostname() if seed is None else seed
@@ -232,6 +244,14 @@ class SimulatedBackend:
         self._devices = devices
         self._attached: list[_Attached] = []
         self._lock = threading.Lock()
+        # per device: its power model (None for a MIG instance), the draw since `_ticked`, and
+        # the energy counter (J) booked up to `_ticked`
+        self._power: list[PowerModel | None] = [None if d.is_mig else model_power(d.model) for d in devices]
+        self._watts = [p.watts(0.0) if p else 0.0 for p in self._power]
+        self._energy_j = [0.0] * len(devices)
+        self._clock = clock
+        self._ticked = clock()
+        self._health: dict[int, str] = {}
 
     def available(self) -> bool:
         return True
@@ -257,13 +277,29 @@ class SimulatedBackend:
         except psutil.Error:
             return  # already gone: nothing to show
         with self._lock:
+            self._advance()
             self._attached = [a for a in self._attached if (a.pid, a.device_index) != (pid, device_index)]
             entry = _Attached(pid, device_index, memory_mib, compute_milli, created, memory_file)
             self._attached.append(entry)
+            self._advance()
 
     def detach(self, pid: int) -> None:
         with self._lock:
+            self._advance()
             self._attached = [a for a in self._attached if a.pid != pid]
+            self._advance()
+
+    def set_health(self, device_index: int, why: str) -> None:
+        """Make a device report itself unhealthy (`why`), or healthy again with "" (demos, tests)."""
+        if not 0 <= device_index < len(self._devices):
+            raise InvalidInput(
+                "device_index", f"no simulated device {device_index} ({len(self._devices)} exist)"
+            )
+        with self._lock:
+            if why:
+                self._health[device_index] = why
+            else:
+                self._health.pop(device_index, None)
 
     def attached_pids(self) -> set[int]:
         with self._lock:
@@ -271,22 +307,58 @@ class SimulatedBackend:
             return {a.pid for a in self._attached}
 
     def _prune(self) -> None:
-        self._attached = [a for a in self._attached if _alive(a.pid, a.create_time)]
+        alive = [a for a in self._attached if _alive(a.pid, a.create_time)]
+        if len(alive) != len(self._attached):
+            self._advance()  # the draw until now was the busier one
+            self._attached = alive
+            self._advance()
+
+    def _utilization(self) -> list[float]:
+        """Per device: the compute its attached processes were given, as a share of the device."""
+        milli = [0] * len(self._devices)
+        for a in self._attached:
+            milli[a.device_index] += a.compute_milli
+        return [min(100.0, m * 100.0 / MILLI_PER_DEVICE) for m in milli]
+
+    def _advance(self) -> None:
+        """Book each GPU's draw since the last tick into its energy counter, then take the draw
+        the current utilization gives. Called with the lock held."""
+        now = self._clock()
+        dt = max(0.0, now - self._ticked)
+        self._ticked = now
+        for i, (model, util) in enumerate(zip(self._power, self._utilization(), strict=True)):
+            if model is not None:
+                self._energy_j[i] += self._watts[i] * dt
+                self._watts[i] = model.watts(util)
 
     def usage(self) -> list[DeviceUsage]:
         with self._lock:
             self._prune()
+            self._advance()
             attached = list(self._attached)
+            util = self._utilization()
+            energy = list(self._energy_j)
+            watts = list(self._watts)
+            health = dict(self._health)
         out = []
         for d in self._devices:
             procs: dict[int, int] = {}
-            milli = 0
             for a in attached:
                 if a.device_index == d.index:
                     procs[a.pid] = procs.get(a.pid, 0) + _reported(a)
-                    milli += a.compute_milli
-            util = min(100.0, milli * 100.0 / MILLI_PER_DEVICE)
-            out.append(DeviceUsage(d.index, d.uuid, util, sum(procs.values()), procs))
+            whole = self._power[d.index] is not None
+            out.append(
+                DeviceUsage(
+                    d.index,
+                    d.uuid,
+                    util[d.index],
+                    sum(procs.values()),
+                    procs,
+                    power_w=watts[d.index] if whole else None,
+                    energy_j=energy[d.index] if whole else None,
+                    health=health.get(d.index, ""),
+                )
+            )
         return out
 
 

@@ -1,7 +1,8 @@
-"""The web dashboard, served at / (being built)."""
+"""The web dashboard, served at / and /ui/… by the control plane (pages in `pages`, session in
+`session`, templates and assets shipped in the package: nothing comes from the internet)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from computepool.server.web.pages import router
 
-router = APIRouter(include_in_schema=False)
+__all__ = ["router"]

@@ -1,0 +1,163 @@
+"""The dashboard's routes: sign-in and sign-out, one page shell per view, and the static assets.
+
+Pages are server-rendered shells (the nav, who is signed in, the CSRF token); `static/app.js`
+fills them from the JSON API under /api/v1 with the session cookie and refreshes them every two
+seconds, so what a user sees is exactly what the API lets that user read.
+"""
+
+from __future__ import annotations
+
+import hmac
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from computepool.server.context import Ctx
+from computepool.server.errors import ApiError, NotFound
+from computepool.server.policy import Action, authorize
+from computepool.server.schemas.common import MAX_ID
+from computepool.server.services import allocations
+from computepool.server.web.session import (
+    SECURITY_HEADERS,
+    Refused,
+    Session,
+    check_token,
+    close_session,
+    current,
+    form,
+    open_session,
+    same_origin,
+)
+
+router = APIRouter(include_in_schema=False)
+# name → (title, heading shown in the nav); the order is the nav's
+PAGES: dict[str, str] = {
+    "overview": "Overview",
+    "nodes": "Nodes and devices",
+    "work": "Work",
+    "tenants": "Tenants",
+    "usage": "Usage",
+    "alerts": "Alerts",
+    "audit": "Audit",
+}
+ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+_templates = Environment(
+    loader=PackageLoader("computepool.server.web", "templates"),
+    autoescape=select_autoescape(default=True, default_for_string=True),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def _html(template: str, status: int = 200, **context: Any) -> HTMLResponse:
+    body = _templates.get_template(template).render(nav=PAGES, **context)
+    return HTMLResponse(body, status_code=status, headers=SECURITY_HEADERS)
+
+
+def _page(session: Session, page: str, status: int = 200, **context: Any) -> HTMLResponse:
+    p = session.principal
+    return _html(
+        f"{page}.html",
+        status,
+        page=page,
+        title=PAGES.get(page, "Work"),
+        me={"name": p.name, "role": str(p.role), "tenant": p.tenant or ""},
+        csrf=session.csrf,
+        **context,
+    )
+
+
+def _sign_in(status: int = 200, error: str = "") -> HTMLResponse:
+    return _html("login.html", status, page="login", title="Sign in", error=error)
+
+
+def _to(path: str) -> RedirectResponse:
+    return RedirectResponse(path, status_code=303, headers=SECURITY_HEADERS)
+
+
+@router.get("/")
+async def home(request: Request) -> Response:
+    session = await current(request)
+    return _page(session, "overview") if session else _sign_in()
+
+
+@router.get("/ui")
+@router.get("/ui/login")
+async def to_home() -> Response:
+    return _to("/")
+
+
+@router.post("/ui/login")
+async def login(request: Request) -> Response:
+    if not same_origin(request):
+        return _sign_in(403, "refused: the sign-in form was sent from another site")
+    token = (await form(request)).get("token", "").strip()
+    if not token:
+        return _sign_in(401, "token refused: paste a pool token (<id>.<secret>)")
+    try:
+        session = await check_token(request, token)
+    except Refused as e:
+        return _sign_in(401, f"token refused: {e}")
+    response = _to("/")
+    open_session(response, request, session)
+    return response
+
+
+@router.post("/ui/logout")
+async def logout(request: Request) -> Response:
+    session = await current(request)
+    if session is not None:  # the form carries the CSRF token: another site cannot sign you out
+        given = (await form(request)).get("csrf", "").encode()
+        if not (same_origin(request) and hmac.compare_digest(given, session.csrf.encode())):
+            return _page(session, "overview", 403, error="sign-out refused: missing or wrong CSRF token")
+    response = _to("/")
+    close_session(response)
+    return response
+
+
+@router.get("/ui/static/{name}")
+def asset(name: str) -> Response:
+    """The dashboard's script and style, from the installed package (no CDN, works offline)."""
+    if name not in ASSETS:
+        return Response("not found", status_code=404, media_type="text/plain")
+    body = (resources.files("computepool.server.web") / "static" / name).read_bytes()
+    return Response(body, media_type=ASSETS[name], headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
+
+
+@router.get("/ui/work/{alloc_id}")
+async def allocation(request: Request, alloc_id: str) -> Response:
+    """One allocation with its live logs; another tenant's answers 404 exactly like a missing one."""
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    try:
+        number = int(alloc_id) if alloc_id.isdigit() and len(alloc_id) <= 20 else 0
+        if not 1 <= number <= MAX_ID:
+            raise NotFound.of("allocation", alloc_id)
+        authorize(session.principal, Action.ALLOCATION_GET)
+        ctx = Ctx(
+            db=request.app.state.db,
+            settings=request.app.state.settings,
+            action=Action.ALLOCATION_GET,
+            request_id=request.state.request_id,
+            principal=session.principal,
+            caches=request.app.state.caches,
+        )
+        await run_in_threadpool(allocations.get, ctx, number)
+    except ApiError as e:
+        return _page(session, "allocation", e.status, alloc_id=alloc_id, error=e.message)
+    return _page(session, "allocation", alloc_id=number, error="")
+
+
+@router.get("/ui/{page}")
+async def view(request: Request, page: str) -> Response:
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    if page not in PAGES:
+        return _page(session, "missing", 404, error=f"page '{page}' not found")
+    return _page(session, page)

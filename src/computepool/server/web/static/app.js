@@ -1,0 +1,723 @@
+// ComputePool dashboard: fills the server-rendered page shells from the JSON API (/api/v1) with
+// the session cookie, and refreshes them every two seconds. Data is only ever placed with
+// textContent (never as HTML); writes carry the session's CSRF token in X-CSRF-Token.
+"use strict";
+
+(() => {
+  const POLL_MS = 2000;
+  const HISTORY_EVERY = 5; // node history is refreshed every fifth poll
+  const LOG_CAP = 2_000_000; // characters of a log kept on the page
+  const HOLDING = ["bound", "active"];
+  const LIVE = ["pending", "bound", "active"];
+  const body = document.body;
+  const page = body.dataset.page;
+  const me = { name: body.dataset.user, role: body.dataset.role, tenant: body.dataset.tenant };
+  const csrfMeta = document.querySelector('meta[name="csrf-token"]');
+  const csrf = csrfMeta ? csrfMeta.content : "";
+
+  // ---- talking to the API -------------------------------------------------------------------
+
+  async function api(path, method = "GET") {
+    const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
+    if (method !== "GET") init.headers["X-CSRF-Token"] = csrf;
+    let res;
+    try {
+      res = await fetch("/api/v1" + path, init);
+    } catch (e) {
+      return { status: 0, ok: false, data: null, error: "the control plane cannot be reached" };
+    }
+    let data = null;
+    try {
+      data = await res.json();
+    } catch (e) {
+      data = null;
+    }
+    if (res.status === 401) window.location.assign("/"); // the session ended: sign in again
+    const error = data && data.error ? data.error : res.statusText || "HTTP " + res.status;
+    return { status: res.status, ok: res.ok, data, error };
+  }
+
+  const items = (r) => (r.ok && r.data && Array.isArray(r.data.items) ? r.data.items : []);
+
+  // ---- building the DOM (text only) ---------------------------------------------------------
+
+  function h(tag, props, ...kids) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(props || {})) {
+      if (v === undefined || v === null || v === false) continue;
+      if (k === "class") e.className = v;
+      else if (k === "text") e.textContent = String(v);
+      else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+      else e.setAttribute(k, String(v));
+    }
+    for (const kid of kids.flat(Infinity)) {
+      if (kid === undefined || kid === null) continue;
+      e.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+    }
+    return e;
+  }
+
+  function put(id, node) {
+    const box = document.getElementById(id);
+    if (box) box.replaceChildren(node);
+  }
+
+  // cols: [{label, value(row) → text or Node, cls}]; rowId(row) names the row (tests and links)
+  function table(cols, rows, empty, rowId) {
+    if (!rows.length) return h("p", { class: "empty", text: empty || "nothing" });
+    return h(
+      "table",
+      {},
+      h("thead", {}, h("tr", {}, cols.map((c) => h("th", { text: c.label, class: c.cls })))),
+      h(
+        "tbody",
+        {},
+        rows.map((r) =>
+          h("tr", { id: rowId ? rowId(r) : null }, cols.map((c) => h("td", { class: c.cls }, c.value(r)))),
+        ),
+      ),
+    );
+  }
+
+  function cards(list) {
+    return h(
+      "div",
+      { class: "cards" },
+      list.map(([label, value, id]) =>
+        h("div", { class: "card", id }, h("div", { class: "value", text: value }), h("div", { class: "label", text: label })),
+      ),
+    );
+  }
+
+  function message(text, cls = "empty") {
+    return h("p", { class: cls, text });
+  }
+
+  // ---- formatting ---------------------------------------------------------------------------
+
+  const dash = "—";
+  function num(x, digits = 1) {
+    if (x === null || x === undefined || Number.isNaN(x)) return dash;
+    return Number(x).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });
+  }
+  const pct = (x) => (x === null || x === undefined ? dash : num(x, 0) + "%");
+  const when = (iso) => (iso ? new Date(iso).toLocaleString() : dash);
+  function ago(iso) {
+    if (!iso) return dash;
+    const s = Math.max(0, (Date.now() - new Date(iso).getTime()) / 1000);
+    if (s < 90) return Math.round(s) + " s";
+    if (s < 5400) return Math.round(s / 60) + " min";
+    if (s < 172800) return num(s / 3600, 1) + " h";
+    return num(s / 86400, 1) + " d";
+  }
+  function resources(req) {
+    const parts = [];
+    if (req.gpus) {
+      const share = req.gpu_milli < 1000 ? num(req.gpu_milli / 1000, 3) + " of " : "";
+      parts.push(share + req.gpus + " GPU" + (req.gpus > 1 ? "s" : "") + (req.gang_nodes > 1 ? " × " + req.gang_nodes + " nodes" : ""));
+    }
+    if (req.mig) parts.push("MIG " + req.mig);
+    if (req.cpu_milli) parts.push(num(req.cpu_milli / 1000, 2) + " CPU");
+    if (req.memory_mib) parts.push(num(req.memory_mib, 0) + " MiB");
+    return parts.join(", ") || "none";
+  }
+  function stateBadge(state) {
+    return h("span", { class: "state state-" + state, text: state });
+  }
+  function allocLink(a) {
+    return h("a", { href: "/ui/work/" + Number(a.id), text: "#" + Number(a.id) });
+  }
+  // a colour for a share in [0, 1]: pale to deep
+  function heat(el, share, hue) {
+    const v = Math.max(0, Math.min(1, share || 0));
+    el.style.backgroundColor = "hsl(" + hue + ", 70%, " + (96 - v * 56) + "%)";
+    if (v > 0.6) el.style.color = "#fff";
+    return el;
+  }
+
+  // ---- views --------------------------------------------------------------------------------
+
+  // slices of allocations holding devices, by "node/index"
+  function slicesByDevice(allocs) {
+    const map = new Map();
+    for (const a of allocs) {
+      if (!HOLDING.includes(a.state)) continue;
+      for (const s of a.slices) {
+        const key = s.node + "/" + s.device_index;
+        if (!map.has(key)) map.set(key, []);
+        map.get(key).push({ alloc: a, slice: s });
+      }
+    }
+    return map;
+  }
+
+  function sumOf(rows, field) {
+    return rows.reduce((t, r) => t + (Number(r[field]) || 0), 0);
+  }
+
+  async function overview() {
+    const [nodesR, allocsR, usageR, alertsR] = await Promise.all([
+      api("/nodes"),
+      api("/allocations?limit=1000"),
+      api("/usage?by=tenant&since=1d"),
+      api("/alerts?state=firing"),
+    ]);
+    const nodes = items(nodesR);
+    const allocs = items(allocsR);
+    const held = slicesByDevice(allocs);
+    const devices = nodes.flatMap((n) => n.devices.map((d) => ({ node: n, d })));
+    const allocatedMilli = devices.reduce(
+      (t, { node, d }) => t + (held.get(node.name + "/" + d.index) || []).reduce((u, x) => u + x.slice.compute_milli, 0),
+      0,
+    );
+    const measured = devices.filter(({ d }) => d.utilization_pct !== null);
+    const meanUtil = measured.length ? measured.reduce((t, { d }) => t + d.utilization_pct, 0) / measured.length : null;
+    const usage = usageR.ok ? items(usageR) : null;
+    const pending = allocs.filter((a) => a.state === "pending");
+    put(
+      "cards",
+      cards([
+        ["nodes ready", nodes.filter((n) => n.state === "ready").length + " / " + nodes.length, "card-nodes"],
+        ["devices", String(devices.length), "card-devices"],
+        ["GPUs allocated" + (me.role === "admin" ? "" : " (your tenant)"), num(allocatedMilli / 1000, 2), "card-allocated"],
+        ["mean utilization", pct(meanUtil), "card-util"],
+        ["running", String(allocs.filter((a) => a.state === "active").length), "card-running"],
+        ["waiting", String(pending.length), "card-pending"],
+        ["alerts firing", alertsR.ok ? String(items(alertsR).length) : dash, "card-alerts"],
+        ["energy, last 24 h", usage ? num(sumOf(usage, "energy_kwh"), 2) + " kWh" : dash, "card-energy"],
+        ["cost, last 24 h", usage ? num(sumOf(usage, "cost"), 2) : dash, "card-cost"],
+      ]),
+    );
+    const grid = nodes.map((n) =>
+      h(
+        "div",
+        { class: "heatrow" },
+        h("div", { class: "heatnode" }, h("strong", { text: n.name }), " ", stateBadge(n.state)),
+        n.devices.map((d) => {
+          const on = held.get(n.name + "/" + d.index) || [];
+          const share = on.reduce((t, x) => t + x.slice.compute_milli, 0) / (d.compute_milli || 1000);
+          const util = d.utilization_pct === null ? null : d.utilization_pct / 100;
+          const top = heat(h("div", { class: "half", text: "alloc " + pct(share * 100) }), share, 215);
+          const used = "used " + (util === null ? dash : pct(util * 100));
+          const bottom = heat(h("div", { class: "half", text: used }), util, 20);
+          const tenants = [...new Set(on.map((x) => x.alloc.tenant))].join(", ");
+          return h(
+            "div",
+            { class: "cell", id: "dev-" + n.name + "-" + d.index, title: n.name + " #" + d.index + " " + d.model + (tenants ? " · " + tenants : "") },
+            h("div", { class: "devname", text: "#" + d.index + " " + d.model }),
+            top,
+            bottom,
+          );
+        }),
+      ),
+    );
+    put("heatmap", grid.length ? h("div", {}, grid) : message("no nodes have joined yet"));
+    put(
+      "pending",
+      table(
+        [
+          { label: "id", value: allocLink },
+          { label: "tenant", value: (a) => a.tenant },
+          { label: "owner", value: (a) => a.owner },
+          { label: "name", value: (a) => a.name },
+          { label: "asks for", value: (a) => resources(a.request) },
+          { label: "waiting", value: (a) => ago(a.created_at) },
+          { label: "why", value: (a) => a.reason, cls: "reason" },
+        ],
+        pending,
+        "nothing is waiting",
+        (a) => "pending-" + a.id,
+      ),
+    );
+  }
+
+  const history = new Map(); // node → {device index → [samples]}
+  let polls = 0;
+
+  function sparkline(samples, field, scale, label) {
+    const ns = "http://www.w3.org/2000/svg";
+    const w = 120;
+    const ht = 24;
+    const svg = document.createElementNS(ns, "svg");
+    svg.setAttribute("width", String(w));
+    svg.setAttribute("height", String(ht));
+    svg.setAttribute("class", "spark");
+    svg.setAttribute("role", "img");
+    svg.setAttribute("aria-label", label);
+    const pts = samples.filter((s) => s[field] !== null && s[field] !== undefined);
+    if (pts.length > 1) {
+      const t0 = new Date(pts[0].at).getTime();
+      const span = Math.max(1, new Date(pts[pts.length - 1].at).getTime() - t0);
+      const line = document.createElementNS(ns, "polyline");
+      line.setAttribute(
+        "points",
+        pts
+          .map((s) => {
+            const x = ((new Date(s.at).getTime() - t0) / span) * (w - 2) + 1;
+            const y = ht - 1 - Math.max(0, Math.min(1, s[field] / scale)) * (ht - 2);
+            return x.toFixed(1) + "," + y.toFixed(1);
+          })
+          .join(" "),
+      );
+      line.setAttribute("class", "line-" + field);
+      svg.append(line);
+    }
+    return svg;
+  }
+
+  async function loadHistory(nodes) {
+    await Promise.all(
+      nodes.map(async (n) => {
+        const r = await api("/nodes/" + encodeURIComponent(n.name) + "/history?since=1h");
+        if (!r.ok) {
+          history.set(n.name, null);
+          return;
+        }
+        const by = {};
+        for (const s of items(r)) (by[s.device_index] = by[s.device_index] || []).push(s);
+        for (const list of Object.values(by)) list.sort((a, b) => new Date(a.at) - new Date(b.at));
+        history.set(n.name, by);
+      }),
+    );
+  }
+
+  async function nodesView() {
+    const [nodesR, allocsR] = await Promise.all([api("/nodes"), api("/allocations?limit=1000")]);
+    const nodes = items(nodesR);
+    if (polls++ % HISTORY_EVERY === 0) await loadHistory(nodes);
+    const held = slicesByDevice(items(allocsR));
+    const sections = nodes.map((n) => {
+      const flags = [];
+      if (n.cordoned) flags.push(n.draining ? "draining" : "cordoned");
+      if (n.dedicated) flags.push("dedicated" + (n.dedicated_to ? " to " + n.dedicated_to : ""));
+      const labels = Object.entries(n.labels).map(([k, v]) => k + "=" + v);
+      const hist = history.get(n.name);
+      return h(
+        "section",
+        { class: "node", id: "node-" + n.name },
+        h("h2", {}, n.name + " ", stateBadge(n.state)),
+        h(
+          "p",
+          { class: "meta" },
+          "heartbeat " + num(n.heartbeat_age_s, 1) + " s ago · " + num(n.cpu_milli / 1000, 1) + " CPU · " +
+            num(n.memory_mib / 1024, 1) + " GiB" + (flags.length ? " · " + flags.join(", ") : "") +
+            (labels.length ? " · " + labels.join(" ") : ""),
+        ),
+        table(
+          [
+            { label: "device", value: (d) => "#" + d.index },
+            { label: "model", value: (d) => d.model },
+            { label: "utilization", value: (d) => pct(d.utilization_pct) },
+            {
+              label: "memory used",
+              value: (d) => (d.used_memory_mib === null ? dash : num(d.used_memory_mib, 0)) + " / " + num(d.memory_mib, 0) + " MiB",
+            },
+            { label: "power", value: (d) => (d.power_w === null ? dash : num(d.power_w, 0) + " W") },
+            { label: "health", value: (d) => d.health || "ok", cls: "health" },
+            {
+              label: "slices (tier)",
+              value: (d) => {
+                const on = held.get(n.name + "/" + d.index) || [];
+                if (!on.length) return "free";
+                return h(
+                  "ul",
+                  { class: "slices" },
+                  on.map(({ alloc, slice }) =>
+                    h("li", {}, allocLink(alloc), " " + alloc.tenant + " · " + num(slice.compute_milli / 1000, 3) + " GPU · " +
+                      num(slice.memory_mib, 0) + " MiB · " + slice.isolation),
+                  ),
+                );
+              },
+            },
+            {
+              label: "last hour (utilization, memory)",
+              value: (d) => {
+                if (hist === null) return dash;
+                const samples = (hist && hist[d.index]) || [];
+                return h(
+                  "span",
+                  {},
+                  sparkline(samples, "utilization_pct", 100, "utilization, last hour"),
+                  sparkline(samples, "used_memory_mib", d.memory_mib || 1, "memory used, last hour"),
+                );
+              },
+            },
+          ],
+          n.devices,
+          "no accelerators: CPU only",
+        ),
+      );
+    });
+    put("nodes", sections.length ? h("div", {}, sections) : message("no nodes have joined yet"));
+  }
+
+  async function work() {
+    const [allocsR, servicesR] = await Promise.all([api("/allocations?limit=500"), api("/services")]);
+    const filter = document.getElementById("state-filter").value;
+    const allocs = items(allocsR).filter(
+      (a) => !filter || (filter === "live" ? LIVE.includes(a.state) : !LIVE.includes(a.state)),
+    );
+    put(
+      "allocations",
+      allocsR.ok
+        ? table(
+            [
+              { label: "id", value: allocLink },
+              { label: "name", value: (a) => a.name },
+              { label: "state", value: (a) => stateBadge(a.state), cls: "state-cell" },
+              { label: "tenant", value: (a) => a.tenant },
+              { label: "owner", value: (a) => a.owner },
+              { label: "resources", value: (a) => resources(a.request) },
+              { label: "nodes", value: (a) => a.nodes.join(", ") || dash },
+              { label: "reason", value: (a) => a.reason, cls: "reason" },
+              { label: "created", value: (a) => when(a.created_at) },
+            ],
+            allocs,
+            "no allocations",
+            (a) => "alloc-" + a.id,
+          )
+        : message(allocsR.error, "error"),
+    );
+    put(
+      "services",
+      servicesR.ok
+        ? table(
+            [
+              { label: "service", value: (s) => s.name },
+              { label: "tenant", value: (s) => s.tenant },
+              { label: "replicas ready / wanted", value: (s) => s.ready + " / " + s.desired },
+              { label: "in flight", value: (s) => String(s.inflight) },
+              { label: "queued", value: (s) => String(s.queued) },
+              { label: "why", value: (s) => s.reason, cls: "reason" },
+              {
+                label: "replicas",
+                value: (s) => h("span", {}, s.replicas.map((r) => [allocLink({ id: r.allocation_id }), " " + r.state + " "])),
+              },
+            ],
+            items(servicesR),
+            "no services",
+            (s) => "service-" + s.name,
+          )
+        : message(servicesR.error, "error"),
+    );
+  }
+
+  const logState = { stdout: 0, stderr: 0, ended: false };
+
+  async function allocation() {
+    const id = Number(body.dataset.allocId);
+    if (!id || !document.getElementById("detail")) return;
+    const r = await api("/allocations/" + id);
+    if (!r.ok) {
+      put("detail", message(r.error, "error"));
+      return;
+    }
+    const a = r.data;
+    let why = a.reason;
+    if (a.state === "pending") {
+      const ex = await api("/allocations/" + id + "/explain");
+      if (ex.ok) why = ex.data.summary;
+    }
+    const rows = [
+      ["state", stateBadge(a.state)],
+      ["name", a.name || dash],
+      ["tenant", a.tenant],
+      ["owner", a.owner],
+      ["command", a.command ? a.command.join(" ") : dash],
+      ["asks for", resources(a.request)],
+      ["nodes", a.nodes.join(", ") || dash],
+      ["slices", a.slices.map((s) => s.node + " #" + s.device_index + " " + num(s.compute_milli / 1000, 3) + " GPU " + s.isolation).join("; ") || dash],
+      ["attempt", String(a.attempt)],
+      ["exit code", a.exit_code === null ? dash : String(a.exit_code)],
+      ["why", why || dash],
+      ["created", when(a.created_at)],
+      ["started", when(a.started_at)],
+      ["ended", when(a.ended_at)],
+    ];
+    put("detail", h("dl", { class: "detail" }, rows.map(([k, v]) => [h("dt", { text: k }), h("dd", { id: "field-" + k.replace(" ", "-") }, v)])));
+    document.getElementById("cancel").hidden = !LIVE.includes(a.state);
+    put(
+      "events",
+      table(
+        [
+          { label: "at", value: (e) => when(e.at) },
+          { label: "state", value: (e) => e.state },
+          { label: "why", value: (e) => e.reason, cls: "reason" },
+        ],
+        a.events,
+        "no history",
+      ),
+    );
+    if (!logState.ended) {
+      const lr = await api("/allocations/" + id + "/logs?stdout=" + logState.stdout + "&stderr=" + logState.stderr);
+      if (lr.ok) {
+        for (const stream of ["stdout", "stderr"]) {
+          const pre = document.getElementById(stream);
+          const chunk = lr.data[stream];
+          if (chunk.data) pre.textContent = (pre.textContent + chunk.data).slice(-LOG_CAP);
+          logState[stream] = chunk.next;
+        }
+        logState.ended = lr.data.ended;
+      }
+    }
+  }
+
+  function wireCancel() {
+    const button = document.getElementById("cancel");
+    if (!button) return;
+    const id = Number(body.dataset.allocId);
+    const msg = document.getElementById("action-msg");
+    button.addEventListener("click", () => {
+      const confirmButton = h("button", { type: "button", id: "cancel-confirm", class: "danger", text: "Yes, cancel allocation " + id });
+      confirmButton.addEventListener("click", async () => {
+        confirmButton.disabled = true;
+        const r = await api("/allocations/" + id + "/cancel", "POST");
+        msg.replaceChildren(r.ok ? "cancelled" : "not cancelled: " + r.error);
+        refresh();
+      });
+      msg.replaceChildren(confirmButton);
+    });
+  }
+
+  async function tenants() {
+    const [tenantsR, allocsR, usageR] = await Promise.all([
+      api("/tenants"),
+      api("/allocations?limit=1000"),
+      api("/usage?by=tenant&since=30d"),
+    ]);
+    const list = items(tenantsR);
+    const quotas = await Promise.all(list.map((t) => api("/tenants/" + encodeURIComponent(t.name) + "/quota")));
+    const allocs = items(allocsR);
+    const usage = usageR.ok ? new Map(items(usageR).map((u) => [u.tenant, u])) : null;
+    const rows = list.map((t, i) => {
+      const q = quotas[i].ok ? quotas[i].data : {};
+      const mine = allocs.filter((a) => a.tenant === t.name);
+      const inUse = mine
+        .filter((a) => HOLDING.includes(a.state))
+        .reduce((s, a) => s + a.slices.reduce((u, sl) => u + sl.compute_milli, 0), 0);
+      const cpu = mine.filter((a) => HOLDING.includes(a.state)).reduce((s, a) => s + a.request.cpu_milli * a.nodes.length, 0);
+      const g = q.gpu_milli;
+      return {
+        t,
+        guaranteed: g ? g.guaranteed / 1000 : null,
+        limit: g ? g.limit / 1000 : null,
+        inUse: inUse / 1000,
+        borrowed: Math.max(0, inUse / 1000 - (g ? g.guaranteed / 1000 : 0)),
+        cpu: cpu / 1000,
+        running: mine.filter((a) => a.state === "active").length,
+        waiting: mine.filter((a) => a.state === "pending").length,
+        usage: usage ? usage.get(t.name) || {} : null,
+      };
+    });
+    const fromUsage = (field, digits) => (r) => (r.usage ? num(r.usage[field] || 0, digits) : dash);
+    put(
+      "tenants",
+      table(
+        [
+          { label: "tenant", value: (r) => r.t.name },
+          { label: "weight", value: (r) => num(r.t.weight, 2) },
+          { label: "GPUs guaranteed", value: (r) => (r.guaranteed === null ? "none" : num(r.guaranteed, 2)) },
+          { label: "GPU limit", value: (r) => (r.limit === null ? "pool" : num(r.limit, 2)) },
+          { label: "GPUs in use", value: (r) => num(r.inUse, 2) },
+          { label: "borrowed", value: (r) => num(r.borrowed, 2) },
+          { label: "CPUs in use", value: (r) => num(r.cpu, 2) },
+          { label: "running / waiting", value: (r) => r.running + " / " + r.waiting },
+          { label: "GPU-hours", value: fromUsage("gpu_hours", 2) },
+          { label: "energy kWh", value: fromUsage("energy_kwh", 2) },
+          { label: "cost", value: fromUsage("cost", 2) },
+        ],
+        rows,
+        tenantsR.ok ? "no tenants" : tenantsR.error,
+        (r) => "tenant-" + r.t.name,
+      ),
+    );
+  }
+
+  const KEYS = { tenant: ["tenant"], user: ["tenant", "user"], job: ["tenant", "user", "job", "allocation_id"], model: ["model"] };
+  const MEASURES = [
+    ["gpu_hours", "GPU-hours", 2],
+    ["cpu_hours", "CPU-hours", 2],
+    ["memory_gib_hours", "memory GiB-hours", 1],
+    ["energy_kwh", "energy kWh", 3],
+    ["idle_waste_kwh", "idle waste kWh", 3],
+    ["cost", "cost", 2],
+  ];
+
+  async function usageView() {
+    const by = document.getElementById("by").value;
+    const since = document.getElementById("since").value;
+    const [r, st] = await Promise.all([
+      api("/usage?by=" + by + "&since=" + since),
+      api("/usage/static-equivalent?since=" + since),
+    ]);
+    if (!r.ok) {
+      put("usage", message(r.status === 404 ? "usage accounting is not available on this control plane" : r.error, "error"));
+    } else {
+      const rows = items(r);
+      const cols = KEYS[by].map((k) => ({ label: k.replace("_", " "), value: (row) => (row[k] === null || row[k] === undefined ? dash : String(row[k])) }));
+      for (const [field, label, digits] of MEASURES) cols.push({ label, value: (row) => num(row[field], digits), cls: "n" });
+      const total = Object.fromEntries(MEASURES.map(([f]) => [f, sumOf(rows, f)]));
+      total[KEYS[by][0]] = "total";
+      put("usage", table(cols, rows.length ? [...rows, total] : [], "no usage booked in this period"));
+    }
+    if (!st.ok) {
+      put("static", message(st.status === 404 ? "not available on this control plane" : st.error, "error"));
+      return;
+    }
+    const s = st.data;
+    const tenantsRows = s.tenants || [];
+    const tenantCols = tenantsRows.length
+      ? Object.keys(tenantsRows[0]).map((k) => ({ label: k.replaceAll("_", " "), value: (row) => (typeof row[k] === "number" ? num(row[k], 2) : k.endsWith("_at") ? when(row[k]) : String(row[k] ?? dash)) }))
+      : [];
+    put(
+      "static",
+      h(
+        "div",
+        {},
+        cards([
+          ["devices the pool used", num(s.pool_devices, 1), "static-pool"],
+          ["devices static partitions need", num(s.static_devices, 1), "static-static"],
+          ["devices saved", num(s.devices_saved, 1) + " (" + pct(s.devices_saved_pct) + ")", "static-saved"],
+          ["cost saved", num(s.cost_saved, 2), "static-cost"],
+          ["energy saved", num(s.energy_saved_kwh, 2) + " kWh", "static-energy"],
+        ]),
+        h("p", { class: "legend", text: s.method || "" }),
+        table(tenantCols, tenantsRows, "no allocations in this period"),
+      ),
+    );
+  }
+
+  async function alerts() {
+    const state = document.getElementById("alert-state").value;
+    const [r, rules] = await Promise.all([api("/alerts?state=" + state), api("/alert-rules")]);
+    put(
+      "alerts",
+      r.ok
+        ? table(
+            [
+              { label: "state", value: (a) => stateBadge(a.state) },
+              { label: "severity", value: (a) => a.severity },
+              { label: "rule", value: (a) => a.rule },
+              { label: "subject", value: (a) => a.subject },
+              { label: "tenant", value: (a) => a.tenant || dash },
+              { label: "since", value: (a) => when(a.since) },
+              { label: "resolved", value: (a) => when(a.resolved_at) },
+              { label: "summary", value: (a) => a.summary, cls: "reason" },
+            ],
+            items(r),
+            "no alerts",
+            (a) => "alert-" + a.id,
+          )
+        : message(r.status === 404 ? "alerts are not available on this control plane" : r.error, "error"),
+    );
+    put(
+      "rules",
+      rules.ok
+        ? table(
+            [
+              { label: "rule", value: (x) => x.name },
+              { label: "on", value: (x) => (x.enabled ? "yes" : "no") },
+              { label: "threshold", value: (x) => (x.threshold === null ? dash : num(x.threshold, 2) + " " + (x.unit || "")) },
+              { label: "for", value: (x) => num(x.duration_s, 0) + " s" },
+              { label: "what", value: (x) => x.description, cls: "reason" },
+            ],
+            items(rules),
+            "no rules",
+          )
+        : message(rules.error, "error"),
+    );
+  }
+
+  const audit = { after: 0, rows: [], denied: "" };
+  const AUDIT_PAGE = 1000;
+  const AUDIT_KEEP = 300;
+
+  async function auditView() {
+    for (let i = 0; i < 50 && !audit.denied; i++) {
+      const r = await api("/audit?after=" + audit.after + "&limit=" + AUDIT_PAGE);
+      if (!r.ok) {
+        if (r.status === 403) audit.denied = "not allowed: the audit log is for admins and tenant admins";
+        else put("audit", message(r.error, "error"));
+        break;
+      }
+      const got = items(r);
+      if (got.length) {
+        audit.rows = audit.rows.concat(got).slice(-AUDIT_KEEP);
+        audit.after = got[got.length - 1].seq;
+      }
+      if (got.length < AUDIT_PAGE) break;
+    }
+    if (audit.denied) {
+      put("audit", message(audit.denied, "error"));
+      return;
+    }
+    put(
+      "audit",
+      table(
+        [
+          { label: "seq", value: (x) => String(x.seq) },
+          { label: "time", value: (x) => when(x.time) },
+          { label: "actor", value: (x) => x.actor },
+          { label: "tenant", value: (x) => x.tenant || dash },
+          { label: "action", value: (x) => x.action },
+          { label: "target", value: (x) => x.target },
+          { label: "outcome", value: (x) => x.outcome },
+        ],
+        [...audit.rows].reverse(),
+        "no records",
+      ),
+    );
+  }
+
+  function wireVerify() {
+    const button = document.getElementById("verify");
+    if (!button) return;
+    button.addEventListener("click", async () => {
+      const r = await api("/audit/verify");
+      let text;
+      if (r.ok) text = r.data.ok ? "intact: " + r.data.records + " records" : "BROKEN at " + r.data.first_broken + ": " + (r.data.cause || "");
+      else text = r.status === 403 ? "not allowed" : r.error;
+      document.getElementById("verify-msg").textContent = text;
+    });
+  }
+
+  // ---- the refresh loop ---------------------------------------------------------------------
+
+  const views = {
+    overview,
+    nodes: nodesView,
+    work,
+    allocation,
+    tenants,
+    usage: usageView,
+    alerts,
+    audit: auditView,
+  };
+  let timer = null;
+  let running = false;
+
+  async function refresh() {
+    clearTimeout(timer);
+    const view = views[page];
+    if (!view || running) return;
+    running = true;
+    const live = document.getElementById("live");
+    try {
+      if (!document.hidden) await view();
+      if (live) live.textContent = "updated " + new Date().toLocaleTimeString();
+    } catch (e) {
+      if (live) live.textContent = "not updated: " + e;
+    } finally {
+      running = false;
+      timer = setTimeout(refresh, POLL_MS);
+    }
+  }
+
+  for (const id of ["state-filter", "by", "since", "alert-state"]) {
+    const control = document.getElementById(id);
+    if (control) control.addEventListener("change", refresh);
+  }
+  wireCancel();
+  wireVerify();
+  refresh();
+})();

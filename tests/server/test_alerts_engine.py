@@ -1,0 +1,104 @@
+"""The alert engine's pass: leader-only and fenced, leader changes, a broken audit chain, and a new
+leader resolving what its predecessor fired (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from harness import Api
+from sqlalchemy import update
+from test_alerts import Passes, firing
+
+from computepool.server.alerts import AlertEngine
+from computepool.server.scheduling import Controller
+from computepool.store.db import db_now
+from computepool.store.models import AuditHead, SchedulerLease
+
+
+def expire_lease(api: Api) -> None:
+    """As if the leader had stopped renewing: its lease runs out."""
+    with api.app.state.db.write() as s:
+        past = db_now(s) - timedelta(seconds=60)
+        s.execute(update(SchedulerLease).where(SchedulerLease.id == 1).values(expires_at=past))
+
+
+def second_replica(api: Api, holder: str) -> tuple[Controller, AlertEngine]:
+    state = api.app.state
+    controller = Controller(state.db, state.settings, state.hub, holder=holder)
+    engine = AlertEngine(state.db, state.settings, state.hub, controller, audit_problem=lambda: None)
+    return controller, engine
+
+
+def test_leader_changes_fire_once_and_resolve_and_the_old_leader_is_fenced_out(api: Api) -> None:
+    p = Passes(api)
+    assert p.run().leader is True and p.run().fired == []  # the first leader (term 1) is no change
+    expire_lease(api)
+    other, engine = second_replica(api, "replica-b")
+    assert other.acquire() == 2
+    rep = engine.run_once()
+    assert rep.fired == [("leader-changed", "pool")]
+    [alert] = firing(api, "leader-changed")
+    assert alert["detail"] == {"term": 2, "previous_term": None} and "term 2" in alert["summary"]
+    assert engine.run_once().fired == []  # once per change
+    # the old leader still believes it leads (its lease is within its TTL here): its writes are fenced
+    old: AlertEngine = api.app.state.alert_engine
+    api.app.state.audit_problem = "made up"
+    assert old.controller.term == 1
+    assert old.run_once().leader is False
+    assert firing(api, "audit-chain-broken") == []
+    # the change resolves after its window (10 min by default), and does not fire again
+    with api.app.state.db.read() as s:
+        later = db_now(s) + timedelta(seconds=601)
+    assert engine.run_once(later).resolved == [("leader-changed", "pool")]
+    assert engine.run_once(later + timedelta(seconds=5)).fired == []
+    # a replica that is not the leader does nothing at all
+    _, idle = second_replica(api, "replica-c")
+    assert idle.run_once().leader is False
+    # the next change: a new alert, naming the term before
+    expire_lease(api)
+    third, engine3 = second_replica(api, "replica-d")
+    assert third.acquire() == 3
+    assert engine3.run_once().fired == [("leader-changed", "pool")]
+    [alert] = firing(api, "leader-changed")
+    assert alert["detail"] == {"term": 3, "previous_term": 2}
+
+
+def test_a_new_leader_resolves_what_the_old_one_fired(make_api: object) -> None:
+    api: Api = make_api(heartbeat_interval_s=0.2, suspect_after_s=1.0, lost_after_s=60.0)  # type: ignore[operator]
+    from test_allocations import join
+
+    p = Passes(api)
+    join(api, "n1", devices=1)
+    assert p.run(ahead_s=2).fired == [("node-suspect", "node/n1")]
+    expire_lease(api)
+    other, engine = second_replica(api, "replica-b")
+    other.acquire()
+    rep = engine.run_once()  # the node is fresh in real time: the new leader resolves the alert
+    assert ("node-suspect", "node/n1") in rep.resolved and ("leader-changed", "pool") in rep.fired
+
+
+def test_a_broken_audit_chain_fires_and_a_repaired_view_resolves(api: Api) -> None:
+    p = Passes(api)
+    api.tenant("t1")  # something audited
+    assert p.run().fired == []
+    # the head changed without the server's key: the server's watch notices within a second
+    with api.app.state.db.write() as s:
+        s.execute(update(AuditHead).where(AuditHead.id == 1).values(hash="0" * 64))
+    deadline = time.monotonic() + 5
+    while api.app.state.audit_problem is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert api.app.state.audit_problem is not None
+    assert p.run().fired == [("audit-chain-broken", "pool")]
+    [alert] = firing(api, "audit-chain-broken")
+    assert alert["severity"] == "critical" and "head signature" in alert["summary"]
+    assert alert["tenant"] is None
+    # a unit view of the same rule: the engine asks its callable each pass
+    problem: list[str | None] = ["records cut from the end"]
+    state = api.app.state
+    engine = AlertEngine(
+        state.db, state.settings, state.hub, state.controller, audit_problem=lambda: problem[0]
+    )
+    assert engine.run_once().fired == []  # already firing: never a second alert
+    problem[0] = None
+    assert engine.run_once().resolved == [("audit-chain-broken", "pool")]

@@ -1,0 +1,195 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright) against `cpool up`.
+
+One pool (HTTPS, two simulated A100s) and one browser for the module; each test has its own
+browser context (its own cookies). With CPOOL_SCREENSHOTS=1 the pages are saved to docs/img/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
+from e2e_helpers import JOB_PYTHON, Pool, local_pool, sleeper  # noqa: E402
+from webkit import make_user  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium package", pytrace=False)
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+
+from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright  # noqa: E402
+
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+ENDED = re.compile(r"^(released|failed|cancelled|preempted)$")
+WAIT_MS = 30_000
+
+
+class Kit:
+    def __init__(self, pool: Pool, browser: Browser, tokens: dict[str, str]) -> None:
+        self.pool, self.browser, self.tokens = pool, browser, tokens
+
+    def context(self) -> BrowserContext:
+        # cpool up's certificate is its own (self-signed): trusted for this test's browser only
+        return self.browser.new_context(ignore_https_errors=True, viewport={"width": 1360, "height": 900})
+
+    def sign_in(self, who: str) -> tuple[BrowserContext, Page]:
+        ctx = self.context()
+        page = ctx.new_page()
+        page.goto(self.pool.url + "/")
+        page.fill("#token", self.tokens[who])
+        page.click("#sign-in")
+        expect(page.locator("#who")).to_contain_text(who)
+        return ctx, page
+
+    def job(self, who: str, code: str, **kw: Any) -> int:
+        body = {"command": [JOB_PYTHON, "-c", code], "cpu_milli": 100, **kw}
+        r = self.pool.http.post(
+            "/api/v1/allocations", json=body, headers={"Authorization": f"Bearer {self.tokens[who]}"}
+        )
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kit]:
+    with local_pool(tmp_path_factory.mktemp("web"), simulate="2xA100-80GB") as (_, pool):
+        tokens = {
+            "admin": str(pool.http.headers["Authorization"]).split(" ", 1)[1],
+            "alice": make_user(pool.http, "alice", "alpha", "member"),
+            "bob": make_user(pool.http, "bob", "beta", "member"),
+        }
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--disable-background-networking", "--disable-component-update", "--no-sandbox"],
+            )
+            try:
+                yield Kit(pool, browser, tokens)
+            finally:
+                browser.close()
+
+
+def shoot(page: Page, name: str) -> None:
+    if os.environ.get("CPOOL_SCREENSHOTS") == "1":
+        DOCS_IMG.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(DOCS_IMG / f"dashboard-{name}.png"), full_page=True)
+
+
+def test_a_wrong_token_is_refused(kit: Kit) -> None:
+    ctx = kit.context()
+    page = ctx.new_page()
+    page.goto(kit.pool.url + "/")
+    page.fill("#token", "0123456789ab.not-a-real-secret")
+    page.click("#sign-in")
+    expect(page.locator("#page-error")).to_contain_text("token refused")
+    assert ctx.cookies() == []
+    ctx.close()
+
+
+def test_sign_in_then_a_job_appears_runs_and_ends(kit: Kit) -> None:
+    ctx, page = kit.sign_in("admin")
+    cookies = {c["name"]: c for c in ctx.cookies()}
+    session = cookies["cpool_session"]
+    assert session["httpOnly"] and session["secure"] and session["sameSite"] == "Strict"
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
+    page.goto(kit.pool.url + "/ui/work")
+    alloc = kit.job("alice", sleeper(1, "hello from the dashboard test"), name="webjob")
+    row = page.locator(f"#alloc-{alloc}")
+    expect(row).to_contain_text("webjob", timeout=WAIT_MS)
+    expect(row).to_contain_text("alpha")
+    expect(row.locator(".state")).to_have_text(ENDED, timeout=WAIT_MS)
+    assert kit.pool.state(alloc) == row.locator(".state").inner_text()
+    page.click(f"#alloc-{alloc} a")
+    expect(page.locator("#stdout")).to_contain_text("hello from the dashboard test", timeout=WAIT_MS)
+    assert errors == []
+    ctx.close()
+
+
+def test_cancel_a_running_job_from_its_page(kit: Kit) -> None:
+    ctx, page = kit.sign_in("alice")
+    code = "import time\nprint('step 1 of 1000', flush=True)\ntime.sleep(120)\n"
+    alloc = kit.job("alice", code, name="longjob", gpus=1, gpu_milli=500)
+    page.goto(f"{kit.pool.url}/ui/work/{alloc}")
+    expect(page.locator("#field-state")).to_have_text("active", timeout=WAIT_MS)
+    expect(page.locator("#stdout")).to_have_text("step 1 of 1000\n", timeout=WAIT_MS)  # live, while it runs
+    page.click("#cancel")
+    page.click("#cancel-confirm")
+    expect(page.locator("#action-msg")).to_have_text("cancelled")
+    assert kit.pool.state(alloc) == "cancelled"
+    expect(page.locator("#field-state")).to_have_text("cancelled", timeout=WAIT_MS)
+    expect(page.locator("#cancel")).to_be_hidden()
+    ctx.close()
+
+
+def test_a_member_does_not_see_another_tenants_work(kit: Kit) -> None:
+    theirs = kit.job("alice", sleeper(60), name="alphas-secret")
+    ctx, page = kit.sign_in("bob")
+    mine = kit.job("bob", "print('beta')", name="betas-own")
+    page.goto(kit.pool.url + "/ui/work")
+    expect(page.locator(f"#alloc-{mine}")).to_contain_text("betas-own", timeout=WAIT_MS)
+    expect(page.locator("#allocations")).not_to_contain_text("alphas-secret")
+    assert page.locator(f"#alloc-{theirs}").count() == 0
+    r = page.goto(f"{kit.pool.url}/ui/work/{theirs}")
+    assert r is not None and r.status == 404
+    expect(page.locator("#page-error")).to_have_text(f"allocation '{theirs}' not found")
+    page.goto(kit.pool.url + "/ui/audit")
+    expect(page.locator("#audit")).to_contain_text("not allowed")
+    ctx.close()
+    kit.pool.http.post(f"/api/v1/allocations/{theirs}/cancel")
+
+
+def test_every_page_renders_without_script_errors(kit: Kit) -> None:
+    """Also the screenshots for the docs: a fractional job and a whole-device job running."""
+    jobs = [
+        kit.job("alice", sleeper(60), name="train-small", gpus=1, gpu_milli=500),
+        kit.job("bob", sleeper(60), name="train-large", gpus=1),
+    ]
+    ctx, page = kit.sign_in("admin")
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
+    expect(page.locator("#card-running .value")).to_have_text("2", timeout=WAIT_MS)
+    waiting = kit.job("alice", sleeper(1), name="needs-a-whole-gpu", gpus=1)  # neither device is free
+    jobs.append(waiting)
+    expect(page.locator("#heatmap .cell")).to_have_count(2)
+    expect(page.locator("#heatmap")).to_contain_text("alloc 50%")
+    expect(page.locator("#heatmap")).to_contain_text("alloc 100%")
+    why = kit.pool.get(waiting)["reason"]
+    assert why
+    expect(page.locator(f"#pending-{waiting}")).to_contain_text(why, timeout=WAIT_MS)
+    shoot(page, "overview")
+    for name, ready in (
+        ("nodes", "#nodes table"),
+        ("work", f"#alloc-{jobs[0]}"),
+        ("tenants", "#tenant-alpha"),
+        ("usage", "#usage > *"),
+        ("alerts", "#alerts > *"),
+        ("audit", "#audit table"),
+    ):
+        page.goto(f"{kit.pool.url}/ui/{name}")
+        expect(page.locator(ready).first).to_be_visible(timeout=WAIT_MS)
+        if name in ("overview", "nodes", "work", "usage"):
+            shoot(page, name)
+        if name == "usage":  # the table is the API's answer: the same tenants
+            r = kit.pool.http.get("/api/v1/usage", params={"by": "tenant", "since": "7d"})
+            if r.status_code == 200:
+                for row in r.json()["items"]:
+                    expect(page.locator("#usage")).to_contain_text(row["tenant"])
+    assert errors == []
+    for alloc in jobs:
+        kit.pool.http.post(f"/api/v1/allocations/{alloc}/cancel")
+    page.click("#sign-out")
+    expect(page.locator("#token")).to_be_visible()
+    assert [c["name"] for c in ctx.cookies()] == []
+    ctx.close()
