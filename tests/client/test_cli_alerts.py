@@ -115,6 +115,8 @@ def test_rules_are_listed_and_retuned(cli: Cli) -> None:
     assert out["enabled"] is False and out["duration_s"] == 600 and out["threshold"] == 5
     assert "no-such" in one_error_line(cli("alerts", "rule", "no-such", "--disable"))
     assert "--threshold" in one_error_line(cli("alerts", "rule", "node-lost", "--threshold", "-1"))
+    for odd in ("nan", "inf"):
+        assert "--threshold" in one_error_line(cli("alerts", "rule", "node-lost", "--threshold", odd))
     assert "--for" in one_error_line(cli("alerts", "rule", "node-lost", "--for", "soon"))
     assert "nothing to change" in one_error_line(cli("alerts", "rule", "node-lost"))
     assert "--firing" in one_error_line(cli("alerts", "--firing", "--all"))
@@ -125,6 +127,7 @@ def test_a_silent_node_fires_alerts_that_reach_a_webhook_signed(cli: Cli, server
     receiver = Receiver()
     try:
         assert "url" in one_error_line(cli("alerts", "webhook", "add", "ftp://example.com/"))
+        assert "port" in one_error_line(cli("alerts", "webhook", "add", "http://example.com:99999/"))
         r = cli("alerts", "webhook", "add", receiver.url, "--json")
         assert r.exit_code == 0, r.output
         hook = json.loads(r.stdout)
@@ -142,6 +145,8 @@ def test_a_silent_node_fires_alerts_that_reach_a_webhook_signed(cli: Cli, server
         while len(receiver.got) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         events = []
+        deliveries = [headers["x-computepool-delivery"] for headers, _ in receiver.got]
+        assert all(x.isdigit() for x in deliveries) and len(set(deliveries)) == len(deliveries)
         for headers, body in receiver.got:
             ts = headers["x-computepool-timestamp"]
             mac = hmac.new(hook["secret"].encode(), ts.encode() + b"." + body, hashlib.sha256).hexdigest()
@@ -164,5 +169,9 @@ def test_server_refuses_bad_mail_flags(cli: Cli, tmp_path: Path) -> None:
     line = one_error_line(cli("server", "--data-dir", d, "--smtp-host", "mx", "--mail-to", "nobody"))
     assert "nobody" in line
     line = one_error_line(cli("server", "--data-dir", d, "--smtp-host", "mx", "--smtp-user", "u"))
-    assert "--smtp-password-file" in line
+    assert "--smtp-user needs --smtp-starttls or --smtp-tls" in line  # no password in the clear
+    mx = ("server", "--data-dir", d, "--smtp-host", "mx", "--smtp-user", "u")
+    assert "--smtp-password-file" in one_error_line(cli(*mx, "--smtp-starttls"))
+    assert "--smtp-password-file" in one_error_line(cli(*mx, "--smtp-tls", "--smtp-port", "465"))
+    assert "give one of them" in one_error_line(cli(*mx, "--smtp-tls", "--smtp-starttls"))
     assert "alerts_interval" in one_error_line(cli("server", "--data-dir", d, "--alerts-interval", "0"))

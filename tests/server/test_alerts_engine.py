@@ -102,3 +102,45 @@ def test_a_broken_audit_chain_fires_and_a_repaired_view_resolves(api: Api) -> No
     assert engine.run_once().fired == []  # already firing: never a second alert
     problem[0] = None
     assert engine.run_once().resolved == [("audit-chain-broken", "pool")]
+
+
+def test_the_leader_prunes_resolved_alerts_and_finished_deliveries_past_keeping(make_api: object) -> None:
+    from test_alerts import alerts, beat
+    from test_alerts_notify import SICK, WELL, Receiver
+    from test_allocations import join
+
+    from computepool.store import alerts as store
+
+    api: Api = make_api(history_keep_s=3600.0)  # type: ignore[operator]
+    receiver = Receiver()
+    try:
+        p = Passes(api)
+        notifier = p.engine.notifier
+        api.ok("POST", "/api/v1/webhooks", json={"url": receiver.url})
+        node = join(api, "n1", devices=2)
+        beat(api, "n1", node, {0: SICK, 1: WELL})
+        assert p.run().pruned == (0, 0)  # the first pass looks: nothing old yet
+        notifier.run_once()
+        beat(api, "n1", node, {0: WELL, 1: SICK})
+        rep = p.run()
+        assert rep.resolved == [("device-unhealthy", "device/n1/0")]
+        assert rep.fired == [("device-unhealthy", "device/n1/1")]
+        assert [o.ok for o in notifier.run_once()] == [True, True]
+        [old] = [a for a in alerts(api) if a["subject"] == "device/n1/0"]
+        # an hour and more on: the resolved alert goes, and the three sent deliveries (its two and the
+        # firing one's); the firing alert stays, and what is still to be sent
+        later = p.run(ahead_s=3700)
+        assert later.pruned == (1, 3)
+        assert later.fired == [("node-lost", "node/n1")]  # silent since: its delivery is pending
+        left = alerts(api)
+        assert old["id"] not in [a["id"] for a in left]
+        assert ("device-unhealthy", "device/n1/1", "firing") in {
+            (a["rule"], a["subject"], a["state"]) for a in left
+        }
+        with api.app.state.db.read() as s:
+            assert [(d.state, d.alert_id) for d in store.deliveries(s)] == [
+                ("pending", a["id"]) for a in left if a["rule"] == "node-lost"
+            ]
+        assert p.run(ahead_s=3800).pruned == (0, 0)  # not again within ten minutes
+    finally:
+        receiver.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import ssl
 import stat
 import threading
 import time
@@ -13,15 +14,18 @@ from collections.abc import Iterator
 from datetime import timedelta
 from email import message_from_bytes
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiosmtpd.controller import Controller as SmtpController
 from aiosmtpd.handlers import Message as SmtpMessage
+from aiosmtpd.smtp import AuthResult
 from harness import Api, free_port
 from test_alerts import Passes, beat, firing
 from test_allocations import join
 
+from computepool.core.tls import generate_self_signed
 from computepool.store import alerts as store
 from computepool.store.db import db_now
 
@@ -107,6 +111,8 @@ def test_signed_webhooks_are_retried_until_delivered(api: Api, receiver: Receive
     headers, body = receiver.got[-1]
     assert verify(hook["secret"], headers, body)
     assert not verify("0" * 64, headers, body)  # another secret does not verify
+    # every try of one notification carries the same delivery id: a receiver drops repeats by it
+    assert {h["x-computepool-delivery"] for h, _ in receiver.got} == {headers["x-computepool-delivery"]}
     doc = json.loads(body)
     assert doc["event"] == "firing"
     assert doc["alert"]["rule"] == "device-unhealthy" and doc["alert"]["subject"] == "device/n1/0"
@@ -117,6 +123,7 @@ def test_signed_webhooks_are_retried_until_delivered(api: Api, receiver: Receive
     assert [o.ok for o in notifier.run_once()] == [True]
     headers, body = receiver.got[-1]
     assert verify(hook["secret"], headers, body)
+    assert headers["x-computepool-delivery"] != receiver.got[0][0]["x-computepool-delivery"]
     doc = json.loads(body)
     assert doc["event"] == "resolved" and doc["alert"]["state"] == "resolved" and doc["alert"]["resolved_at"]
     with api.app.state.db.read() as s:
@@ -131,7 +138,8 @@ def test_signed_webhooks_are_retried_until_delivered(api: Api, receiver: Receive
 
 
 def test_bad_webhook_urls_are_refused(api: Api) -> None:
-    for url in ("ftp://example.com/x", "not a url", "http://", "javascript:alert(1)", "x" * 3000):
+    for url in ("ftp://example.com/x", "not a url", "http://", "javascript:alert(1)", "x" * 3000,
+                "http://x:99999/", "http://x:abc/", "http://x:0/"):  # fmt: skip
         r = api.post("/api/v1/webhooks", json={"url": url}, headers=api.admin)
         assert r.status_code == 422 and "url" in r.text, (url, r.text)
     assert (
@@ -146,7 +154,7 @@ def test_a_hanging_webhook_never_holds_up_the_rules(make_api: Any) -> None:
         api = make_api(heartbeat_interval_s=0.2, suspect_after_s=1.0, lost_after_s=60.0)
         p = Passes(api)
         notifier = p.engine.notifier
-        notifier.timeout_s = 1.5
+        notifier.deadline_s = 1.5
         notifier.auto = True  # its own loop, as in a running server
         api.ok("POST", "/api/v1/webhooks", json={"url": hanging.url})
         node = join(api, "n1", devices=2)
@@ -205,5 +213,42 @@ def test_alert_mail_goes_to_a_real_smtp_server(make_api: Any) -> None:
         p.engine.notifier.run_once()
         assert [m["Subject"].split()[1] for m in inbox.messages] == ["FIRING", "RESOLVED"]
         assert firing(api, "device-unhealthy") == []
+    finally:
+        smtp.stop()
+
+
+def test_alert_mail_with_a_login_goes_over_implicit_tls(
+    make_api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SMTPS (`smtp_tls`): the login and the message cross TLS from the first byte, the server's
+    certificate checked against the trusted CAs (here: the test's own, via SSL_CERT_FILE)."""
+    cert, key = tmp_path / "smtp.crt", tmp_path / "smtp.key"
+    generate_self_signed(cert, key, ["127.0.0.1"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    logins: list[tuple[str, str]] = []
+
+    def authenticator(server: Any, session: Any, envelope: Any, mechanism: str, data: Any) -> AuthResult:
+        logins.append((data.login.decode(), data.password.decode()))
+        return AuthResult(success=data.password == b"hunter2")
+
+    password = tmp_path / "smtp-password"
+    password.write_text("hunter2\n")
+    inbox, port = Inbox(), free_port()
+    smtp = SmtpController(inbox, hostname="127.0.0.1", port=port, ssl_context=server_tls,
+                          authenticator=authenticator, auth_require_tls=False)  # fmt: skip
+    smtp.start()
+    try:
+        api = make_api(smtp_host="127.0.0.1", smtp_port=port, smtp_tls=True, smtp_user="pool",
+                       smtp_password_file=password, mail_to=("ops@example.com",))  # fmt: skip
+        p = Passes(api)
+        node = join(api, "n1", devices=1)
+        beat(api, "n1", node, {0: SICK})
+        p.run()
+        assert [o.ok for o in p.engine.notifier.run_once()] == [True]
+        assert logins == [("pool", "hunter2")]
+        [msg] = inbox.messages
+        assert msg["Subject"] == "[cpool] FIRING critical device-unhealthy device/n1/0"
     finally:
         smtp.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import typer
@@ -102,6 +103,8 @@ def register(app: typer.Typer) -> None:
         """Retune, enable or disable a rule (admin)."""
         if threshold is None and for_ is None and enable is None:
             raise fail("nothing to change: give --threshold, --for, --enable or --disable")
+        if threshold is not None and not math.isfinite(threshold):
+            raise fail(f"--threshold: must be a finite number, got {threshold:g}")
         if threshold is not None and threshold < 0:
             raise fail(f"--threshold: must not be negative, got {threshold:g}")
         duration = None

@@ -137,7 +137,14 @@ def register(app: typer.Typer) -> None:
         smtp_starttls: Annotated[
             bool, typer.Option("--smtp-starttls", help="Upgrade the mail connection with STARTTLS.")
         ] = False,
-        smtp_user: Annotated[str | None, typer.Option("--smtp-user", help="SMTP login name.")] = None,
+        smtp_tls: Annotated[
+            bool,
+            typer.Option("--smtp-tls", help="Speak TLS from the start (SMTPS, usually --smtp-port 465)."),
+        ] = False,
+        smtp_user: Annotated[
+            str | None,
+            typer.Option("--smtp-user", help="SMTP login name (needs --smtp-starttls or --smtp-tls)."),
+        ] = None,
         smtp_password_file: Annotated[
             Path | None, typer.Option("--smtp-password-file", help="File holding the SMTP password.")
         ] = None,
@@ -155,6 +162,12 @@ def register(app: typer.Typer) -> None:
         from computepool.server.run import serve
         from computepool.server.settings import ServerSettings
 
+        if smtp_tls and smtp_starttls:
+            raise fail("--smtp-tls and --smtp-starttls: give one of them")
+        if smtp_user and not (smtp_tls or smtp_starttls):
+            raise fail(
+                "--smtp-user needs --smtp-starttls or --smtp-tls: the password must not be sent unencrypted"
+            )
         if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise fail(f"--log-level: unknown level {log_level!r}")
         port_lo, sep, port_hi = gang_ports.partition("-")
@@ -193,6 +206,7 @@ def register(app: typer.Typer) -> None:
                 smtp_host=smtp_host or None,
                 smtp_port=smtp_port,
                 smtp_starttls=smtp_starttls,
+                smtp_tls=smtp_tls,
                 smtp_user=smtp_user or None,
                 smtp_password_file=smtp_password_file.expanduser() if smtp_password_file else None,
                 mail_from=mail_from,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -24,7 +24,7 @@ from computepool.server.auth import CSRF_HEADER, SAFE_METHODS, SESSION_COOKIE, a
 from computepool.server.caches import TokenCache
 from computepool.server.context import Ctx
 from computepool.server.credentials import secret_matches, split_token
-from computepool.server.errors import NotFound, Unauthorized
+from computepool.server.errors import ApiError, NotFound, Unauthorized
 from computepool.server.policy import HUMAN_ROLES, Action, Principal, authorize
 from computepool.server.schemas.common import MAX_ID
 
@@ -33,6 +33,9 @@ ACTION_ATTR = "__cpool_action__"
 ID_PARAMS = {"alloc_id": "allocation", "fid": "function", "cid": "call"}
 _INTEGER = re.compile(r"^-?[0-9]+$")
 _bearer = HTTPBearer(auto_error=False, description="An API token `<id>.<secret>`.")
+# on answers to the dashboard's cookie-borne calls: a tenant's data is not kept in shared or disk
+# caches, nor read by the browser as anything but what it is declared
+SESSION_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
 
 def _ctx(request: Request, action: Action) -> Ctx:
@@ -79,31 +82,42 @@ def requires(action: Action) -> Callable[..., object]:
     """A dependency that authenticates the caller and declares `action` for the route."""
 
     async def dependency(
-        request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+        request: Request,
+        response: Response,
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Ctx:
         request.state.action = action
-        caches = request.app.state.caches
-        bearer = creds.credentials if creds else None
-        session = bearer is None and SESSION_COOKIE in request.cookies
-        if session:
-            bearer = request.cookies[SESSION_COOKIE]
-        hit = _cached(caches.tokens, bearer)
-        if hit is not None:
-            principal = hit
-        else:
-            principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
-        request.state.principal = principal
-        if session and bearer:
-            if principal.role not in HUMAN_ROLES:
-                raise Unauthorized(f"a {principal.role} token cannot be used as a dashboard session")
-            if request.method not in SAFE_METHODS:
-                check_csrf(bearer, request.headers.get(CSRF_HEADER))
-        authorize(principal, action)
-        _check_ids(request)
-        return _ctx(request, action)
+        if creds is None and SESSION_COOKIE in request.cookies:
+            response.headers.update(SESSION_HEADERS)
+            try:
+                return await _admit(request, action, request.cookies[SESSION_COOKIE], session=True)
+            except ApiError as e:
+                e.headers = {**e.headers, **SESSION_HEADERS}
+                raise
+        return await _admit(request, action, creds.credentials if creds else None, session=False)
 
     setattr(dependency, ACTION_ATTR, action)
     return dependency
+
+
+async def _admit(request: Request, action: Action, bearer: str | None, session: bool) -> Ctx:
+    """Authenticate `bearer` (the session cookie's token when `session`), check the role may do
+    `action`, and give the route its `Ctx`."""
+    caches = request.app.state.caches
+    hit = _cached(caches.tokens, bearer)
+    if hit is not None:
+        principal = hit
+    else:
+        principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
+    request.state.principal = principal
+    if session and bearer:
+        if principal.role not in HUMAN_ROLES:
+            raise Unauthorized(f"a {principal.role} token cannot be used as a dashboard session")
+        if request.method not in SAFE_METHODS:
+            check_csrf(bearer, request.headers.get(CSRF_HEADER))
+    authorize(principal, action)
+    _check_ids(request)
+    return _ctx(request, action)
 
 
 def unauthenticated(action: Action) -> Callable[..., object]:

@@ -101,7 +101,10 @@ class ServerSettings(BaseModel):
     smtp_host: str | None = Field(default=None, description="Mail server for alert mail (none: no mail).")
     smtp_port: int = Field(default=25, ge=1, le=65535)
     smtp_starttls: bool = Field(default=False, description="Upgrade the SMTP connection with STARTTLS.")
-    smtp_user: str | None = Field(default=None, description="SMTP login (with smtp_password_file).")
+    smtp_tls: bool = Field(default=False, description="Speak TLS from the start (SMTPS, port 465 style).")
+    smtp_user: str | None = Field(
+        default=None, description="SMTP login (with smtp_password_file; needs smtp_starttls or smtp_tls)."
+    )
     smtp_password_file: Path | None = Field(default=None, description="File holding the SMTP password.")
     mail_from: str = Field(default="computepool@localhost", description="From address of alert mail.")
     mail_to: tuple[str, ...] = Field(default=(), description="Where alert mail goes.")
@@ -121,6 +124,12 @@ class ServerSettings(BaseModel):
             raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.smtp_tls and self.smtp_starttls:
+            raise ValueError("smtp_tls and smtp_starttls: give one of them (TLS from the start, or upgraded)")
+        if self.smtp_user and not (self.smtp_tls or self.smtp_starttls):
+            raise ValueError(
+                "smtp_user needs smtp_starttls or smtp_tls: the password must not be sent unencrypted"
+            )
         if self.lost_after_s < 4 * self.heartbeat_interval_s:
             raise ValueError(
                 f"lost_after_s ({self.lost_after_s:g}) must be at least 4 × heartbeat_interval_s "

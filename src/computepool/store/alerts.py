@@ -234,8 +234,8 @@ def list_alerts(
 # --- webhooks and the outbox ------------------------------------------------------------------------
 
 
-def add_webhook(s: Session, url: str, created_by: str, now: datetime) -> Webhook:
-    hook = Webhook(url=url, created_by=created_by, created_at=now)
+def add_webhook(s: Session, url: str, created_by: str, salt: str, now: datetime) -> Webhook:
+    hook = Webhook(url=url, created_by=created_by, created_at=now, salt=salt)
     s.add(hook)
     s.flush()
     return hook
@@ -288,6 +288,7 @@ class Due:
     channel: str
     webhook_id: int | None
     url: str | None
+    salt: str | None
     attempts: int
     next_at: datetime
 
@@ -301,6 +302,7 @@ def due(s: Session, now: datetime, limit: int) -> list[Due]:
             AlertDelivery.channel,
             AlertDelivery.webhook_id,
             Webhook.url,
+            Webhook.salt,
             AlertDelivery.attempts,
             AlertDelivery.next_at,
         )
@@ -330,13 +332,51 @@ def claim(s: Session, d: Due, now: datetime, until: datetime) -> bool:
     return bool(s.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
 
 
-def finish(s: Session, delivery_id: int, state: str, attempts: int, next_at: datetime, error: str) -> None:
-    s.execute(
+def finish(s: Session, d: Due, claimed_until: datetime, state: str, next_at: datetime, error: str) -> bool:
+    """Record a try of `d` claimed until `claimed_until`, if that claim is still ours: a sender
+    slower than its claim finds the delivery taken again (or its webhook deleted) and records
+    nothing."""
+    stmt = (
         update(AlertDelivery)
-        .where(AlertDelivery.id == delivery_id)
-        .values(state=state, attempts=attempts, next_at=next_at, last_error=error[:1024])
+        .where(
+            AlertDelivery.id == d.id,
+            AlertDelivery.state == "pending",
+            AlertDelivery.attempts == d.attempts,
+            AlertDelivery.next_at == claimed_until,
+        )
+        .values(state=state, attempts=d.attempts + 1, next_at=next_at, last_error=error[:1024])
         .execution_options(synchronize_session=False)
     )
+    return bool(s.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+
+
+def prune(s: Session, before: datetime) -> tuple[int, int]:
+    """Delete deliveries sent or given up before `before`, then alerts resolved before it that have
+    no delivery left pending; the newest leader-changed alert stays (it names the last term seen).
+    Returns (alerts, deliveries) deleted."""
+    gone = s.execute(
+        delete(AlertDelivery)
+        .where(AlertDelivery.state.in_(("sent", "failed")), AlertDelivery.next_at < before)
+        .execution_options(synchronize_session=False)
+    ).rowcount  # type: ignore[attr-defined]
+    keep = select(func.max(Alert.id)).where(Alert.rule == "leader-changed").scalar_subquery()
+    pending = select(AlertDelivery.alert_id).where(AlertDelivery.state == "pending")
+    old = select(Alert.id).where(
+        Alert.state == "resolved",
+        Alert.resolved_at < before,
+        Alert.id.not_in(pending),
+        or_(Alert.rule != "leader-changed", Alert.id != keep),
+    )
+    ids = list(s.scalars(old))
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        gone += s.execute(
+            delete(AlertDelivery)
+            .where(AlertDelivery.alert_id.in_(chunk))
+            .execution_options(synchronize_session=False)
+        ).rowcount  # type: ignore[attr-defined]
+        s.execute(delete(Alert).where(Alert.id.in_(chunk)).execution_options(synchronize_session=False))
+    return len(ids), int(gone)
 
 
 def deliveries(s: Session, alert_id: int | None = None) -> Sequence[AlertDelivery]:

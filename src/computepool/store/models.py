@@ -562,7 +562,8 @@ class Alert(Base):
 
 class Webhook(Base):
     """Where alert notifications are POSTed. The signing secret is not stored: it is derived from the
-    server's webhook key and the id, and shown once when the webhook is made."""
+    server's webhook key, the id and a random `salt` (an id can be reused after a delete), and shown
+    once when the webhook is made."""
 
     __tablename__ = "webhooks"
 
@@ -570,6 +571,7 @@ class Webhook(Base):
     url: Mapped[str] = mapped_column(String(2048))
     created_by: Mapped[str] = mapped_column(String(NAME_LEN + 8))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    salt: Mapped[str] = mapped_column(String(64), default="", server_default="")
 
 
 class AlertDelivery(Base):

@@ -3,16 +3,15 @@ rules, and manage webhooks (admins). Changes are audited in the same transaction
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 
-from computepool.core.errors import InvalidInput
-from computepool.core.quantities import parse_duration_s
 from computepool.server.alerts import rules
 from computepool.server.alerts.engine import effective
 from computepool.server.alerts.notify import alert_out
-from computepool.server.alerts.signing import load_or_create_key, webhook_secret
+from computepool.server.alerts.redact import url_origin
+from computepool.server.alerts.signing import load_or_create_key, new_salt, webhook_secret
 from computepool.server.context import Ctx
-from computepool.server.errors import Invalid, NotFound
+from computepool.server.errors import NotFound
 from computepool.server.policy import authorize
 from computepool.server.schemas.alerts import (
     AlertOut,
@@ -24,6 +23,7 @@ from computepool.server.schemas.alerts import (
 )
 from computepool.server.schemas.common import MAX_ID, Items
 from computepool.server.services.audit import record
+from computepool.server.services.usage import parse_when
 from computepool.store import alerts as store
 from computepool.store.alerts import RuleSetting
 from computepool.store.db import db_now
@@ -31,20 +31,12 @@ from computepool.store.db import db_now
 MAX_ALERTS = 1000
 
 
-def parse_since(text: str | None, now: datetime, param: str = "since") -> datetime | None:
-    """`30m`, `12h`, `7d` (that long ago) or an ISO time (UTC when it has no zone)."""
-    if text is None or text == "":
+def parse_since(text: str | None, now: datetime) -> datetime | None:
+    """`30m`, `12h`, `7d` (that long ago) or an ISO time (UTC when it has no zone); None: no bound.
+    Read as the usage API reads it, so a time out of range answers 422 naming `since`."""
+    if text is None or not text.strip():
         return None
-    try:
-        t = datetime.fromisoformat(text)
-    except ValueError:
-        try:
-            return now - timedelta(seconds=parse_duration_s(text, param))
-        except InvalidInput:
-            raise Invalid(
-                f"{param}: cannot read {text!r} (an age like 30m, 12h, 7d, or an ISO time)", param
-            ) from None
-    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+    return parse_when(text, now, "", "since")
 
 
 def list_alerts(ctx: Ctx, state: str, since: str | None) -> Items[AlertOut]:
@@ -105,10 +97,14 @@ def create_webhook(ctx: Ctx, body: WebhookIn) -> WebhookCreated:
     key = load_or_create_key(ctx.settings.webhook_key_path)
     with ctx.db.write() as s:
         now = db_now(s)
-        hook = store.add_webhook(s, body.url, caller.actor, now)
-        record(s, ctx, f"webhook:{hook.id}", detail={"url": body.url}, now=now)  # never the secret
+        hook = store.add_webhook(s, body.url, caller.actor, new_salt(), now)
+        # never the secret, nor the whole URL (it may hold a token): its origin
+        record(s, ctx, f"webhook:{hook.id}", detail={"url": url_origin(body.url)}, now=now)
         return WebhookCreated(
-            id=hook.id, url=hook.url, secret=webhook_secret(key, hook.id), created_at=hook.created_at
+            id=hook.id,
+            url=hook.url,
+            secret=webhook_secret(key, hook.id, hook.salt),
+            created_at=hook.created_at,
         )
 
 
@@ -133,5 +129,5 @@ def delete_webhook(ctx: Ctx, hook_id: int) -> WebhookOut:
             raise NotFound.of("webhook", hook_id)
         out = WebhookOut(id=hook.id, url=hook.url, created_by=hook.created_by, created_at=hook.created_at)
         store.delete_webhook(s, hook)
-        record(s, ctx, f"webhook:{hook_id}", detail={"url": out.url}, now=db_now(s))
+        record(s, ctx, f"webhook:{hook_id}", detail={"url": url_origin(out.url)}, now=db_now(s))
     return out

@@ -4,7 +4,9 @@ held long enough, resolve what cleared, and queue the notifications.
 The first time a condition held is kept in memory per (rule, subject): a new leader starts the
 clocks afresh (it may fire later, never earlier). Which alerts fire is read from the database, so
 a new leader resolves what its predecessor fired; writes are fenced by the lease term like the
-scheduler's, and there is never a second firing alert for one (rule, subject).
+scheduler's, and there is never a second firing alert for one (rule, subject). The leader also
+drops resolved alerts and finished deliveries older than `history_keep_s`, so neither table grows
+without end.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger("computepool.server")
 # allocation events re-read below the last one read: ids a concurrent transaction took earlier but
 # committed later (PostgreSQL sequences) are still seen
 EVENT_MARGIN = 1000
+PRUNE_EVERY_S = 600.0  # how often the leader deletes what is past `history_keep_s`
 ALERTS_TOPIC = "alerts"  # the hub key woken when alerts fire or resolve (the dashboard's live view)
 
 
@@ -47,6 +50,7 @@ class AlertReport:
     leader: bool
     fired: list[tuple[str, str]] = field(default_factory=list)
     resolved: list[tuple[str, str]] = field(default_factory=list)
+    pruned: tuple[int, int] = (0, 0)  # (alerts, deliveries) deleted as past history_keep_s
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class AlertEngine:
         # failed ends seen so far in the look-back, and the last allocation event read
         self._ends: list[store.EndSeen] = []
         self._last_event = 0
+        self._pruned_at: datetime | None = None
         self._lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -92,6 +97,7 @@ class AlertEngine:
                 self._since.clear()
                 self._term_seen = None
                 self._ends, self._last_event = [], 0
+                self._pruned_at = None
                 return AlertReport(leader=False)
             facts, setting, firing = self._read(term, now)
             found: dict[tuple[str, str], tuple[Rule, Finding]] = {}
@@ -115,9 +121,25 @@ class AlertEngine:
                 elif held_s >= setting[rule.name].duration_s:
                     fire.append((rule, f))
             resolve = [(key, a.id) for key, a in firing.items() if key not in found]
-            if not fire and not resolve and not update:
-                return AlertReport(leader=True)
-            return self._commit(term, facts.now, fire, resolve, update)
+            report = AlertReport(leader=True)
+            if fire or resolve or update:
+                report = self._commit(term, facts.now, fire, resolve, update)
+            if report.leader:
+                report.pruned = self._prune(term, facts.now)
+            return report
+
+    def _prune(self, term: int, now: datetime) -> tuple[int, int]:
+        """Every PRUNE_EVERY_S (of `now`), delete what is older than `history_keep_s`; fenced."""
+        if self._pruned_at is not None and (now - self._pruned_at).total_seconds() < PRUNE_EVERY_S:
+            return (0, 0)
+        with self.db.write() as s:
+            if not alloc_store.holds_lease(s, self.controller.holder, term):
+                return (0, 0)
+            pruned = store.prune(s, now - timedelta(seconds=self.settings.history_keep_s))
+        self._pruned_at = now
+        if pruned != (0, 0):
+            log.info("alerts: deleted %d resolved alerts and %d finished deliveries past keeping", *pruned)
+        return pruned
 
     def _read(
         self, term: int, now: datetime | None

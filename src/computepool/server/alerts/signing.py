@@ -1,11 +1,13 @@
 """Webhook secrets and signatures.
 
-A webhook's secret is never stored: it is HMAC-SHA256(webhook key, "webhook:<id>"), derived again
-when a notification is signed, so the database alone (a backup, a dump) cannot forge one. The key
+A webhook's secret is never stored: it is HMAC-SHA256(webhook key, "webhook:<id>:<salt>"), derived
+again when a notification is signed, so the database alone (a backup, a dump) cannot forge one. The
+salt is random per webhook, so a webhook that gets a deleted one's id never gets its secret. The key
 is a file (DATA_DIR/webhook-key, 0600, made on first start; replicas sharing a database share it).
-A notification carries `X-ComputePool-Timestamp` (unix seconds) and `X-ComputePool-Signature:
-sha256=<hex HMAC-SHA256(secret, timestamp + "." + body)>`: the timestamp lets receivers refuse
-replays of old notifications.
+A notification carries `X-ComputePool-Timestamp` (unix seconds), `X-ComputePool-Signature:
+sha256=<hex HMAC-SHA256(secret, timestamp + "." + body)>` and `X-ComputePool-Delivery` (the same on
+every retry of one notification): the timestamp lets receivers refuse replays of old
+notifications, the delivery id lets them drop a repeat.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ log = logging.getLogger("computepool.server")
 KEY_BYTES = 32
 TIMESTAMP_HEADER = "X-ComputePool-Timestamp"
 SIGNATURE_HEADER = "X-ComputePool-Signature"
+DELIVERY_HEADER = "X-ComputePool-Delivery"
+SALT_BYTES = 16
 
 
 def load_or_create_key(path: Path) -> bytes:
@@ -55,8 +59,15 @@ def load_or_create_key(path: Path) -> bytes:
     return key
 
 
-def webhook_secret(key: bytes, hook_id: int) -> str:
-    return hmac.new(key, f"webhook:{hook_id}".encode(), hashlib.sha256).hexdigest()
+def new_salt() -> str:
+    return secrets.token_hex(SALT_BYTES)
+
+
+def webhook_secret(key: bytes, hook_id: int, salt: str) -> str:
+    """The secret of webhook `hook_id`; webhooks made before salts existed have salt "" and keep
+    the secret they were given."""
+    message = f"webhook:{hook_id}:{salt}" if salt else f"webhook:{hook_id}"
+    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
 
 
 def signature(secret: str, timestamp: str, body: bytes) -> str:
@@ -64,10 +75,11 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
     return f"sha256={mac}"
 
 
-def signed_headers(secret: str, body: bytes, now: float | None = None) -> dict[str, str]:
+def signed_headers(secret: str, body: bytes, delivery_id: int, now: float | None = None) -> dict[str, str]:
     ts = str(int(time.time() if now is None else now))
     return {
         "Content-Type": "application/json",
         TIMESTAMP_HEADER: ts,
         SIGNATURE_HEADER: signature(secret, ts, body),
+        DELIVERY_HEADER: str(delivery_id),
     }

@@ -60,6 +60,12 @@ class WebhookIn(In):
             raise ValueError(f"expected an http:// or https:// URL with a host, got {v!r}")
         if any(c.isspace() for c in v):
             raise ValueError("a URL has no spaces")
+        try:
+            port = parts.port  # read lazily: letters or a number past 65535 fail only here
+        except ValueError:
+            raise ValueError(f"the port must be a number from 1 to 65535, in {v!r}") from None
+        if port == 0:
+            raise ValueError(f"the port must be a number from 1 to 65535, in {v!r}")
         return v
 
 

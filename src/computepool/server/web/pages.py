@@ -123,7 +123,7 @@ async def logout(request: Request) -> Response:
 def asset(name: str) -> Response:
     """The dashboard's script and style, from the installed package (no CDN, works offline)."""
     if name not in ASSETS:
-        return Response("not found", status_code=404, media_type="text/plain")
+        return Response("not found", status_code=404, media_type="text/plain", headers=SECURITY_HEADERS)
     body = (resources.files("computepool.server.web") / "static" / name).read_bytes()
     return Response(body, media_type=ASSETS[name], headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
 
