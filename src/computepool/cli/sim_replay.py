@@ -15,10 +15,14 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from computepool.core.errors import InvalidInput
+from computepool.sim.prices import DEFAULT_GPU_HOUR_PRICE, DEFAULT_KWH_PRICE
 
 if TYPE_CHECKING:  # numpy loads only when a replay runs
     from computepool.sim.philly import Published
-    from computepool.sim.replay import Parity, ReplayResult
+    from computepool.sim.replay import FairParity, Parity, ReplayResult
+
+REPLAY_POLICIES = ("proportional", "guaranteed-share")  # as sim.replay.POLICIES, without numpy
+CRITERIA = ("overall", "every-vc")
 
 _PER = (
     ("avg_queue_s", "queue s"),
@@ -107,6 +111,32 @@ def _parity_report(p: Parity) -> dict[str, object]:
     }
 
 
+def _fair_report(p: FairParity) -> dict[str, object]:
+    from computepool.sim.replay import CRITERION
+
+    pooled = p.pooled.overall if p.pooled is not None else None
+    return {
+        "parity_nodes": p.nodes,
+        "parity_gpus_saved_pct": p.gpus_saved_pct,
+        "parity": {
+            "criterion": CRITERION,
+            "policy": p.policy,
+            "nodes": p.nodes,
+            "static_nodes": p.static.nodes,
+            "static_avg_queue_s": p.static.overall.avg_queue_s,
+            "avg_queue_s": pooled.avg_queue_s if pooled else None,
+            "avg_jct_s": pooled.avg_jct_s if pooled else None,
+            "gpu_alloc_pct": pooled.gpu_alloc_pct if pooled else None,
+            "preemptions": pooled.preemptions if pooled else None,
+            "lost_gpu_hours": pooled.lost_gpu_hours if pooled else None,
+            "lost_work_pct": pooled.lost_work_pct if pooled else None,
+            "probes": [{"nodes": n, "vcs_worse_off": w} for n, w in p.probes],
+            "per_partition": [v.as_dict() for v in p.per_vc()],
+            "vcs_worse_off": sum(v.worse for v in p.per_vc()),
+        },
+    }
+
+
 def _tables(out: dict[str, object], console: Console) -> None:
     scale = float(str(out["duration_scale"]))
     head = Table(title=f"replay: {out['mode']}, {out['nodes']} nodes, duration x{scale:.4g}")
@@ -142,18 +172,43 @@ def _tables(out: dict[str, object], console: Console) -> None:
             f"lost work {_fmt(parity['lost_work_pct'])}%"
         )
         cmp = Table(title="per partition at parity")
-        for c in ("VC", "static queue s", "pooled queue s", "static JCT s", "pooled JCT s", ""):
-            cmp.add_column(c, justify="right" if c not in ("VC", "") else "left")
+        fair = "criterion" in parity
+        second = (
+            (("static p95 s", "static_p95_queue_s"), ("pooled p95 s", "pooled_p95_queue_s"))
+            if fair
+            else (("static JCT s", "static_avg_jct_s"), ("pooled JCT s", "pooled_avg_jct_s"))
+        )
+        cols = (("static queue s", "static_avg_queue_s"), ("pooled queue s", "pooled_avg_queue_s"), *second)
+        cmp.add_column("VC")
+        for label, _ in cols:
+            cmp.add_column(label, justify="right")
+        cmp.add_column("")
         for c in parity["per_partition"]:
-            cmp.add_row(
-                c["partition"],
-                _fmt(c["static_avg_queue_s"]),
-                _fmt(c["pooled_avg_queue_s"]),
-                _fmt(c["static_avg_jct_s"]),
-                _fmt(c["pooled_avg_jct_s"]),
-                c["verdict"],
-            )
+            verdict = ("worse off" if c["worse_off"] else "no worse") if fair else c["verdict"]
+            cmp.add_row(c["partition"], *(_fmt(c[k]) for _, k in cols), verdict)
         console.print(cmp)
+        if fair:
+            console.print(f"criterion: {parity['criterion']}", highlight=False)
+    energy = out.get("energy")
+    if isinstance(energy, dict):
+        runs = [k for k, v in energy.items() if isinstance(v, dict) and "energy_kwh" in v]
+        et = Table(title=f"energy and cost over {energy['horizon_hours']} h")
+        et.add_column("figure")
+        for r in runs:
+            et.add_column(r, justify="right")
+        for key in energy[runs[0]]:
+            et.add_row(key, *(_fmt(energy[r][key]) for r in runs))
+        console.print(et)
+        for k, v in energy.items():
+            if "_vs_" in k:
+                console.print(f"{k}: {v}", highlight=False)
+        pm = energy["power_model"]
+        for name, m in pm["models"].items():
+            console.print(
+                f"power model {name}: idle {m['idle_w']} W, peak {m['peak_w']} W ({m['source']}); "
+                f"{pm['utilization']}; empty devices {pm['empty_devices']}",
+                highlight=False,
+            )
 
 
 def register(app: typer.Typer) -> None:
@@ -167,6 +222,44 @@ def register(app: typer.Typer) -> None:
         ] = None,
         published: Annotated[Path | None, typer.Option(help="helios_static_vc_published.csv")] = None,
         mode: Annotated[str, typer.Option(help="static | pooled")] = "static",
+        policy: Annotated[
+            str,
+            typer.Option(
+                help=(
+                    "pooled guarantees: proportional (static sizes scaled down to the pool) or "
+                    "guaranteed-share (every VC keeps its whole static size; borrowing above it "
+                    "is preemptible)"
+                )
+            ),
+        ] = "proportional",
+        parity_criterion: Annotated[
+            str | None,
+            typer.Option(
+                help=(
+                    "what --find-parity matches: overall (average queueing over all jobs) or "
+                    "every-vc (every VC's mean and p95 queueing at most its static figures); "
+                    "default overall for proportional, every-vc for guaranteed-share"
+                )
+            ),
+        ] = None,
+        gpu_model: Annotated[
+            str | None, typer.Option(help="GPU model for energy (the trace names none; default P100)")
+        ] = None,
+        gpu_price: Annotated[
+            list[str] | None,
+            typer.Option(help="price per GPU-hour, MODEL=AMOUNT (repeatable)", metavar="MODEL=AMOUNT"),
+        ] = None,
+        gpu_price_default: Annotated[
+            float, typer.Option(help="price per GPU-hour of models not given (placeholder)")
+        ] = DEFAULT_GPU_HOUR_PRICE,
+        kwh_price: Annotated[float, typer.Option(help="price per kWh (placeholder)")] = DEFAULT_KWH_PRICE,
+        empty_powered: Annotated[
+            bool,
+            typer.Option(
+                "--empty-powered/--empty-off",
+                help="count GPUs running nothing as powered on at idle draw (default), or off",
+            ),
+        ] = True,
         nodes: Annotated[int | None, typer.Option(help="pooled cluster size in 8-GPU nodes")] = None,
         duration_scale: Annotated[
             float | None, typer.Option(help="multiply every duration (default 1)")
@@ -181,14 +274,17 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     ) -> None:
         """Replay the Philly trace with queues: static VC partitions or one pooled cluster."""
+        from computepool.sim.energy import compare_replays
         from computepool.sim.philly import (
+            ASSUMED_GPU_MODEL,
             PUBLISHED_AVG_QUEUE_S,
             load_jobs,
             load_published,
             load_vcs,
             traces_dir,
         )
-        from computepool.sim.replay import calibrate, find_parity, replay
+        from computepool.sim.prices import Prices
+        from computepool.sim.replay import calibrate, find_fair_parity, find_parity, replay
 
         def fail(msg: str) -> NoReturn:
             typer.echo(f"error: {msg}", err=True)
@@ -202,6 +298,20 @@ def register(app: typer.Typer) -> None:
             fail("give --duration-scale or --calibrate, not both")
         if duration_scale is not None and not duration_scale > 0:
             fail(f"--duration-scale {duration_scale} must be positive")
+        if policy not in REPLAY_POLICIES:
+            fail(f"--policy {policy!r} must be one of {', '.join(REPLAY_POLICIES)}")
+        criterion = parity_criterion or ("every-vc" if policy == "guaranteed-share" else "overall")
+        if criterion not in CRITERIA:
+            fail(f"--parity-criterion {criterion!r} must be one of {', '.join(CRITERIA)}")
+        if criterion == "overall" and policy != "proportional":
+            fail("--parity-criterion overall searches the proportional policy; use every-vc")
+        model = gpu_model or ASSUMED_GPU_MODEL
+        if not model.strip():
+            fail("--gpu-model must not be empty")
+        try:
+            prices = Prices.parse(gpu_price or [], gpu_price_default, kwh_price)
+        except InvalidInput as e:
+            fail(str(e))
         base = traces_dir() / "philly"
         try:
             vcs = load_vcs(partitions or base / "philly_vc.csv")
@@ -225,7 +335,7 @@ def register(app: typer.Typer) -> None:
         res = (
             static_res
             if static_res is not None and reuse
-            else replay(trace, "static" if mode == "static" else "pooled", scale, nodes)
+            else replay(trace, "static" if mode == "static" else "pooled", scale, nodes, policy=policy)
         )
         if mode == "static":
             static_res = res
@@ -233,10 +343,21 @@ def register(app: typer.Typer) -> None:
         if calibrate_:
             out["calibrated"] = True
             out["published_avg_queue_s"] = pubs["all"].queue_avg_s if "all" in pubs else PUBLISHED_AVG_QUEUE_S
+        runs: dict[str, ReplayResult] = {res.mode: res}
         if parity:
             with _progress(not as_json, "searching parity node count") as step:
-                par = find_parity(trace, scale, static=static_res, progress=step)
-            out.update(_parity_report(par))
+                if criterion == "overall":
+                    par = find_parity(trace, scale, static=static_res, progress=step)
+                    out.update(_parity_report(par))
+                    static_res, at_parity = par.static, par.pooled
+                else:
+                    fair = find_fair_parity(trace, scale, policy, static=static_res, progress=step)
+                    out.update(_fair_report(fair))
+                    static_res, at_parity = fair.static, fair.pooled
+            runs = {"static": static_res}
+            if at_parity is not None:
+                runs[f"pooled_{at_parity.nodes}_nodes"] = at_parity
+        out["energy"] = compare_replays(runs, model, prices, empty_powered=empty_powered)
         out["elapsed_s"] = round(time.perf_counter() - t0, 2)
         if as_json:
             typer.echo(json.dumps(out))

@@ -67,6 +67,13 @@ def _print_summary(rep: Report) -> None:
             f"pooled {po['avg_queue_s']:,.0f} s; {parity}",
             highlight=False,
         )
+        fair = ph.get("fair_parity")
+        if fair and fair["nodes"] is not None:
+            console.print(
+                f"guaranteed-share: no VC worse off at {fair['nodes']} of {fair['static_nodes']} nodes "
+                f"({fair['gpus_saved_pct']:.1f}% fewer GPUs)",
+                highlight=False,
+            )
     console.print(
         f"report: {rep.markdown}  (raw figures: {rep.results}; {len(rep.plots)} plots)", highlight=False
     )

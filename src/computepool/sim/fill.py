@@ -21,6 +21,8 @@ from computepool.scheduler.placement import Scheduler
 from computepool.scheduler.policies import make_scorer
 from computepool.scheduler.state import ClusterState
 from computepool.sim.alibaba import Pod
+from computepool.sim.energy import power_model, snapshot_energy
+from computepool.sim.prices import Prices
 
 Progress = Callable[[int, int], None]
 
@@ -80,6 +82,7 @@ class FillResult:
     frag_curve: list[list[float]] = field(default_factory=list)
     frag_rate_curve: list[list[float]] = field(default_factory=list)
     first_failure: str = ""
+    energy: dict[str, object] = field(default_factory=dict)
 
     def summary(self) -> dict[str, object]:
         """Every figure; `frag_curve` (fragmentation, % of capacity) and `frag_rate_curve` (% of
@@ -182,6 +185,33 @@ def lower_bound_unallocated_milli(pods: list[Pod], capacity_milli: int) -> int:
     return max(0, int(np.floor(best)))
 
 
+def device_models(state: ClusterState) -> list[str]:
+    """The model of every device of `state`, in the row-major order of its device arrays."""
+    present = state.gpu_cap > 0
+    return [state.models[int(i)] for i in state.gpu_model[present]]
+
+
+def fill_energy(
+    state: ClusterState,
+    snapshots: dict[str, tuple[np.ndarray, np.ndarray]],
+    prices: Prices,
+    empty_powered: bool,
+) -> dict[str, object]:
+    """Energy and cost per hour of each snapshot (held, used milli per device), and the model."""
+    present = state.gpu_cap > 0
+    models = device_models(state)
+    out: dict[str, object] = {
+        "power_model": power_model(models, empty_powered),
+        "prices": prices.as_dict(models),
+    }
+    for name, (held, used) in snapshots.items():
+        e = snapshot_energy(
+            models, state.gpu_cap[present], held[present], used[present], prices, empty_powered=empty_powered
+        )
+        out[name] = e.as_dict()
+    return out
+
+
 def run_fill(
     nodes: list[Node],
     pods: list[Pod],
@@ -192,8 +222,14 @@ def run_fill(
     workload: str = "",
     progress: Progress | None = None,
     offline: bool = True,
+    prices: Prices | None = None,
+    empty_powered: bool = True,
 ) -> FillResult:
-    """Run the fill-up protocol once and measure allocation and fragmentation as pods arrive."""
+    """Run the fill-up protocol once and measure allocation and fragmentation as pods arrive.
+
+    Energy and cost are per hour of the placement at arrived = 100% and at the end (pods never
+    leave, so a placement is a steady state); a device draws at the share its pods hold.
+    """
     t0 = time.perf_counter()
     typical = TypicalPods.from_requests(p.request for p in pods)
     ranks = node_ranks(len(nodes), seed)
@@ -216,9 +252,12 @@ def run_fill(
     idle[0] = cap
     frag[0] = meter.total
     upto_100 = n
+    held_100: np.ndarray | None = None
     for k, pod in enumerate(order, start=1):
         req = pod.request
         arrived_milli += pod.gpu_milli_total
+        if held_100 is None and np.round(100.0 * arrived_milli / cap) > 100:
+            held_100 = state.gpu_cap - state.gpu_free  # before this pod: the state at 100%
         d = sched.place(state, req, explain=not first_failure)
         if d.ok:
             sched.commit(state, d)
@@ -237,6 +276,15 @@ def run_fill(
         if progress is not None and (k % 256 == 0 or k == n):
             progress(k, n)
     elapsed = time.perf_counter() - t0
+    held_end = state.gpu_cap - state.gpu_free
+    if held_100 is None:
+        held_100 = held_end
+    energy = fill_energy(
+        state,
+        {"at_100": (held_100, held_100), "at_end": (held_end, held_end)},
+        prices or Prices(),
+        empty_powered,
+    )
 
     alloc_curve = discretise(arrived, alloc)
     frag_pct = 100.0 * frag / cap
@@ -271,4 +319,5 @@ def run_fill(
         frag_curve=[[a, v] for a, v in enumerate(frag_curve) if v is not None],
         frag_rate_curve=[[a, v] for a, v in enumerate(rate_curve) if v is not None],
         first_failure=first_failure,
+        energy=energy,
     )

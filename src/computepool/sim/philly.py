@@ -31,6 +31,9 @@ VC_COLUMNS = ("vc", "node num")
 PUBLISHED_COLUMNS = ("metric", "vc", "fifo")
 PUBLISHED_AVG_QUEUE_S = 56_531.0
 PUBLISHED_AVG_JCT_S = 86_072.0
+# The trace does not name its GPUs; Philly ran P100- and P40-class boards, and the energy
+# figures assume P100 (a replay option changes it).
+ASSUMED_GPU_MODEL = "P100"
 
 
 @dataclass(frozen=True)

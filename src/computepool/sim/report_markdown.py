@@ -352,8 +352,13 @@ def render_markdown(
     ]
     for wf in figs.values():
         out += _workload_section(wf, cfg, plots)
+    from computepool.sim.report_energy import fair_section, philly_energy_section, sharing_energy_section
+
     if sharing is not None:
         out += _sharing_section(sharing)
+        out += sharing_energy_section(sharing)
     if philly is not None:
         out += _philly_section(philly, plots)
+        out += fair_section(philly)
+        out += philly_energy_section(philly)
     return "\n".join(out).rstrip() + "\n"

@@ -20,10 +20,23 @@ import numpy as np
 from computepool.core.errors import InvalidInput
 from computepool.core.resources import Node
 from computepool.sim.alibaba import Pod, load_nodes, load_pods
+from computepool.sim.energy import compare_replays
 from computepool.sim.fill import run_fill
-from computepool.sim.philly import JobTrace, load_trace
+from computepool.sim.philly import ASSUMED_GPU_MODEL, JobTrace, load_trace
+from computepool.sim.prices import Prices
 from computepool.sim.published import helios_target_avg_queue_s, load_published_helios
-from computepool.sim.replay import ReplayResult, VcComparison, calibrate, compare, find_parity, replay
+from computepool.sim.replay import (
+    CRITERION,
+    FairParity,
+    ReplayResult,
+    VcComparison,
+    calibrate,
+    compare,
+    find_fair_parity,
+    find_parity,
+    replay,
+    verdicts,
+)
 from computepool.sim.report_config import (
     ALIBABA_DIR,
     NODE_LIST,
@@ -108,6 +121,8 @@ def run_philly_task(traces: str) -> PhillyOutcome:
     static = cal.result
     pooled = replay(trace, "pooled", scale)
     parity = find_parity(trace, scale, static=static)
+    fair = find_fair_parity(trace, scale, "guaranteed-share", static=static)
+    fair_proportional = find_fair_parity(trace, scale, "proportional", static=static)
 
     def vc_rows(cmp: Iterable[VcComparison]) -> list[dict[str, Any]]:
         rows = []
@@ -140,12 +155,51 @@ def run_philly_task(traces: str) -> PhillyOutcome:
             "probes": [{"nodes": n, "avg_queue_s": q} for n, q in parity.probes],
             "per_vc": vc_rows(parity.per_vc()),
         },
+        "fair_parity": _fair_figures(fair, fair_proportional, trace, scale),
+        "energy": _philly_energy(static, parity.pooled, fair.pooled),
         "elapsed_s": round(time.perf_counter() - t0, 2),
     }
     delays = {"static": _delays(trace, static), "pooled": _delays(trace, pooled)}
     if parity.pooled is not None and parity.nodes is not None:
         delays[f"pooled, {parity.nodes} nodes (parity)"] = _delays(trace, parity.pooled)
     return PhillyOutcome(figures, delays)
+
+
+def _fair_figures(
+    fair: FairParity, proportional: FairParity, trace: JobTrace, scale: float
+) -> dict[str, Any]:
+    """Guaranteed-share at its every-VC parity, and proportional guarantees by the same test."""
+    out: dict[str, Any] = {
+        "criterion": CRITERION,
+        "policy": fair.policy,
+        "nodes": fair.nodes,
+        "static_nodes": fair.static.nodes,
+        "gpus_saved_pct": fair.gpus_saved_pct,
+        "probes": [{"nodes": n, "vcs_worse_off": w} for n, w in fair.probes],
+        "pooled": _overall(fair.pooled) if fair.pooled is not None else None,
+        "per_vc": [v.as_dict() for v in fair.per_vc()],
+        "proportional_nodes": proportional.nodes,
+        "proportional_gpus_saved_pct": proportional.gpus_saved_pct,
+        "proportional_probes": [{"nodes": n, "vcs_worse_off": w} for n, w in proportional.probes],
+    }
+    if fair.nodes is not None:
+        same = replay(trace, "pooled", scale, fair.nodes)
+        out["proportional_at_same_nodes_worse_off"] = [
+            v.partition for v in verdicts(fair.static, same) if v.worse
+        ]
+    return out
+
+
+def _philly_energy(
+    static: ReplayResult, parity: ReplayResult | None, fair: ReplayResult | None
+) -> dict[str, Any]:
+    """Energy and cost of static, the average parity and the every-VC parity, over one horizon."""
+    runs = {"static": static}
+    if parity is not None:
+        runs[f"proportional, {parity.nodes} nodes"] = parity
+    if fair is not None:
+        runs[f"guaranteed-share, {fair.nodes} nodes"] = fair
+    return compare_replays(runs, ASSUMED_GPU_MODEL, Prices())
 
 
 def fill_tasks(cfg: ReportConfig) -> list[FillTask]:

@@ -23,7 +23,8 @@ One module per concern: `results` (figures and result types), `cluster` (nodes a
 placement), `engine` (the event loop and `replay`), `search` (calibration and parity).
 """
 
-from computepool.sim.replay.engine import replay
+from computepool.sim.replay.engine import POLICIES, replay
+from computepool.sim.replay.fair import CRITERION, FairParity, VcVerdict, find_fair_parity, verdicts
 from computepool.sim.replay.results import Figures, Mode, Progress, ReplayResult, Run
 from computepool.sim.replay.search import (
     Calibration,
@@ -35,7 +36,13 @@ from computepool.sim.replay.search import (
 )
 
 __all__ = [
+    "CRITERION",
+    "POLICIES",
     "Calibration",
+    "FairParity",
+    "VcVerdict",
+    "find_fair_parity",
+    "verdicts",
     "Figures",
     "Mode",
     "Parity",

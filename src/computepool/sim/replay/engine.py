@@ -1,4 +1,15 @@
-"""The replay's event loop: arrivals, finishes, static FIFO and pooled passes with preemption."""
+"""The replay's event loop: arrivals, finishes, static FIFO and pooled passes with preemption.
+
+Pooled policies (how each VC's guarantee is set; everything else is the same):
+
+- `proportional`: guarantees are the VCs' static sizes scaled down to the pool (largest
+  remainder), so they sum to the pool's GPUs;
+- `guaranteed-share`: every VC keeps its whole static size as its guarantee however small the
+  pool, so guarantees may sum to more than the pool. A VC using less than its static share is
+  served before any borrower and may preempt work held above another VC's static share; only
+  when VCs within their shares together want more than the pool do they wait (lowest share
+  first). Preemption never takes a VC below its static share.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +31,24 @@ from computepool.sim.philly import GPUS_PER_NODE, JobTrace
 from computepool.sim.replay.cluster import Nodes, gang_shape
 from computepool.sim.replay.results import Figures, Mode, ReplayResult, Run
 
+POLICIES = ("proportional", "guaranteed-share")
+
 
 class _Sim:
     """State of one replay; `run()` drives the event loop and returns the result."""
 
     def __init__(
-        self, trace: JobTrace, mode: Mode, duration_scale: float, nodes: int | None, record: bool
+        self,
+        trace: JobTrace,
+        mode: Mode,
+        duration_scale: float,
+        nodes: int | None,
+        record: bool,
+        policy: str = "proportional",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+        self.policy = policy
         if duration_scale <= 0 or not math.isfinite(duration_scale):
             raise ValueError(f"duration_scale {duration_scale} must be a positive number")
         self.trace = trace
@@ -51,6 +73,9 @@ class _Sim:
         self.queues: list[deque[int]] = [deque() for _ in range(nv)]
         self.busy = [0.0] * nv  # GPU-seconds held, lost runs included
         self.lost = [0.0] * nv
+        self.asked = [int(g) for g in trace.gpus.tolist()]
+        self.used_s = 0.0  # GPU-seconds asked while running, lost runs included
+        self.lost_used_s = 0.0
         self.runs: list[Run] = []
         self.heap: list[tuple[float, int, int]] = []
         if mode == "static":
@@ -67,9 +92,11 @@ class _Sim:
             if self.total_nodes <= 0:
                 raise ValueError(f"nodes {self.total_nodes} must be positive")
             self.pool = Nodes(self.total_nodes)
-            self.guarantee = proportional_guarantees(
-                {v.name: v.gpus for v in trace.vcs}, self.total_nodes * GPUS_PER_NODE
-            )
+            sizes = {v.name: v.gpus for v in trace.vcs}
+            if policy == "guaranteed-share":
+                self.guarantee = sizes
+            else:
+                self.guarantee = proportional_guarantees(sizes, self.total_nodes * GPUS_PER_NODE)
             self.ledger = QuotaLedger({t: Quota(g) for t, g in self.guarantee.items()})
             self.running: list[dict[int, Holding]] = [{} for _ in range(nv)]
             self.cap_nodes = [self.total_nodes] * nv
@@ -101,6 +128,8 @@ class _Sim:
         nodes = self.where.pop(j)
         ran = t - self.start[j]
         self.busy[v] += self.held[j] * ran
+        used = min(self.asked[j], self.held[j]) * ran
+        self.used_s += used
         if self.record:
             off = self.parts[v].offset if self.mode == "static" else 0
             self.runs.append(
@@ -126,6 +155,7 @@ class _Sim:
             self.attempt[j] += 1  # its pending finish event is now stale
             self.npreempt[j] += 1
             self.lost[v] += self.held[j] * ran
+            self.lost_used_s += used
             self.start[j] = math.nan
         else:
             self.finish[j] = t
@@ -258,6 +288,7 @@ class _Sim:
                 unplaceable=int((mask & unplaceable).sum()),
                 avg_queue_s=float(q.mean()) if has else 0.0,
                 p50_queue_s=float(np.percentile(q, 50)) if has else 0.0,
+                p95_queue_s=float(np.percentile(q, 95)) if has else 0.0,
                 p99_queue_s=float(np.percentile(q, 99)) if has else 0.0,
                 avg_jct_s=float(jct.mean()) if has else 0.0,
                 gpu_alloc_pct=100.0 * busy / (gpus * window) if gpus and window else 0.0,
@@ -286,6 +317,11 @@ class _Sim:
             finish=finish,
             preemptions=npre,
             runs=tuple(self.runs),
+            policy=self.policy if self.mode == "pooled" else "",
+            window_s=float(window),
+            used_gpu_s=self.used_s,
+            held_gpu_s=float(sum(self.busy)),
+            lost_used_gpu_s=self.lost_used_s,
         )
 
 
@@ -296,11 +332,13 @@ def replay(
     nodes: int | None = None,
     *,
     record: bool = False,
+    policy: str = "proportional",
 ) -> ReplayResult:
     """Replay `trace` in `mode`; `nodes` sizes the pooled cluster (default: same GPUs).
 
-    With `record`, every run (also the preempted ones) is kept in `ReplayResult.runs`.
+    `policy` sets the pooled guarantees (see the module docstring). With `record`, every run
+    (also the preempted ones) is kept in `ReplayResult.runs`.
     """
     if nodes is not None and mode == "static":
         raise ValueError("nodes applies to pooled mode only; static uses the VC sizes")
-    return _Sim(trace, mode, duration_scale, nodes, record).run()
+    return _Sim(trace, mode, duration_scale, nodes, record, policy).run()

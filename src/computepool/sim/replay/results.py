@@ -29,6 +29,7 @@ class Figures:
     unplaceable: int
     avg_queue_s: float
     p50_queue_s: float
+    p95_queue_s: float
     p99_queue_s: float
     avg_jct_s: float
     gpu_alloc_pct: float
@@ -66,6 +67,11 @@ class ReplayResult:
     finish: np.ndarray  # s
     preemptions: np.ndarray  # per job
     runs: tuple[Run, ...] = ()
+    policy: str = "proportional"  # pooled only: how guarantees were set (`engine.POLICIES`)
+    window_s: float = 0.0  # first submit to last finish
+    used_gpu_s: float = 0.0  # GPU-seconds jobs asked for while running (lost runs included)
+    held_gpu_s: float = 0.0  # GPU-seconds held (a gang holds whole nodes)
+    lost_used_gpu_s: float = 0.0  # the part of `used_gpu_s` spent on preempted runs
 
     @property
     def gpus(self) -> int:
@@ -77,6 +83,8 @@ class ReplayResult:
             "duration_scale": self.duration_scale,
             "nodes": self.nodes,
         }
+        if self.mode == "pooled":
+            out["policy"] = self.policy
         o = self.overall.as_dict()
         del o["partition"]
         out.update(o)
