@@ -12,10 +12,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from poolkit import Cli, PoolServer, one_error_line
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from computepool.client import PoolClient
 from computepool.store import usage as sql
 from computepool.store.db import Database
+from computepool.store.models import Allocation, AllocationEvent, Device, Node, Tenant
 
 HOUR = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
 
@@ -40,8 +43,45 @@ def seeded(server: PoolServer) -> PoolServer:
                 sql.Entry(HOUR, 0, "", "", "", "", "n1", "A100", 0, 0, 0, 60 * 3600, 0),
             ],
         )
+        seed_history(s)
     db.dispose()
     return server
+
+
+def seed_history(s: Session) -> None:
+    """Nodes n1 (3 A100s) and n2 (a T4), and three allocations that held them three hours ago:
+    blue 2 whole A100s for 0–30 min; red then 1 A100 for 30–60 min (on a device blue had freed)
+    and half the T4 for 0–60 min. Written as the server writes them (rows and state changes)."""
+    tenants = {t.name: t.id for t in s.scalars(select(Tenant))}
+    n1 = Node(name="n1", cpu_milli=16000, memory_mib=65536, labels={}, joined_at=HOUR, last_heartbeat_at=HOUR)
+    n2 = Node(name="n2", cpu_milli=16000, memory_mib=65536, labels={}, joined_at=HOUR, last_heartbeat_at=HOUR)
+    s.add_all([n1, n2])
+    s.flush()
+    for node, index, model in ((n1, 0, "A100"), (n1, 1, "A100"), (n1, 2, "A100"), (n2, 0, "T4")):
+        s.add(
+            Device(
+                node_id=node.id, index=index, vendor="nvidia", model=model, memory_mib=40960,
+                uuid=f"GPU-{node.name}-{index}", compute_milli=1000, link_group="",
+            )
+        )  # fmt: skip
+    held = [
+        ("blue", "bo", "wide", [("n1", 0, 1000), ("n1", 1, 1000)], 0, 30),
+        ("red", "ru", "late", [("n1", 0, 1000)], 30, 60),
+        ("red", "ru", "half", [("n2", 0, 500)], 0, 60),
+    ]
+    for tenant, owner, name, slices, start, end in held:
+        bound, ended = HOUR + timedelta(minutes=start), HOUR + timedelta(minutes=end)
+        a = Allocation(
+            name=name, tenant_id=tenants[tenant], owner=owner, request={"gpus": len(slices)}, priority=0,
+            restartable=False, state="released", reason="released", attempt=1, term=1,
+            nodes=sorted({n for n, _, _ in slices}),
+            slices=[{"node": n, "device_index": i, "compute_milli": m} for n, i, m in slices],
+            created_at=bound, bound_at=bound, ended_at=ended,
+        )  # fmt: skip
+        s.add(a)
+        s.flush()
+        for at, state in ((bound, "pending"), (bound, "bound"), (ended, "released")):
+            s.add(AllocationEvent(allocation_id=a.id, at=at, state=state, reason=state, attempt=1, term=1))
 
 
 def usage_json(cli: Cli, *args: str, env: dict[str, str | None] | None = None) -> list[dict[str, object]]:
@@ -104,13 +144,48 @@ def test_a_member_sees_its_tenants_rows_only(cli: Cli, seeded: PoolServer) -> No
 
 
 def test_static_equivalent_prints_json_and_a_table(cli: Cli, seeded: PoolServer) -> None:
+    """A100: the pool had at most 2 in use at once (blue's two, then red's one); static partitions
+    need blue 2 + red 1 = 3. T4: 1 and 1. So 3 against 4 of the pool's 4 devices: 1 saved (25%),
+    worth 1 A100 × the window's hours at 3 per GPU-hour and its idle 55 W at 0.25 per kWh. Energy
+    booked in the window: A100 0.5 + 0.06 (the pool's idle one), T4 0.02 kWh."""
+    for item, amount in (("A100", "3"), ("energy-kwh", "0.25")):
+        assert cli("prices", "set", item, amount).exit_code == 0
+    cli("prices", "delete", "T4")
     r = cli("usage", "--static-equivalent", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert {"pool_devices", "static_devices", "devices_saved", "cost_saved", "energy_saved_kwh"} <= set(out)
-    r = cli("usage", "--static-equivalent", "--since", "7d")
-    assert r.exit_code == 0 and "static per-tenant partitions would have needed" in r.stdout, r.output
-    assert "method:" in r.stdout
+    hours = (
+        datetime.fromisoformat(out["until"]) - datetime.fromisoformat(out["since"])
+    ).total_seconds() / 3600
+    assert 30 * 24 <= hours <= 30 * 24 + 1
+    figures = ("pool_devices", "static_devices", "devices_saved", "pool_size_devices")
+    assert [out[f] for f in figures] == [3, 4, 1, 4]
+    assert out["devices_saved_pct"] == 25.0
+    assert out["models"] == {
+        "A100": {"pool_devices": 2, "static_devices": 3, "pool_size_devices": 3},
+        "T4": {"pool_devices": 1, "static_devices": 1, "pool_size_devices": 1},
+    }
+    parts = {(p["tenant"], p["model"]): (p["static_devices"], p["peak_gpus"]) for p in out["tenants"]}
+    assert parts == {("blue", "A100"): (2, 2.0), ("red", "A100"): (1, 1.0), ("red", "T4"): (1, 0.5)}
+    assert out["energy_pool_kwh"] == pytest.approx(0.58, abs=1e-6) and out["energy_pool_includes_empty"]
+    assert out["energy_saved_kwh"] == pytest.approx(55 * hours / 1000, rel=1e-6)
+    assert out["cost_pool"] == pytest.approx(2 * hours * 3 + 0.58 * 0.25, rel=1e-6)
+    assert out["cost_saved"] == pytest.approx(hours * 3 + 55 * hours / 1000 * 0.25, rel=1e-6)
+    r = cli("usage", "--static-equivalent")
+    assert r.exit_code == 0, r.output
+    assert (
+        "at most 3 devices held work at once (the pool has 4); static per-tenant partitions would "
+        "have needed 4" in " ".join(r.stdout.split())
+    ), r.stdout
+    assert "saved: 1 device (25%)" in r.stdout and "method:" in r.stdout
+    # red's own view: its own peak (1 A100, 1 T4) against its partitions; energy its share only
+    with PoolClient(seeded.url, token=seeded.token) as pool:
+        token = pool.create_token(user="ru")["token"]
+    mine = json.loads(cli("usage", "--static-equivalent", "--json", env={"CPOOL_TOKEN": token}).stdout)
+    assert (mine["pool_devices"], mine["static_devices"], mine["devices_saved"]) == (2, 2, 0)
+    assert mine["energy_pool_kwh"] == pytest.approx(0.02, abs=1e-6) and not mine["energy_pool_includes_empty"]
+    r = cli("usage", "--static-equivalent", env={"CPOOL_TOKEN": token})
+    assert "your tenant's share only" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize(
@@ -130,3 +205,29 @@ def test_bad_prices_are_one_line(cli: Cli) -> None:
     assert "AMOUNT" in one_error_line(cli("prices", "set", "A100", "cheap"))
     assert "amount" in one_error_line(cli("prices", "set", "A100", "--", "-1"))
     assert "not found" in one_error_line(cli("prices", "delete", "nothing"))
+
+
+def test_a_truncated_job_list_says_so_on_stderr(cli: Cli, seeded: PoolServer) -> None:
+    """More jobs than one answer holds (host-share rows ten days back, outside the other tests'
+    windows): --json stays a list; stderr says the list is cut."""
+    old = HOUR - timedelta(days=10)
+    db = Database(f"sqlite:///{seeded.data_dir / 'pool.db'}")
+    with db.write() as s:
+        sql.book(
+            s,
+            [sql.Entry(old, 1000 + i, "blue", "bo", "j", "", "n1", "", 0, 1, 0, 0, 0) for i in range(10_001)],
+        )
+    db.dispose()
+    r = cli(
+        "usage",
+        "--by",
+        "job",
+        "--since",
+        (old - timedelta(hours=1)).isoformat(),
+        "--until",
+        (old + timedelta(hours=1)).isoformat(),
+        "--json",
+    )
+    assert r.exit_code == 0, r.stderr
+    assert len(json.loads(r.stdout)) == 10_000
+    assert "only the newest 10000 jobs are listed" in r.stderr

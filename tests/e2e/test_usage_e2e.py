@@ -100,7 +100,7 @@ def test_a_job_books_its_device_share_and_energy_and_idle_devices_go_to_the_pool
     time.sleep(3)  # a few more ledger passes and heartbeats after the end
     row = next(r for r in usage(env, "--by", "job") if r["job"] == "burn")
     gpu_s = row["gpu_hours"] * 3600
-    assert held_s - 2.5 <= gpu_s <= held_s + 2.5, (gpu_s, held_s)  # booked each second it was held
+    assert gpu_s == pytest.approx(held_s, abs=0.01)  # exactly bind → end (hours have six digits)
     watts = row["energy_kwh"] * 3.6e6 / gpu_s
     assert 55 <= watts <= 420, watts  # between the board's idle and peak draw
     assert row["cost"] == 0
@@ -126,9 +126,12 @@ def test_a_job_books_its_device_share_and_energy_and_idle_devices_go_to_the_pool
     # the pool used one device for one tenant: a static partition of one
     static = json.loads(ok(env, "usage", "--static-equivalent", "--json").stdout)
     assert (static["pool_devices"], static["static_devices"], static["devices_saved"]) == (1, 1, 0)
-    # the device history has the job's draw
+    assert static["pool_size_devices"] == 2
+    # the device history: sampled once a minute (a 4 s job may fall between samples)
     history = api.http.get("/api/v1/nodes/n1/history", params={"since": "10m"}).json()["items"]
-    assert max(p["power_w"] or 0 for p in history) >= 300 and min(p["power_w"] or 1e9 for p in history) <= 56
+    assert {p["device_index"] for p in history} == {0, 1}
+    # (a sample taken before the node's first heartbeat has no power yet)
+    assert all(p["power_w"] is None or 55 <= p["power_w"] <= 420 for p in history), history
 
 
 def test_another_tenants_member_sees_none_of_it(pool: tuple[Pool, dict[str, str]]) -> None:

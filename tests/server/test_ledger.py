@@ -9,9 +9,13 @@ from typing import Any
 
 import pytest
 from harness import Api
+from sqlalchemy import event, update
 from test_allocations import alloc, cycle, get, join, manual
 
 from computepool.server.ledger import LedgerReport
+from computepool.server.services import usage as usage_service
+from computepool.store import usage as sql
+from computepool.store.models import Allocation
 
 H = dict[str, str]
 U = "/api/v1/usage"
@@ -38,11 +42,18 @@ def rows(api: Api, headers: H | None = None, **params: Any) -> list[dict[str, An
     return list(api.ok("GET", U, headers=headers, params=params)["items"])
 
 
+def backdate(api: Api, alloc_id: int, bound_at: datetime) -> None:
+    """As if the allocation had been bound at `bound_at`: the ledger's passes run at past times."""
+    with api.app.state.db.write() as s:
+        s.execute(update(Allocation).where(Allocation.id == alloc_id).values(bound_at=bound_at))
+
+
 @pytest.fixture
 def booked(make_api: Any) -> tuple[Api, H, datetime]:
     """Tenant default's 'train' (a quarter of n1's A100, 2 CPUs, 1 GiB) and acme's 'serve' (three
-    quarters, 1 CPU, 2 GiB) for 1200 s: 600 s at 300 W by the energy counter, then 600 s idle at
-    100 W; n2's T4 holds nothing and reports nothing (its model's idle 10 W, to the pool)."""
+    quarters, 1 CPU, 2 GiB) for 1200 s, some six hours ago: 600 s at 300 W by the energy counter,
+    then 600 s idle at 100 W; n2's T4 holds nothing and reports nothing (its model's idle 10 W, to
+    the pool)."""
     api = make_api(ledger_interval_s=INTERVAL)
     api.app.state.accountant.auto = False
     manual(api)
@@ -54,7 +65,9 @@ def booked(make_api: Any) -> tuple[Api, H, datetime]:
     cycle(api)
     assert [get(api, x["id"])["state"] for x in (a, b)] == ["bound", "bound"]
     n2 = join(api, "n2", model="T4")
-    start = datetime.now(UTC).replace(minute=5, second=0, microsecond=0) - timedelta(hours=1)
+    start = datetime.now(UTC).replace(minute=5, second=0, microsecond=0) - timedelta(hours=6)
+    for x in (a, b):
+        backdate(api, x["id"], start - timedelta(minutes=1))
     beat(api, "n1", n1, utilization_pct=60.0, power_w=300.0, energy_j=1000.0)
     beat(api, "n2", n2)
     assert tick(api, start) == LedgerReport(leader=True)  # the first pass only starts the clock
@@ -132,7 +145,7 @@ def test_cost_from_a_known_price_table_and_prices_are_audited(booked: tuple[Api,
 
 def test_device_history(booked: tuple[Api, H, datetime]) -> None:
     api, member, start = booked
-    points = api.ok("GET", "/api/v1/nodes/n1/history", headers=member, params={"since": "3h"})["items"]
+    points = api.ok("GET", "/api/v1/nodes/n1/history", headers=member, params={"since": "7h"})["items"]
     assert [p["at"][:19] for p in points] == [
         (start + timedelta(seconds=s)).isoformat()[:19] for s in (0, INTERVAL, 2 * INTERVAL)
     ]
@@ -145,13 +158,21 @@ def test_device_history(booked: tuple[Api, H, datetime]) -> None:
     assert r.status_code == 404 and r.json()["error"] == "node 'nope' not found"
 
 
-def test_a_long_gap_is_not_guessed_at(booked: tuple[Api, H, datetime]) -> None:
+def test_a_long_gap_is_booked_in_full(booked: tuple[Api, H, datetime]) -> None:
+    """Four hours without a leader: the use is known from bind times, so all four hours book; n1's
+    last heartbeat is newer than the pass (heard) and its counter has not moved: no energy."""
     api, _, start = booked
-    before = {r["tenant"]: r["gpu_hours"] for r in rows(api)}
-    report = tick(api, start + timedelta(seconds=2 * INTERVAL + 4 * 3600))  # four hours without a leader
-    assert report.booked_s == 3 * INTERVAL
-    after = {r["tenant"]: r["gpu_hours"] for r in rows(api, until=(start + timedelta(hours=6)).isoformat())}
-    assert after["default"] - before["default"] == pytest.approx(0.25 * 3 * INTERVAL / 3600, abs=1e-5)
+    before = {r["tenant"]: r for r in rows(api)}
+    report = tick(api, start + timedelta(seconds=2 * INTERVAL + 4 * 3600))
+    assert report.booked_s == 4 * 3600
+    after = {r["tenant"]: r for r in rows(api)}
+    assert after["default"]["gpu_hours"] - before["default"]["gpu_hours"] == pytest.approx(0.25 * 4, abs=1e-5)
+    assert after["acme"]["cpu_hours"] - before["acme"]["cpu_hours"] == pytest.approx(1 * 4, abs=1e-5)
+    assert after["default"]["energy_kwh"] == before["default"]["energy_kwh"]
+    # the T4 reports no power: its idle 10 W is estimated for the last 3 intervals only
+    assert after["(pool)"]["energy_kwh"] - before["(pool)"]["energy_kwh"] == pytest.approx(
+        10.0 * 3 * INTERVAL / 3.6e6, abs=1e-6
+    )
     assert tick(api, start).booked_s == 0  # the clock never goes back
 
 
@@ -167,8 +188,8 @@ def test_a_replica_without_the_lease_books_nothing(make_api: Any) -> None:
 
 
 def test_static_equivalent_of_the_pools_own_history(api: Api) -> None:
-    """default held two whole A100s at once, then released them; acme then held one. Static
-    partitions: 2 + 1 = 3 devices; the pool used its 2."""
+    """default held two whole A100s at once, then released them; acme then held half of one.
+    Static partitions: 2 + 1 = 3 devices; the pool had at most its 2 in use at once."""
     api.app.state.accountant.auto = False
     manual(api)
     api.tenant("acme")
@@ -194,10 +215,115 @@ def test_static_equivalent_of_the_pools_own_history(api: Api) -> None:
     assert out["energy_saved_kwh"] == pytest.approx(55.0 * hours / 1000, rel=1e-6)  # A100 idle 55 W
     parts = {(p["tenant"], p["model"]): (p["static_devices"], p["peak_gpus"]) for p in out["tenants"]}
     assert parts == {("default", "A100"): (2, 2.0), ("acme", "A100"): (1, 0.5)}
-    assert out["models"] == {"A100": {"pool_devices": 2, "static_devices": 3}}
+    assert out["models"] == {"A100": {"pool_devices": 2, "static_devices": 3, "pool_size_devices": 2}}
+    assert out["pool_size_devices"] == 2 and out["energy_pool_includes_empty"] is True
     mine = api.ok("GET", f"{U}/static-equivalent", headers=member, params={"since": "1d"})
     assert [p["tenant"] for p in mine["tenants"]] == ["acme"]
     assert (mine["pool_devices"], mine["static_devices"]) == (1, 1)
+    assert mine["energy_pool_includes_empty"] is False
+
+
+def when(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+def job_usage(api: Api, alloc_id: int) -> dict[str, Any]:
+    [row] = [r for r in rows(api, by="job", since="2d") if r["allocation_id"] == alloc_id]
+    return row
+
+
+def test_an_allocation_ending_between_passes_books_to_its_end(make_api: Any) -> None:
+    """Bound 5 s after a pass, released between two passes: it books exactly bind → release, GPU
+    time and the device's energy alike; the pool gets the device's time before and after."""
+    api = make_api(ledger_interval_s=INTERVAL)
+    api.app.state.accountant.auto = False
+    manual(api)
+    n1 = join(api, "n1")
+    beat(api, "n1", n1, utilization_pct=50.0, power_w=100.0)
+    x = alloc(api, name="short", gpus=1, gpu_milli=500)
+    cycle(api)
+    b0 = datetime.now(UTC) - timedelta(seconds=1000)
+    backdate(api, x["id"], b0)
+    tick(api, b0 - timedelta(seconds=5))
+    tick(api, b0 + timedelta(seconds=500))
+    api.ok("POST", f"/api/v1/allocations/{x['id']}/release")
+    ended = when(get(api, x["id"])["ended_at"])
+    tick(api, ended + timedelta(seconds=7))
+    held_h = (ended - b0).total_seconds() / 3600
+    row = job_usage(api, x["id"])
+    assert row["gpu_hours"] == pytest.approx(0.5 * held_h, abs=1e-6)
+    assert row["energy_kwh"] == pytest.approx(100.0 * held_h / 1000, abs=1e-6)  # its alone while held
+    pool = {r["tenant"]: r for r in rows(api, since="2d")}["(pool)"]
+    assert pool["energy_kwh"] == pytest.approx(100.0 * 12 / 3.6e6, abs=1e-6)  # 5 s before, 7 s after
+
+
+def test_a_requeued_attempt_books_up_to_its_requeue(api: Api) -> None:
+    """Seen held at a pass, then lost by its agent and requeued (its slices dropped): the next pass
+    books the attempt up to the requeue, from what the ledger saw held."""
+    api.app.state.accountant.auto = False
+    manual(api)
+    n1 = join(api, "n1")
+    x = alloc(api, name="retry", gpus=1, command=["sleep", "1000"], restartable=True)
+    cycle(api)
+    b0 = datetime.now(UTC) - timedelta(seconds=1000)
+    backdate(api, x["id"], b0)
+    tick(api, b0 - timedelta(seconds=5))
+    tick(api, b0 + timedelta(seconds=500))
+    lost = {"allocation_id": x["id"], "attempt": 1, "state": "lost", "reason": "agent restart"}
+    api.ok("POST", "/api/v1/nodes/n1/reports", headers=n1, json={"reports": [lost]})
+    got = get(api, x["id"])
+    assert got["state"] == "pending" and got["attempt"] == 2
+    requeued = when(got["events"][-1]["at"])
+    tick(api, requeued + timedelta(seconds=30))
+    assert job_usage(api, x["id"])["gpu_hours"] == pytest.approx(
+        (requeued - b0).total_seconds() / 3600, abs=1e-6
+    )
+
+
+def test_history_is_sampled_once_a_minute_and_thinned_in_the_database(api: Api) -> None:
+    api.app.state.accountant.auto = False
+    manual(api)
+    join(api, "n1", devices=2)
+    t = datetime.now(UTC) - timedelta(days=3)
+    for k in (0, 10, 50, 70):  # passes at 0, 10, 50 and 70 s: samples at 0 and 70 only
+        tick(api, t + timedelta(seconds=k))
+    points = api.ok("GET", "/api/v1/nodes/n1/history", params={"since": "4d"})["items"]
+    assert [p["at"][:19] for p in points if p["device_index"] == 0] == [
+        (t + timedelta(seconds=k)).isoformat()[:19] for k in (0, 70)
+    ]
+    # two days of minutes on both devices: 2881 samples each, thinned to every 5th (≤ 720)
+    with api.app.state.db.write() as s:
+        devs = sql.devices(s)
+        for m in range(1, 2 * 24 * 60):
+            sql.add_samples(s, t + timedelta(seconds=70 + 60 * m), devs)
+    points = api.ok("GET", "/api/v1/nodes/n1/history", params={"since": "4d"})["items"]
+    for index in (0, 1):
+        mine = [when(p["at"]) for p in points if p["device_index"] == index]
+        assert len(mine) == 577 and mine[0] == t
+        assert mine[-1] == t + timedelta(seconds=70 + 60 * (2 * 24 * 60 - 1))  # the latest shows
+        assert {b - a for a, b in zip(mine[1:], mine[2:], strict=False)} == {timedelta(minutes=5)}
+
+
+def test_by_job_is_limited_and_says_so(api: Api) -> None:
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    n = usage_service.MAX_JOB_ROWS + 1
+    with api.app.state.db.write() as s:
+        sql.book(
+            s,
+            [
+                sql.Entry(hour, i, "default", "u", "j", "", "n1", "A100", 1.0, 0, 0, 0, 0)
+                for i in range(1, n + 1)
+            ],
+        )
+    out = api.ok("GET", U, params={"by": "job", "since": "1d"})
+    assert out["truncated"] is True and len(out["items"]) == usage_service.MAX_JOB_ROWS
+    assert out["items"][-1]["allocation_id"] == n  # the newest are kept
+    assert api.ok("GET", U, params={"by": "tenant", "since": "1d"})["truncated"] is False
+
+
+def test_until_is_clamped_to_now(api: Api) -> None:
+    out = api.ok("GET", f"{U}/static-equivalent", params={"until": "2099-01-01T00:00:00Z"})
+    assert when(out["until"]) <= datetime.now(UTC)
 
 
 BAD = [
@@ -222,3 +348,26 @@ def test_bad_input_is_4xx_naming_the_parameter(api: Api) -> None:
         assert r.json().get("field") == field, (path, r.json())
     assert api.get(U).status_code == 401  # no token
     assert api.get(f"{U}/static-equivalent").status_code == 401
+
+
+def test_energy_marks_are_set_in_one_statement(api: Api) -> None:
+    """Every device's mark in one executemany: a large pool's pass stays short under the lock."""
+    join(api, "n1", devices=8)
+    db = api.app.state.db
+    with db.read() as s:
+        ids = [d.id for d in sql.devices(s)]
+    calls: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "energy_mark_j" in statement:
+            calls.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        with db.write() as s:
+            sql.set_marks(s, {i: 1000.0 + i for i in ids})
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
+    assert len(calls) == 1
+    with db.read() as s:
+        assert {d.id: d.mark_j for d in sql.devices(s)} == {i: 1000.0 + i for i in ids}

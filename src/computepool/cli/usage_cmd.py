@@ -73,9 +73,9 @@ def show_usage(by: str, since: str, report: dict[str, Any]) -> None:
 
 def show_static(out: dict[str, Any]) -> None:
     say(
-        f"since {short_time(out['since'])} until {short_time(out['until'])}: the pool used "
-        f"{out['pool_devices']} devices; static per-tenant partitions would have needed "
-        f"{out['static_devices']}"
+        f"since {short_time(out['since'])} until {short_time(out['until'])}: at most "
+        f"{out['pool_devices']} devices held work at once (the pool has {out['pool_size_devices']}); "
+        f"static per-tenant partitions would have needed {out['static_devices']}"
     )
     say(
         f"saved: {out['devices_saved']} device{'' if abs(out['devices_saved']) == 1 else 's'} "
@@ -95,6 +95,8 @@ def show_static(out: dict[str, Any]) -> None:
                 short_time(p["peak_at"]),
             )
         show(t)
+    if not out["energy_pool_includes_empty"]:
+        say("energy counts your tenant's share only, not devices that held nothing")
     say(f"method: {out['method']}")
 
 
@@ -144,6 +146,12 @@ def register(app: typer.Typer) -> None:
             write_csv(by, report["items"])
         else:
             show_usage(by, since or "7d", report)
+        if report.get("truncated"):  # on stderr, so --json and --csv stay machine-readable
+            typer.echo(
+                f"only the newest {len(report['items'])} jobs are listed: "
+                "narrow --since/--until for the rest",
+                err=True,
+            )
 
     prices = typer.Typer(help=f"Prices: per GPU-hour of a device model, and per kWh ({ENERGY_ITEM}).")
     app.add_typer(prices, name="prices")

@@ -232,7 +232,7 @@ class Allocation(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     bound_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
-    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True, index=True)
     # a replica of a model service: the service, the spec generation it runs, the port it listens
     # on (its env's port variable), and what the service controller last found of it
     service_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
@@ -477,6 +477,7 @@ class UsageEntry(Base):
     __table_args__ = (
         UniqueConstraint("hour", "allocation_id", "node", "model", name="uq_usage_ledger_key"),
         Index("ix_usage_ledger_hour", "hour"),
+        Index("ix_usage_ledger_tenant_hour", "tenant", "hour"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
 from computepool.core.allocation import HOLDING
 from computepool.store.models import (
@@ -50,10 +51,22 @@ class HeldRow:
     request: dict[str, Any]
     nodes: list[str]
     slices: list[dict[str, Any]]
+    attempt: int = 1
+    bound_at: datetime | None = None
+    ended_at: datetime | None = None  # None while it still holds
 
 
-def held(s: Session) -> list[HeldRow]:
-    """Bound and active allocations with the names they are booked under."""
+def held(s: Session, since: datetime | None = None) -> list[HeldRow]:
+    """Allocations that held devices at some time after `since` (default: now), with the names they
+    are booked under: bound and active ones, and ones ended since then (an ended allocation keeps
+    its slices)."""
+    holding: ColumnElement[bool] = Allocation.state.in_(HOLDING)
+    if since is not None:
+        holding = holding | (
+            Allocation.bound_at.is_not(None)
+            & Allocation.ended_at.is_not(None)
+            & (Allocation.ended_at >= since)
+        )
     stmt = (
         select(
             Allocation.id,
@@ -64,16 +77,40 @@ def held(s: Session) -> list[HeldRow]:
             Allocation.request,
             Allocation.nodes,
             Allocation.slices,
+            Allocation.attempt,
+            Allocation.bound_at,
+            Allocation.ended_at,
+            Allocation.state,
         )
         .join(Tenant, Allocation.tenant_id == Tenant.id)
         .outerjoin(Service, Service.id == Allocation.service_id)
-        .where(Allocation.state.in_(HOLDING))
+        .where(holding)
         .order_by(Allocation.id)
     )
     return [
-        HeldRow(r[0], r[1], r[2], r[3], r[4] or "", dict(r[5]), list(r[6]), list(r[7]))
+        HeldRow(
+            r[0], r[1], r[2], r[3], r[4] or "", dict(r[5]), list(r[6]), list(r[7]), r[8], r[9],
+            None if r[11] in HOLDING else r[10],
+        )
         for r in s.execute(stmt).all()
-    ]
+    ]  # fmt: skip
+
+
+def requeued_at(s: Session, attempts: Mapping[int, int]) -> dict[int, datetime]:
+    """When each allocation's given attempt was requeued (the event that opened the next attempt),
+    for those that were (allocation id → attempt)."""
+    out: dict[int, datetime] = {}
+    ids = list(attempts)
+    for i in range(0, len(ids), 500):
+        stmt = (
+            select(AllocationEvent.allocation_id, AllocationEvent.attempt, func.min(AllocationEvent.at))
+            .where(AllocationEvent.allocation_id.in_(ids[i : i + 500]))
+            .group_by(AllocationEvent.allocation_id, AllocationEvent.attempt)
+        )
+        for alloc_id, attempt, at in s.execute(stmt).all():
+            if attempt == attempts[alloc_id] + 1:
+                out[alloc_id] = at
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,10 +151,18 @@ def devices(s: Session) -> list[DeviceRow]:
     return [DeviceRow(*tuple(r)) for r in s.execute(stmt).all()]
 
 
+_SET_MARK = (
+    update(Device.__table__)
+    .where(Device.__table__.c.id == bindparam("device_id"))
+    .values(energy_mark_j=bindparam("mark"))
+)
+
+
 def set_marks(s: Session, marks: Mapping[int, float | None]) -> None:
-    """Where the ledger booked each device's energy counter up to (by device id)."""
-    for device_id, mark in marks.items():
-        s.execute(update(Device).where(Device.id == device_id).values(energy_mark_j=mark))
+    """Where the ledger booked each device's energy counter up to (by device id): one statement
+    executed for all rows, so a large pool's pass stays short under the write lock."""
+    if marks:
+        s.connection().execute(_SET_MARK, [{"device_id": i, "mark": m} for i, m in marks.items()])
 
 
 # -- the clock ----------------------------------------------------------------------------------
@@ -205,13 +250,31 @@ def prune_samples(s: Session, before: datetime) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-def history(s: Session, node: str, since: datetime, until: datetime) -> Sequence[DeviceSample]:
-    stmt = (
-        select(DeviceSample)
-        .where(DeviceSample.node == node, DeviceSample.at >= since, DeviceSample.at < until)
-        .order_by(DeviceSample.device_index, DeviceSample.at)
+def last_sample_at(s: Session) -> datetime | None:
+    return s.execute(select(func.max(DeviceSample.at))).scalar_one_or_none()
+
+
+def history(
+    s: Session, node: str, since: datetime, until: datetime, points: int
+) -> list[tuple[int, datetime, float | None, int | None, float | None]]:
+    """A node's samples in [since, until), thinned in the database to about `points` evenly
+    spaced ones per device (the latest always kept): a week of minutes stays a small answer.
+    Rows: (device index, at, utilization %, used memory MiB, power W)."""
+    t = DeviceSample.__table__.c
+    window = (t.node == node) & (t.at >= since) & (t.at < until)
+    n = func.row_number().over(partition_by=t.device_index, order_by=t.at).label("n")
+    total = func.count().over(partition_by=t.device_index).label("total")
+    inner = select(t.device_index, t.at, t.utilization_pct, t.used_memory_mib, t.power_w, n, total).where(
+        window
     )
-    return s.scalars(stmt).all()
+    sub = inner.subquery()
+    step = (sub.c.total + points - 1) // points
+    stmt = (
+        select(sub.c.device_index, sub.c.at, sub.c.utilization_pct, sub.c.used_memory_mib, sub.c.power_w)
+        .where(((sub.c.n - 1) % step == 0) | (sub.c.n == sub.c.total))
+        .order_by(sub.c.device_index, sub.c.at)
+    )
+    return [(r[0], r[1], r[2], r[3], r[4]) for r in s.execute(stmt).all()]
 
 
 # -- prices -------------------------------------------------------------------------------------
@@ -245,9 +308,11 @@ def delete_price(s: Session, item: str) -> bool:
 
 
 def grouped(
-    s: Session, by: str, since: datetime, until: datetime, tenant: str | None
+    s: Session, by: str, since: datetime, until: datetime, tenant: str | None, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Sums per group key and model, over ledger hours in [since, until); `tenant` narrows to one."""
+    """Sums per group key and model, over ledger hours in [since, until); `tenant` narrows to one.
+    With `limit`, at most limit + 1 rows (the extra one says more were left out), newest
+    allocations first."""
     keys = [UsageEntry.__table__.c[c] for c in GROUP_COLUMNS[by]]
     model = UsageEntry.model
     sums = [func.sum(UsageEntry.__table__.c[c]).label(c) for c in AMOUNTS]
@@ -258,6 +323,8 @@ def grouped(
     )
     if tenant is not None:
         stmt = stmt.where(UsageEntry.tenant == tenant)
+    if limit is not None:
+        stmt = stmt.order_by(*(k.desc() for k in reversed(keys)), model).limit(limit + 1)
     return [dict(r._mapping) for r in s.execute(stmt).all()]
 
 

@@ -3,10 +3,19 @@
 `Accountant` runs on the replica holding the scheduling lease, every `ledger_interval_s`. Each
 pass, in one transaction fenced by the lease term, books the time since the ledger's clock (see
 `accrual` for what is booked and how energy is measured and split), writes one history sample per
-device, drops samples older than `history_keep_s`, and moves the clock. A gap longer than three
-intervals (no leader for a while, the server down) is not guessed at: only its last three
-intervals are booked, by reported power rather than by the energy counter, whose difference would
-cover the whole gap. The first pass ever only starts the clock.
+device at most once a minute, drops samples older than `history_keep_s`, and moves the clock. The
+first pass ever only starts the clock.
+
+Every allocation books exactly the time it held devices, from its bind to its end, however short
+and however long the pass: allocations ended since the last pass keep their slices and are booked
+to their end. A requeue drops the slices of the attempt it ends, so the Accountant remembers what
+it saw held at its previous pass and books such an attempt up to its requeue event. What it cannot
+book: an attempt bound and requeued between two passes (never seen with its slices), and the tail
+of an attempt requeued while no leader had booked since it was seen (a failover in between).
+
+A gap (no leader for a while, the server down) is booked in full: use times are known from bind
+and end times, and an energy counter's difference covers the whole gap exactly. Where a device has
+no counter, its power estimate covers only the last `MAX_GAP_INTERVALS` intervals of the gap.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
@@ -29,7 +38,8 @@ from computepool.store import usage as sql
 from computepool.store.db import Database, db_now
 
 log = logging.getLogger("computepool.server")
-MAX_GAP_INTERVALS = 3
+MAX_GAP_INTERVALS = 3  # a power estimate covers at most this many intervals of a longer gap
+SAMPLE_EVERY = timedelta(minutes=1)  # device history resolution
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,8 @@ class LedgerReport:
 
 
 def holding_of(row: sql.HeldRow) -> Holding:
-    """A held allocation as the accrual sees it: its slices and its host share on each node."""
+    """An allocation as the accrual sees it: its slices, its host share on each node, and when it
+    held them."""
     cpu = int(row.request.get("cpu_milli") or 0)
     mem = int(row.request.get("memory_mib") or 0)
     return Holding(
@@ -53,6 +64,8 @@ def holding_of(row: sql.HeldRow) -> Holding:
             (str(sl["node"]), int(sl["device_index"]), int(sl["compute_milli"])) for sl in row.slices
         ),
         host=tuple((node, cpu, mem) for node in row.nodes),
+        since=row.bound_at,
+        until=row.ended_at,
     )
 
 
@@ -64,6 +77,8 @@ class Accountant:
         self.auto = True
         self._lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
+        # what the last committed pass saw held: (its clock, allocation id → (attempt, holding))
+        self._seen: tuple[datetime, dict[int, tuple[int, Holding]]] | None = None
 
     def run_once(self, now: datetime | None = None) -> LedgerReport:
         """Book up to `now` (default: the database's clock; tests pass their own)."""
@@ -74,21 +89,40 @@ class Accountant:
             with self.db.write() as s:
                 if not alloc_store.holds_lease(s, self.controller.holder, term):
                     return LedgerReport(leader=False)
-                return self._book(s, now or db_now(s))
+                report, seen = self._book(s, now or db_now(s))
+            if seen is not None:  # committed: the next pass may rely on it
+                self._seen = seen
+            return report
 
-    def _book(self, s: Session, now: datetime) -> LedgerReport:
+    def _requeued(self, s: Session, last: datetime, rows: list[sql.HeldRow]) -> list[Holding]:
+        """Attempts seen held at the previous pass and requeued since, up to their requeue."""
+        if self._seen is None or self._seen[0] != last:
+            return []
+        now_attempt = {r.id: r.attempt for r in rows}
+        gone = {i: a for i, (a, _) in self._seen[1].items() if now_attempt.get(i) != a}
+        out = []
+        for alloc_id, at in sql.requeued_at(s, gone).items():
+            h = self._seen[1][alloc_id][1]
+            out.append(replace(h, until=at))
+        return out
+
+    def _book(
+        self, s: Session, now: datetime
+    ) -> tuple[LedgerReport, tuple[datetime, dict[int, tuple[int, Holding]]] | None]:
         last = sql.clock(s)
         if last is not None and now <= last:
-            return LedgerReport(leader=True)
+            return LedgerReport(leader=True), None
         devs = sql.devices(s)
-        sql.add_samples(s, now, devs)
+        sampled = sql.last_sample_at(s)
+        if sampled is None or now - sampled >= SAMPLE_EVERY:
+            sql.add_samples(s, now, devs)
         sql.prune_samples(s, now - timedelta(seconds=self.settings.history_keep_s))
+        rows = sql.held(s, last)
+        seen = (now, {r.id: (r.attempt, holding_of(r)) for r in rows if r.ended_at is None})
         if last is None:
             sql.set_clock(s, now)
             sql.set_marks(s, {d.id: d.energy_j for d in devs if d.mark_j != d.energy_j})
-            return LedgerReport(leader=True)
-        cap = timedelta(seconds=MAX_GAP_INTERVALS * self.settings.ledger_interval_s)
-        start = max(last, now - cap)
+            return LedgerReport(leader=True), seen
         heard_after = now - timedelta(seconds=self.settings.lost_after_s)
         states = [
             DeviceState(d.node, d.index, d.model, d.utilization_pct, d.power_w, d.energy_j, d.mark_j,
@@ -96,8 +130,14 @@ class Accountant:
                         board_share=d.compute_milli / 1000 if d.mig_parent_uuid else 1.0)
             for d in devs
         ]  # fmt: skip
+        holdings = [holding_of(r) for r in rows] + self._requeued(s, last, rows)
         booking = accrue(
-            start, now, [holding_of(h) for h in sql.held(s)], states, trust_counter=start == last
+            last,
+            now,
+            holdings,
+            states,
+            slack_s=self.settings.heartbeat_interval_s,
+            estimate_cap_s=MAX_GAP_INTERVALS * self.settings.ledger_interval_s,
         )
         entries = []
         for (hour, alloc, node, model), a in booking.entries.items():
@@ -109,7 +149,8 @@ class Accountant:
         sql.book(s, entries)
         sql.set_marks(s, {d.id: d.energy_j for d in devs if d.mark_j != d.energy_j})
         sql.set_clock(s, now)
-        return LedgerReport(leader=True, booked_s=(now - start).total_seconds(), entries=len(entries))
+        report = LedgerReport(leader=True, booked_s=(now - last).total_seconds(), entries=len(entries))
+        return report, seen
 
     async def _loop(self) -> None:
         while True:

@@ -1,28 +1,30 @@
-"""What one ledger tick books: arithmetic only, no I/O, so that its sums can be checked alone.
+"""What one ledger pass books: arithmetic only, no I/O, so that its sums can be checked alone.
 
-A tick covers [start, end). Every held slice books its device share × seconds as GPU-seconds,
-every held host share its cores × seconds and MiB × seconds. Energy is measured per device and
-then handed out:
+A pass covers [start, end). Every allocation that held devices at some time in it books, for the
+part it held (from its bind, or `start`, to its end, or `end`), its device share × seconds as
+GPU-seconds and its host share's cores × seconds and MiB × seconds: an allocation that started or
+ended between passes books exactly its own time. Energy is measured per device and then handed
+out:
 
 1. the device's total-energy counter (NVML), as the difference from the mark the ledger left at
-   the previous tick, when both are known, the difference is not negative (a driver reload resets
-   the counter) and it is below `PLAUSIBLE_W` × (seconds + a heartbeat interval: the counter is
-   as old as the node's last report);
+   the previous pass, when both are known, the difference is not negative (a driver reload resets
+   the counter) and it is below `PLAUSIBLE_W` × (seconds + `slack_s`, a heartbeat interval: the
+   counter is as old as the node's last report). It covers the whole pass, however long;
 2. else the power the last heartbeat reported × seconds;
 3. else the per-model power model of `core.power` at the reported utilization (idle when none):
-   devices whose driver reports no power. A MIG instance (NVML gives no power per instance) is
-   modelled as its share of the board, so a board's instances add up to one board.
+   devices whose driver reports no power. A MIG instance (NVML gives neither power nor a counter
+   per instance) is modelled as its share of the board, so a board's instances add up to one board.
 
-A device's energy goes to the allocations holding slices on it, in proportion to their compute
-share of what is held there (the pool cannot see which process drew how much: a fair split by
-share is all it knows). Held but unused (utilization 0) it is also booked as idle waste. A device
-holding nothing books its energy to the pool's own row (allocation 0). Devices whose node has not
-been heard from for `lost_after_s` book no energy: nothing is known of them, not even that they
-are on.
+Estimates (2, 3) cover at most the last `estimate_cap_s` of a pass: after an outage the last
+reported power says nothing of the hours before, so those hours book no energy rather than a guess.
 
-The counter's advance is booked at the pass that sees it, to whoever holds the device then: with
-heartbeats every few seconds, energy at the edges of an allocation can land a few seconds early
-or late on its neighbour; the total is exact.
+A device's energy is taken as drawn evenly over the time it covers, and each stretch goes to the
+allocations holding slices on the device during that stretch, in proportion to their compute share
+of what is held there then (the pool cannot see which process drew how much: a fair split by share
+and time is all it knows). Held but unused (utilization 0) it is also booked as idle waste. A
+stretch when the device held nothing books to the pool's own row (allocation 0). Devices whose node
+has not been heard from for `lost_after_s` book no energy: nothing is known of them, not even that
+they are on.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Holding:
     service: str
     slices: tuple[tuple[str, int, int], ...]  # (node, device index, compute milli)
     host: tuple[tuple[str, int, int], ...]  # (node, cpu milli, memory MiB)
+    since: datetime | None = None  # when it began holding, if after the pass's start (its bind)
+    until: datetime | None = None  # when it stopped, if before the pass's end (ended or requeued)
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,6 @@ class Amounts:
     memory_mib_seconds: float = 0.0
     energy_j: float = 0.0
     idle_waste_j: float = 0.0
-
-    def add(self, other: Amounts, factor: float = 1.0) -> None:
-        self.gpu_seconds += other.gpu_seconds * factor
-        self.cpu_seconds += other.cpu_seconds * factor
-        self.memory_mib_seconds += other.memory_mib_seconds * factor
-        self.energy_j += other.energy_j * factor
-        self.idle_waste_j += other.idle_waste_j * factor
 
 
 @dataclass(frozen=True)
@@ -123,15 +120,13 @@ def hour_parts(start: datetime, end: datetime) -> list[tuple[datetime, float]]:
     return out
 
 
-def device_energy(
-    d: DeviceState, seconds: float, trust_counter: bool, slack_s: float = 0.0
-) -> tuple[float, str]:
+def device_energy(d: DeviceState, seconds: float, slack_s: float = 0.0) -> tuple[float, str]:
     """Joules the device used over `seconds`, and how that was known (see the module's order).
     `slack_s`: how much longer than `seconds` a counter step may cover (the heartbeat interval: the
     counter is as old as the node's last report)."""
     if not d.heard:
         return 0.0, "none"
-    if trust_counter and d.energy_j is not None and d.mark_j is not None:
+    if d.energy_j is not None and d.mark_j is not None:
         delta = d.energy_j - d.mark_j
         if 0.0 <= delta <= PLAUSIBLE_W * (seconds + slack_s):
             return delta, "counter"
@@ -140,62 +135,87 @@ def device_energy(
     return model_power(d.model).watts(d.utilization_pct) * d.board_share * seconds, "model"
 
 
+def held_span(h: Holding, start: datetime, end: datetime) -> tuple[datetime, datetime] | None:
+    """The part of [start, end) the allocation held, or None."""
+    a = max(start, h.since) if h.since is not None else start
+    b = min(end, h.until) if h.until is not None else end
+    return (a, b) if b > a else None
+
+
+def _cuts(a: datetime, b: datetime, points: Iterable[datetime]) -> list[datetime]:
+    """[a, b] cut at the given points and at whole hours, sorted."""
+    out = {a, b, *(p for p in points if a < p < b)}
+    t = hour_of(a) + timedelta(hours=1)
+    while t < b:
+        out.add(t)
+        t += timedelta(hours=1)
+    return sorted(out)
+
+
 def accrue(
     start: datetime,
     end: datetime,
     holdings: Iterable[Holding],
     devices: Iterable[DeviceState],
     *,
-    trust_counter: bool = True,
     slack_s: float = 0.0,
+    estimate_cap_s: float | None = None,
 ) -> Booking:
-    """Book [start, end): see the module docstring. `trust_counter` False after a gap the ledger
-    did not book, whose counter difference covers more time than this tick."""
+    """Book [start, end): see the module docstring."""
     book = Booking()
     seconds = (end - start).total_seconds()
-    parts = hour_parts(start, end)
     devs = {(d.node, d.index): d for d in devices}
     for d in devs.values():
         book.marks[(d.node, d.index)] = d.energy_j
-    if not parts:
+    if seconds <= 0:
         return book
-    whole: dict[tuple[int, str, str], Amounts] = {}
 
-    def amounts(alloc: int, node: str, model: str) -> Amounts:
-        return whole.setdefault((alloc, node, model), Amounts())
+    def amounts(hour: datetime, alloc: int, node: str, model: str) -> Amounts:
+        return book.entries.setdefault((hour, alloc, node, model), Amounts())
 
-    held_on: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    held_on: dict[tuple[str, int], list[tuple[int, int, datetime, datetime]]] = {}
     for h in holdings:
+        span = held_span(h, start, end)
+        if span is None:
+            continue
         book.labels[h.id] = Labels(h.tenant, h.user, h.job, h.service)
+        parts = [(hour, frac * (span[1] - span[0]).total_seconds()) for hour, frac in hour_parts(*span)]
         for node, index, milli in h.slices:
             dev = devs.get((node, index))
             model = dev.model if dev is not None else UNKNOWN_MODEL
-            amounts(h.id, node, model).gpu_seconds += milli / 1000.0 * seconds
-            held_on.setdefault((node, index), []).append((h.id, milli))
+            for hour, secs in parts:
+                amounts(hour, h.id, node, model).gpu_seconds += milli / 1000.0 * secs
+            held_on.setdefault((node, index), []).append((h.id, milli, *span))
         for node, cpu_milli, memory_mib in h.host:
-            a = amounts(h.id, node, "")
-            a.cpu_seconds += cpu_milli / 1000.0 * seconds
-            a.memory_mib_seconds += memory_mib * seconds
+            for hour, secs in parts:
+                a = amounts(hour, h.id, node, "")
+                a.cpu_seconds += cpu_milli / 1000.0 * secs
+                a.memory_mib_seconds += memory_mib * secs
     for key, d in devs.items():
-        joules, source = device_energy(d, seconds, trust_counter, slack_s)
+        joules, source = device_energy(d, seconds, slack_s)
+        covered = start
+        if source in ("power", "model") and estimate_cap_s is not None and seconds > estimate_cap_s:
+            joules *= estimate_cap_s / seconds
+            covered = end - timedelta(seconds=estimate_cap_s)
         book.energy_by_device[key] = joules
         book.sources[key] = source
         if joules <= 0.0:
             continue
+        rate = joules / (end - covered).total_seconds()
         holders = held_on.get(key, [])
-        total_milli = sum(m for _, m in holders)
-        if not holders or total_milli <= 0:
-            amounts(POOL_ALLOCATION, d.node, d.model).energy_j += joules
-            continue
         idle = d.utilization_pct is not None and d.utilization_pct <= 0.0
-        for alloc, milli in holders:
-            a = amounts(alloc, d.node, d.model)
-            a.energy_j += joules * milli / total_milli
-            if idle:
-                a.idle_waste_j += joules * milli / total_milli
-    if any(k[0] == POOL_ALLOCATION for k in whole):
-        book.labels[POOL_ALLOCATION] = POOL_LABELS
-    for (alloc, node, model), a in whole.items():
-        for hour, frac in parts:
-            book.entries.setdefault((hour, alloc, node, model), Amounts()).add(a, frac)
+        cuts = _cuts(covered, end, (t for _, _, a, b in holders for t in (a, b)))
+        for p, q in zip(cuts, cuts[1:], strict=False):
+            part = rate * (q - p).total_seconds()
+            now = [(alloc, milli) for alloc, milli, a, b in holders if a <= p and q <= b and milli > 0]
+            total_milli = sum(m for _, m in now)
+            if total_milli <= 0:
+                amounts(hour_of(p), POOL_ALLOCATION, d.node, d.model).energy_j += part
+                book.labels[POOL_ALLOCATION] = POOL_LABELS
+                continue
+            for alloc, milli in now:
+                a = amounts(hour_of(p), alloc, d.node, d.model)
+                a.energy_j += part * milli / total_milli
+                if idle:
+                    a.idle_waste_j += part * milli / total_milli
     return book

@@ -1,17 +1,22 @@
 """Pooled vs static on the pool's own history: how many whole devices static per-tenant partitions
 would have needed to serve the same allocations at the same times (so with no more waiting than
-the pool gave them), against the devices the pool used.
+the pool gave them), against the devices the pool had in use.
 
-Rule, per tenant and device model: at every instant the tenant's held device shares are summed
-(a whole device is 1, a 250-milli slice 0.25) and rounded up to whole devices; the partition is
-the peak of that over the window. Rounding the sum up assumes a tenant's own fractional slices
+Static side, per tenant and device model: at every instant the tenant's held device shares are
+summed (a whole device is 1, a 250-milli slice 0.25) and rounded up to whole devices; the partition
+is the peak of that over the window. Rounding the sum up assumes a tenant's own fractional slices
 could always be packed together inside its partition, so this is the fewest devices a static
-partition could have had: the savings reported are never overstated. The pool's side is the
-number of distinct devices that held any work in the window (what it actually used).
+partition could have had: the savings reported are never overstated.
+
+Pool side, per device model: the peak over the window of the distinct devices holding any work at
+the same instant (for a tenant's own view: the devices it held at once). Both sides are peaks of
+concurrent holding, so sequential work on different devices counts once on each side.
 
 Only compute share counts (a slice's device memory is not packed separately); a gang's members
-count as its devices. An earlier attempt of a requeued allocation kept no record of its slices:
-it is counted with the device count and share of its request, on the model of its later slices.
+count as its devices. An earlier attempt of a requeued allocation kept no record of its slices: it
+is counted with the device count and share of its request, on the model of its later slices, and
+on the pool side as devices of its own (the pool's peak may then be a little high: savings are
+understated, never overstated).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from computepool.store.usage import Past
 METHOD = (
     "Per tenant and device model, the peak over the window of its concurrently held device shares, "
     "rounded up to whole devices at each instant (a lower bound for a static partition serving the "
-    "same allocations at the same times), against the distinct devices that held work in the pool."
+    "same allocations at the same times), against the peak of whole devices the pool had holding "
+    "work at once."
 )
 
 
@@ -88,23 +94,42 @@ def peak(intervals: Iterable[Interval]) -> tuple[int, int, datetime | None]:
     return best, best_milli, best_at
 
 
+def peak_devices(intervals: Iterable[Interval]) -> int:
+    """The most distinct devices held at the same instant (an end at t and a start at t do not
+    overlap)."""
+    events: list[tuple[datetime, int, frozenset[tuple[str, int]]]] = []
+    for iv in intervals:
+        if iv.end > iv.start and iv.devices:
+            events.append((iv.start, 1, iv.devices))
+            events.append((iv.end, 0, iv.devices))
+    events.sort(key=lambda e: (e[0], e[1]))
+    holders: dict[tuple[str, int], int] = {}
+    best = 0
+    for _, kind, devices in events:
+        for d in devices:
+            holders[d] = holders.get(d, 0) + (1 if kind else -1)
+            if not holders[d]:
+                del holders[d]
+        best = max(best, len(holders))
+    return best
+
+
 def compare(intervals: Iterable[Interval], since: datetime, until: datetime) -> Comparison:
-    """Clip the intervals to [since, until) and size each tenant's partition per model."""
+    """Clip the intervals to [since, until), size each tenant's partition per model, and find the
+    pool's peak of devices in use per model."""
     clipped: dict[tuple[str, str], list[Interval]] = {}
-    used: dict[str, set[tuple[str, int]]] = {}
+    by_model: dict[str, list[Interval]] = {}
     for iv in intervals:
         start, end = max(iv.start, since), min(iv.end, until)
         if end <= start:
             continue
-        clipped.setdefault((iv.tenant, iv.model), []).append(
-            Interval(iv.tenant, iv.model, start, end, iv.milli, iv.devices)
-        )
-        used.setdefault(iv.model, set()).update(iv.devices)
-    out = Comparison(pool_devices={m: len(d) for m, d in used.items()})
+        cut = Interval(iv.tenant, iv.model, start, end, iv.milli, iv.devices)
+        clipped.setdefault((iv.tenant, iv.model), []).append(cut)
+        by_model.setdefault(iv.model, []).append(cut)
+    out = Comparison(pool_devices={m: peak_devices(ivs) for m, ivs in by_model.items()})
     for (tenant, model), ivs in sorted(clipped.items()):
         devices, milli, at = peak(ivs)
         out.partitions.append(Partition(tenant, model, devices, milli, at))
-        out.pool_devices.setdefault(model, 0)
     return out
 
 
@@ -153,5 +178,6 @@ def intervals_of(past: Past, models: dict[tuple[str, int], str], until: datetime
         # an earlier attempt: its slices were dropped when it was requeued; its request says how much
         gpus = int(past.request.get("gpus") or 0) * int(past.request.get("gang_nodes") or 1)
         share = gpus * int(past.request.get("gpu_milli") or 1000)
-        if share > 0:
-            yield Interval(past.tenant, fallback, start, end, share)
+        if share > 0:  # devices of its own on the pool side: which ones it held is not known
+            own = frozenset((f"attempt {past.id}.{attempt}", i) for i in range(gpus))
+            yield Interval(past.tenant, fallback, start, end, share, own)

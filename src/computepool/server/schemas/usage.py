@@ -35,6 +35,9 @@ class UsageOut(Out):
     unpriced: list[str] = Field(
         default_factory=list, description="Price items these rows used that have no price (counted as 0)."
     )
+    truncated: bool = Field(
+        default=False, description="by=job only: more jobs than one answer holds; the newest are listed."
+    )
 
 
 class PriceIn(In):
@@ -66,18 +69,29 @@ class PartitionOut(Out):
 class StaticEquivalentOut(Out):
     since: datetime
     until: datetime
-    pool_devices: int = Field(description="Distinct devices that held work in the window.")
+    pool_devices: int = Field(
+        description="The most whole devices that held work at once in the window (for a non-admin: "
+        "the most its own tenant held at once), summed over device models."
+    )
+    pool_size_devices: int = Field(description="Devices the pool lists now, beside pool_devices.")
     static_devices: int = Field(description="Sum of the tenants' static partitions.")
     devices_saved: int
     devices_saved_pct: float
-    cost_pool: float = Field(description="pool_devices × hours of the window × each model's price.")
+    cost_pool: float = Field(
+        description="pool_devices × hours of the window × each model's price, plus energy_pool_kwh's cost."
+    )
     cost_static: float
     cost_saved: float
     energy_pool_kwh: float = Field(description="Energy the ledger booked on those models in the window.")
+    energy_pool_includes_empty: bool = Field(
+        description="Whether energy_pool_kwh includes devices holding nothing (the pool's own row: "
+        "an admin's view) or only the caller's tenant's share."
+    )
     energy_static_kwh: float = Field(description="The pool's, plus the extra devices idling.")
     energy_saved_kwh: float
     tenants: list[PartitionOut]
     models: dict[str, dict[str, int]] = Field(
-        description="Per device model: pool_devices and static_devices.", default_factory=dict
+        description="Per device model: pool_devices, static_devices and pool_size_devices.",
+        default_factory=dict,
     )
     method: str

@@ -34,6 +34,7 @@ from computepool.store.models import Price
 
 J_PER_KWH = 3.6e6
 MAX_HISTORY_POINTS = 720  # per device: a longer window is thinned to this many evenly spaced points
+MAX_JOB_ROWS = 10_000  # by=job: rows past this are left out and the answer says so
 _DIGITS = 6
 
 
@@ -60,7 +61,7 @@ def parse_when(
 def _window(s: Session, since: str | None, until: str | None, default: str) -> tuple[datetime, datetime]:
     now = db_now(s)
     start = parse_when(since, now, default, "since", to_hour=True)
-    end = parse_when(until, now, "0s", "until") if until else now
+    end = min(parse_when(until, now, "0s", "until"), now) if until else now  # nothing is booked ahead
     if end <= start:
         raise Invalid(f"until ({end.isoformat()}) is not after since ({start.isoformat()})", "until")
     return start, end
@@ -77,8 +78,11 @@ def usage(ctx: Ctx, by: UsageBy, since: str | None, until: str | None) -> UsageO
     scope = authorize(ctx.caller(), ctx.action)
     with ctx.db.read() as s:
         start, end = _window(s, since, until, "7d")
-        rows = sql.grouped(s, by, start, end, scope.tenant)
+        rows = sql.grouped(s, by, start, end, scope.tenant, limit=MAX_JOB_ROWS if by == "job" else None)
         prices = _prices(s)
+    truncated = by == "job" and len(rows) > MAX_JOB_ROWS
+    if truncated:  # drop the last allocation's rows too: some of its models may be past the cut
+        rows = [r for r in rows[:MAX_JOB_ROWS] if r["allocation_id"] != rows[MAX_JOB_ROWS]["allocation_id"]]
     keys = sql.GROUP_COLUMNS[by]
     groups: dict[tuple[object, ...], dict[str, float]] = {}
     unpriced: set[str] = set()
@@ -119,7 +123,7 @@ def usage(ctx: Ctx, by: UsageBy, since: str | None, until: str | None) -> UsageO
                 }
             )
         )
-    return UsageOut(items=items, unpriced=sorted(unpriced))
+    return UsageOut(items=items, unpriced=sorted(unpriced), truncated=truncated)
 
 
 # -- prices ---------------------------------------------------------------------------------------
@@ -165,27 +169,11 @@ def node_history(ctx: Ctx, name: str, since: str | None) -> Items[DeviceSampleOu
             raise NotFound.of("node", name)
         now = db_now(s)
         start = parse_when(since, now, "1h", "since")
-        samples = [
-            DeviceSampleOut(
-                device_index=p.device_index,
-                at=p.at,
-                utilization_pct=p.utilization_pct,
-                used_memory_mib=p.used_memory_mib,
-                power_w=p.power_w,
-            )
-            for p in sql.history(s, name, start, now + timedelta(seconds=1))
-        ]
-    by_device: dict[int, list[DeviceSampleOut]] = {}
-    for p in samples:
-        by_device.setdefault(p.device_index, []).append(p)
-    items: list[DeviceSampleOut] = []
-    for index in sorted(by_device):
-        points = by_device[index]
-        step = max(1, -(-len(points) // MAX_HISTORY_POINTS))
-        kept = points[::step]
-        if kept[-1] is not points[-1]:
-            kept.append(points[-1])  # the latest point always shows
-        items.extend(kept)
+        rows = sql.history(s, name, start, now + timedelta(seconds=1), MAX_HISTORY_POINTS)
+    items = [
+        DeviceSampleOut(device_index=i, at=at, utilization_pct=u, used_memory_mib=m, power_w=w)
+        for i, at, u, m, w in rows
+    ]
     return Items[DeviceSampleOut](items=items)
 
 
@@ -204,11 +192,18 @@ def static_equivalent(ctx: Ctx, since: str | None, until: str | None) -> StaticE
     cmp = se.compare(intervals, start, end)
     hours = (end - start).total_seconds() / 3600
     static = cmp.static_devices
+    size: dict[str, int] = {}
+    for model in models.values():
+        size[model] = size.get(model, 0) + 1
     by_model: dict[str, dict[str, int]] = {}
     cost_pool = cost_static = energy_pool = extra_j = 0.0
     for model in sorted(cmp.pool_devices):
         pool_n, static_n = cmp.pool_devices[model], static.get(model, 0)
-        by_model[model] = {"pool_devices": pool_n, "static_devices": static_n}
+        by_model[model] = {
+            "pool_devices": pool_n,
+            "static_devices": static_n,
+            "pool_size_devices": size.get(model, 0),
+        }
         price = prices.get(model, 0.0)
         cost_pool += pool_n * hours * price
         cost_static += static_n * hours * price
@@ -224,6 +219,7 @@ def static_equivalent(ctx: Ctx, since: str | None, until: str | None) -> StaticE
         since=start,
         until=end,
         pool_devices=pool_total,
+        pool_size_devices=len(models),
         static_devices=static_total,
         devices_saved=saved,
         devices_saved_pct=round(100.0 * saved / static_total, 2) if static_total else 0.0,
@@ -231,6 +227,7 @@ def static_equivalent(ctx: Ctx, since: str | None, until: str | None) -> StaticE
         cost_static=round(cost_static, _DIGITS),
         cost_saved=round(cost_static - cost_pool, _DIGITS),
         energy_pool_kwh=round(e_pool, _DIGITS),
+        energy_pool_includes_empty=scope.tenant is None,
         energy_static_kwh=round(e_static, _DIGITS),
         energy_saved_kwh=round(e_static - e_pool, _DIGITS),
         tenants=[

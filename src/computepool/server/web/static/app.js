@@ -575,7 +575,7 @@
         "div",
         {},
         cards([
-          ["devices the pool used", num(s.pool_devices, 1), "static-pool"],
+          ["most devices in use at once", num(s.pool_devices, 1) + " of " + num(s.pool_size_devices, 1), "static-pool"],
           ["devices static partitions need", num(s.static_devices, 1), "static-static"],
           ["devices saved", num(s.devices_saved, 1) + " (" + pct(s.devices_saved_pct) + ")", "static-saved"],
           ["cost saved", num(s.cost_saved, 2), "static-cost"],
