@@ -222,12 +222,15 @@ def job_pid(agent_dir: Path, alloc_id: int, attempt: int = 1) -> int:
 
 
 @contextlib.contextmanager
-def local_pool(tmp: Path, simulate: str = "1xA100-80GB") -> Iterator[tuple[dict[str, str], Pool]]:
-    """`cpool up` on a free port: the environment a `cpool` client needs to use it, and its API."""
+def local_pool(
+    tmp: Path, simulate: str = "1xA100-80GB", extra: tuple[str, ...] = ()
+) -> Iterator[tuple[dict[str, str], Pool]]:
+    """`cpool up` on a free port (`extra`: more of its options): the environment a `cpool` client
+    needs to use it, and its API."""
     data, port, log = tmp / "pool", free_port(), tmp / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cpool("up", "--simulate", simulate, "--data-dir", str(data), "--port", str(port)),
+            cpool("up", "--simulate", simulate, "--data-dir", str(data), "--port", str(port), *extra),
             stdout=out, stderr=subprocess.STDOUT, env=child_env(),
         )  # fmt: skip
     try:

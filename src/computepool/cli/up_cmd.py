@@ -220,6 +220,10 @@ def register(app: typer.Typer) -> None:
         tenant_blob_max_mib: Annotated[
             int, typer.Option("--tenant-blob-max-mib", min=1, help="Blob MiB one tenant may hold in all.")
         ] = 2048,
+        ledger_interval: Annotated[
+            float,
+            typer.Option("--ledger-interval", min=0.1, help="Seconds between bookings of the usage ledger."),
+        ] = 10.0,
     ) -> None:
         """Start the control plane and a local agent; stay in the foreground until Ctrl-C."""
         from computepool.agent.devices import parse_spec
@@ -264,7 +268,8 @@ def register(app: typer.Typer) -> None:
             "control plane",
             _cpool("server", "--data-dir", str(data_dir), "--host", host, "--port", str(port))
             + (["--tls-cert", str(cert), "--tls-key", str(key)] if tls else [])
-            + ["--blob-max-mib", str(blob_max_mib), "--tenant-blob-max-mib", str(tenant_blob_max_mib)],
+            + ["--blob-max-mib", str(blob_max_mib), "--tenant-blob-max-mib", str(tenant_blob_max_mib)]
+            + ["--ledger-interval", f"{ledger_interval:g}"],
             logs / "server.log",
         )
         agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))

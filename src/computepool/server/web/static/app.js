@@ -98,7 +98,10 @@
   const dash = "—";
   function num(x, digits = 1) {
     if (x === null || x === undefined || Number.isNaN(x)) return dash;
-    return Number(x).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });
+    const v = Number(x);
+    // small non-zero figures (a few GPU-seconds as GPU-hours) keep three significant digits
+    if (v !== 0 && Math.abs(v) < Math.pow(10, -digits)) return v.toPrecision(3);
+    return v.toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });
   }
   const pct = (x) => (x === null || x === undefined ? dash : num(x, 0) + "%");
   const when = (iso) => (iso ? new Date(iso).toLocaleString() : dash);
