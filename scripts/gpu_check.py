@@ -26,6 +26,7 @@ from gpu_check_container import ContainerRunner, check_probe, clean_up, run_cont
 from gpu_check_mig import run_mig_checks
 
 from computepool.agent.devices import DeviceInfo, NvidiaBackend, SimulatedBackend, discover_all
+from computepool.agent.devices.base import DeviceUsage
 from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, Executor, JobSpec
 from computepool.agent.isolation import MemoryWatchdog, MpsDaemon, SliceAssignment, slice_env
 from computepool.agent.localstate import JobRecord, JobState
@@ -145,9 +146,27 @@ def check_discovery(ctx: Ctx) -> None:
         "PASS" if len(usage) == len(ctx.devices) else "FAIL",
         "; ".join(
             f"#{u.index} util {u.utilization_pct}% {u.memory_used_mib} MiB pids {list(u.process_memory_mib)}"
+            f" power {u.power_w} W energy {u.energy_j} J health {u.health or 'ok'}"
             for u in usage
         ),
     )
+    check_power(ctx, usage)
+
+
+def check_power(ctx: Ctx, first: list[DeviceUsage]) -> None:
+    """What the usage ledger books: each whole GPU's power and its energy counter, which must grow."""
+    time.sleep(1.0)
+    later = {u.index: u for u in ctx.backend.usage()}
+    whole = {d.index for d in ctx.devices if not d.is_mig}
+    rows, ok = [], True
+    for u in first:
+        if u.index not in whole:
+            continue
+        v = later.get(u.index)
+        grew = None if u.energy_j is None or v is None or v.energy_j is None else v.energy_j - u.energy_j
+        ok = ok and u.power_w is not None and u.power_w > 0 and (grew is None or grew > 0) and not u.health
+        rows.append(f"#{u.index} {u.power_w} W, energy +{grew} J in 1 s, health {u.health or 'ok'}")
+    record("nvml power and energy", "PASS" if ok and rows else "FAIL", "; ".join(rows) or "no whole GPU")
 
 
 def whole_gpu(ctx: Ctx) -> DeviceInfo | None:
