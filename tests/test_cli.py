@@ -173,7 +173,12 @@ def test_static_vs_pooled_json(app, runner, tiny_csvs):
     )
     assert r.exit_code == 0, r.output
     out = one_json(r.stdout)
-    assert set(out) == {"static", "pooled"}
+    assert set(out) == {"static", "pooled", "savings"}
+    for at in ("at_100", "at_end"):  # energy and cost per served GPU-hour, pooled against static
+        assert set(out["savings"][at]) >= {
+            "kwh_per_served_gpu_hour_saved_pct",
+            "cost_per_served_gpu_hour_saved_pct",
+        }
     for mode in ("static", "pooled"):
         assert set(out[mode]) >= SHARING_KEYS
         assert out[mode]["mode"] == mode

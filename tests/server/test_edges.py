@@ -104,6 +104,8 @@ BODIES: dict[tuple[str, str], Any] = {
 }
 NODE_ROUTES = {("POST", "/api/v1/allocations/{alloc_id}/logs")}
 NOT_TENANT_SCOPED = ("/api/v1/nodes/",)  # node names are shared by every tenant: nothing is hidden
+# the pool's own settings, an admin's to change, one for every tenant: prices, alert rules, webhooks
+NOT_TENANT_SCOPED += ("/api/v1/prices/", "/api/v1/alert-rules/", "/api/v1/webhooks/")
 # an upload names bytes the caller sends, held per tenant: it looks up nothing of another's
 NOT_LOOKUPS = {("PUT", "/api/v1/blobs/{sha256}")}
 # a service's name is the caller's tenant's own: PUT creates it there, it finds nothing of another's

@@ -63,6 +63,7 @@ class Pool:
         self.ctrl: ServiceController = api.app.state.service_controller
         self.ctrl.auto = False
         self.nodes: dict[str, H] = {}
+        self.dark: set[str] = set()  # nodes a test lets go silent (no heartbeat from `run`)
         self.servers: dict[int, Health] = {}
 
     def join(self, name: str) -> H:
@@ -99,7 +100,11 @@ class Pool:
             write_load(s, "gw-test:1:abcdef", {sid: Load(inflight, queued, per or {})}, {sid: 0}, db_now(s))
 
     def run(self, alloc_id: int, healthy: bool = True) -> int:
-        """Bind it (a scheduling cycle), report it running, and serve its health path."""
+        """Bind it (a scheduling cycle), report it running, and serve its health path. The nodes
+        beat first: on a loaded machine a test's steps can outlast a short suspect_after_s."""
+        for name, headers in self.nodes.items():
+            if name not in self.dark:
+                self.api.ok("POST", f"/api/v1/nodes/{name}/heartbeat", headers=headers)
         cycle(self.api)
         a = get(self.api, alloc_id)
         assert a["state"] == "bound", a
@@ -376,6 +381,7 @@ def test_a_lost_nodes_replica_is_requeued_and_runs_elsewhere(make_api: Any) -> N
         [r] = pool.ready("chat", 1)
         assert r["node"] == "n1"
         pool.servers.pop(int(r["endpoint"].rsplit(":", 1)[1])).close()  # n1 goes dark
+        pool.dark.add("n1")
         api.ok("POST", "/api/v1/nodes/n1/heartbeat", headers=n1)
         n2 = pool.join("n2")
         time.sleep(0.7)
