@@ -132,7 +132,9 @@ def test_silent_nodes_never_make_an_allocation_idle(make_api: Any) -> None:
     node = join(api, "n1", devices=1)
     api.ok("PUT", RECLAIM.format("default"), json={"idle": 2, "warn": 1})
     a = alloc(api, gpus=1)
+    beat(api, node, {0: (0, 0.0)})  # alive when placed: a loaded machine may take a second to get here
     cycle(api)
+    assert get(api, a["id"])["state"] == "bound"
     beat(api, node, {0: (0, 0.0)})
     rec.run_once()
     time.sleep(2.2)  # no heartbeat since: the node is suspect, its devices say nothing
