@@ -13,9 +13,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
-import secrets
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from computepool.server import keyfile
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError
 from computepool.server.policy import Action, Principal, authorize
@@ -118,7 +116,6 @@ def verify(ctx: Ctx) -> AuditVerifyOut:
 
 
 # --- the key and the anchor -----------------------------------------------------------------------
-KEY_BYTES = 32
 
 
 class AnchorUnreadable(ValueError):
@@ -126,34 +123,8 @@ class AnchorUnreadable(ValueError):
 
 
 def load_or_create_key(path: Path) -> bytes:
-    """The audit key (hex in a 0600 file), made on first start. A key readable by others is tightened."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:  # O_EXCL: of two servers starting together on one data dir, the first key wins
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(KEY_BYTES) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        log.info("made a new audit key in %s (replicas sharing this database need the same key)", path)
-    text = path.read_text().strip()
-    for _ in range(50):  # another server may be writing it this instant
-        if text:
-            break
-        time.sleep(0.1)
-        text = path.read_text().strip()
-    if path.stat().st_mode & 0o077:
-        log.warning("audit key %s was readable by others: mode set to 0600", path)
-        path.chmod(0o600)
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"{path}: the audit key must be hex (as the server writes it)") from None
-    if len(key) < 16:
-        raise ValueError(f"{path}: the audit key is too short ({len(key)} bytes; at least 16)")
-    return key
+    """The audit key (hex in a 0600 file), made on first start."""
+    return keyfile.load_or_create_key(path, "audit")
 
 
 def _anchor_mac(key: bytes, anchor: audit.Anchor) -> str:
