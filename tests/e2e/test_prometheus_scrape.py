@@ -113,6 +113,10 @@ def test_prometheus_scrapes_the_pool_with_a_scraper_token(tmp_path: Path) -> Non
             assert _query(base, 'cpool_node_state{state="ready"} == 1')
             assert _query(base, "cpool_device_energy_joules > 0")
             # the member's token is refused: that target is down, saying why
+            # (each target is scraped on its own schedule: wait for this one's first scrape)
+            wait_for(
+                "the member target's scrape", lambda: up("computepool-member") is not None, 30, log.read_text
+            )
             assert up("computepool-member") == 0.0
             targets = httpx.get(f"{base}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
             refused = next(t for t in targets if t["labels"]["job"] == "computepool-member")
