@@ -65,6 +65,7 @@ def _register() -> None:
         cp_cmd,
         gateway_cmd,
         nodes_cmd,
+        peers_cmd,
         quota_cmd,
         run_cmd,
         serve_cmd,
@@ -94,6 +95,7 @@ def _register() -> None:
     access_cmd.register_join_token(app)
     audit_cmd.register(app)
     nodes_cmd.register(app)
+    peers_cmd.register(app)
     alloc_cmd.register(app)
     run_cmd.register(app)
     serve_cmd.register(app)

@@ -25,6 +25,7 @@ from computepool.client.alerts import AlertMethods
 from computepool.client.blobs import BlobMethods
 from computepool.client.config import ClientConfig, normalise_server
 from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.client.peers import PeerMethods
 from computepool.client.services import ServiceMethods
 from computepool.client.usage import UsageMethods
 from computepool.core.allocation import ENDED, PENDING, IsolationName
@@ -136,7 +137,7 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods):
+class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMethods):
     """A connection to one pool server with one bearer token.
 
     A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After

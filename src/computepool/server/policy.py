@@ -58,6 +58,10 @@ class Action(StrEnum):
     ALLOCATION_CANCEL = "allocation.cancel"
     NODE_ASSIGNMENTS = "node.assignments.get"  # the agent's long-poll for its work
     NODE_REPORT = "node.report"  # the agent reports process states
+    NODE_PEERS_REPORT = "node.peers.report"  # the agent reports the LAN peers its discovery found
+    DISCOVERY_KEY_GET = "discovery.key.get"  # the agent fetches the pool's discovery key
+    PEER_LIST = "peer.list"
+    SERVICE_PLAN_GET = "service.plan.get"  # a cooperative service's plan and measurements
     NODE_LOG_APPEND = "node.log.append"  # the agent ships job output
     METRICS_READ = "metrics.read"
     FUNCTION_CREATE = "function.create"
@@ -101,7 +105,13 @@ class Action(StrEnum):
 
         Heartbeats, job output and metric scrapes are telemetry, frequent and voluminous: not audited.
         """
-        if self in (Action.WHOAMI, Action.NODE_HEARTBEAT, Action.NODE_LOG_APPEND, Action.METRICS_READ):
+        if self in (
+            Action.WHOAMI,
+            Action.NODE_HEARTBEAT,
+            Action.NODE_LOG_APPEND,
+            Action.METRICS_READ,
+            Action.NODE_PEERS_REPORT,
+        ):
             return False
         if self in (Action.FUNCTION_CALL, Action.WORKER_NEXT, Action.WORKER_OUTPUT, Action.GATEWAY_USE):
             return False  # per-call traffic (remote functions, inference), hundreds a second: not audited
@@ -143,6 +153,10 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.ALLOCATION_CANCEL: _WRITERS,
     Action.NODE_ASSIGNMENTS: frozenset({Role.NODE}),
     Action.NODE_REPORT: frozenset({Role.NODE}),
+    Action.NODE_PEERS_REPORT: frozenset({Role.NODE}),
+    Action.DISCOVERY_KEY_GET: frozenset({Role.NODE}),
+    Action.PEER_LIST: _ALL,
+    Action.SERVICE_PLAN_GET: _ALL,
     Action.NODE_LOG_APPEND: frozenset({Role.NODE}),
     Action.METRICS_READ: frozenset({Role.ADMIN, Role.SCRAPER}),
     Action.FUNCTION_CREATE: _WRITERS,

@@ -98,6 +98,20 @@ class ServerSettings(BaseModel):
         description="Key webhook signing secrets are derived from (default DATA_DIR/webhook-key, made on "
         "first start); replicas sharing a database must share it.",
     )
+    discovery_key_file: Path | None = Field(
+        default=None,
+        description="Secret the pool's LAN discovery key is derived from (default DATA_DIR/discovery-key, "
+        "made on first start); replicas sharing a database must share it.",
+    )
+    rpc_port_min: int = Field(
+        default=32000, ge=1024, le=65535, description="Lowest port a cooperative service's RPC server gets."
+    )
+    rpc_port_max: int = Field(
+        default=32999, ge=1024, le=65535, description="Highest port a cooperative service's RPC server gets."
+    )
+    coop_interval_s: float = Field(
+        default=1.0, gt=0, le=3600, description="How often the coop controller plans cooperative services."
+    )
     smtp_host: str | None = Field(default=None, description="Mail server for alert mail (none: no mail).")
     smtp_port: int = Field(default=25, ge=1, le=65535)
     smtp_starttls: bool = Field(default=False, description="Upgrade the SMTP connection with STARTTLS.")
@@ -164,6 +178,10 @@ class ServerSettings(BaseModel):
     @property
     def webhook_key_path(self) -> Path:
         return self.webhook_key_file or self.data_dir / "webhook-key"
+
+    @property
+    def discovery_key_path(self) -> Path:
+        return self.discovery_key_file or self.data_dir / "discovery-key"
 
     @property
     def audit_anchor_path(self) -> Path:

@@ -242,6 +242,10 @@ class Allocation(Base):
     replica_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # who listens on service_port, as the node's agent found it: "own", "other" or "none"
     replica_listener: Mapped[str | None] = mapped_column(String(8), nullable=True)
+    # part of a cooperative service that is not its replica: a llama.cpp RPC server ("rpc") or a
+    # speed probe ("probe") the coop controller started (server/coop/)
+    coop_service_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
+    coop_role: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     tenant: Mapped[Tenant] = relationship(lazy="joined")
 
@@ -593,3 +597,59 @@ class AlertDelivery(Base):
     next_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_error: Mapped[str] = mapped_column(String(1024), default="", server_default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class NodePeer(Base):
+    """One peer a node's discovery found on its LAN, as that node (the `observer`) last reported it:
+    verified (`status` "ok", with the link measured from the observer) or rejected with the reason.
+    `peer_key` is the announced node id, or "address:port" for what could not be parsed."""
+
+    __tablename__ = "node_peers"
+    __table_args__ = (UniqueConstraint("observer", "peer_key", name="uq_node_peers_observer_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    observer: Mapped[str] = mapped_column(String(NAME_LEN))
+    peer_key: Mapped[str] = mapped_column(String(160))
+    node_id: Mapped[str | None] = mapped_column(String(NAME_LEN), nullable=True)
+    instance: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    address: Mapped[str] = mapped_column(String(253), default="", server_default="")
+    port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    devices: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))  # ok | rejected
+    reason: Mapped[str] = mapped_column(String(512), default="", server_default="")
+    source: Mapped[str] = mapped_column(String(16), default="", server_default="")  # mdns | unicast
+    rtt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bandwidth_mbps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime())
+    reported_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class CoopMeasurement(Base):
+    """A model's measured decoding speed on one device of one node (a probe allocation ran it), and
+    the memory that device offered: the planner's inputs, kept per model (`model_key`)."""
+
+    __tablename__ = "coop_measurements"
+    __table_args__ = (UniqueConstraint("model_key", "node", "device", name="uq_coop_measurements_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_key: Mapped[str] = mapped_column(String(128))
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    device: Mapped[str] = mapped_column(String(32))  # "cpu" or "gpu<index>"
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    measured_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class CoopPlan(Base):
+    """A cooperative service's current plan: which devices hold which layers and why (the planner's
+    output, JSON as `CoopPlanOut`), and where the coop controller is with it."""
+
+    __tablename__ = "coop_plans"
+
+    service_id: Mapped[int] = mapped_column(ForeignKey("services.id", ondelete="CASCADE"), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))  # CoopStatus
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="", server_default="")
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from computepool.server.schemas.allocations import AllocationCreate, check_env_name
 from computepool.server.schemas.common import In, Name, Out
+from computepool.server.schemas.coop import CoopSpec
 
 ReplicaState = Literal["starting", "ready", "unhealthy", "draining"]
 MAX_REPLICAS = 64
@@ -48,6 +49,11 @@ class ServiceSpec(In):
         default=60, strict=True, ge=0, le=86_400,
         description="A replica being removed gets no new requests and at most this long to finish.",
     )  # fmt: skip
+    cooperative: CoopSpec | None = Field(
+        default=None,
+        description="Split one GGUF model over devices of several nodes (llama.cpp RPC); the coop "
+        "controller writes `request.command` and places the replica.",
+    )
     queue_timeout_s: int = Field(
         default=120, strict=True, ge=1, le=3600,
         description="A request waiting longer for a replica is answered 503.",
@@ -62,7 +68,10 @@ class ServiceSpec(In):
     def _check(self) -> ServiceSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} is above max_replicas {self.max_replicas}")
-        if not self.request.command:
+        if self.cooperative is not None:
+            if self.max_replicas != 1 or self.min_replicas > 1:
+                raise ValueError("a cooperative service runs one replica (min_replicas ≤ 1, max_replicas 1)")
+        elif not self.request.command:
             raise ValueError("request.command: a service's replicas need a command (the engine)")
         if self.request.gang_nodes != 1:
             raise ValueError("request.gang_nodes: a replica runs on one node")

@@ -1,0 +1,1 @@
+"""The coop controller: measures, plans and places cooperative services (leader-only)."""

@@ -1,0 +1,1 @@
+"""Cooperative inference: one GGUF model split over devices of several nodes by llama.cpp RPC."""
