@@ -38,8 +38,9 @@ class CoopSpec(In):
         description="A split is chosen over the best single device only when predicted this much faster.",
     )  # fmt: skip
     force_split: int | None = Field(
-        default=None, strict=True, ge=2, le=16,
-        description="Benchmarks: split over exactly this many nodes, whatever the measurements say.",
+        default=None, strict=True, ge=1, le=16,
+        description="Benchmarks: run on exactly this many nodes (1: the fastest single device), whatever "
+        "the measurements say.",
     )  # fmt: skip
     probe_tokens: int = Field(
         default=32, strict=True, ge=4, le=4096, description="Tokens each speed probe decodes."
