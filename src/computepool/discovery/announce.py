@@ -15,7 +15,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
+import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -27,6 +29,8 @@ MAX_SKEW_S = 120.0  # an announcement signed longer ago (or further ahead) than 
 KEY_CONTEXT = b"computepool discovery v1"
 _DEVICE_RE = re.compile(r"^[A-Za-z0-9 _.:/()+-]{1,64}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_DEVICES = 64
 
 
 def derive_key(secret: bytes) -> bytes:
@@ -61,8 +65,11 @@ class DeviceSummary:
     def decode(cls, text: str) -> DeviceSummary:
         index, kind, memory, model = text.split(":", 3)
         if kind not in ("gpu", "cpu") or not _DEVICE_RE.match(model):
-            raise ValueError(f"bad device {text!r}")
-        return cls(int(index), kind, model, int(memory))
+            raise ValueError(f"bad device {text[:80]!r}")
+        device = cls(int(index), kind, model, int(memory))
+        if not (0 <= device.index <= 4096 and 0 <= device.memory_mib <= 1 << 40):
+            raise ValueError(f"bad device {text[:80]!r}: index or memory out of range")
+        return device
 
 
 @dataclass(frozen=True)
@@ -132,11 +139,13 @@ class Announcement:
         return props
 
     @classmethod
-    def from_txt(cls, props: Mapping[bytes | str, bytes | str | None]) -> Announcement:
+    def from_txt(
+        cls, props: Mapping[bytes, bytes | None] | Mapping[str, str | None] | Mapping[str, str]
+    ) -> Announcement:
         p = {_s(k): _s(v) for k, v in props.items() if v is not None}
         try:
             n = int(p.get("nd", "0"))
-            if not 0 <= n <= 64:
+            if not 0 <= n <= MAX_DEVICES:
                 raise ValueError(f"device count {n}")
             body: dict[str, object] = {
                 "version": p.get("v", ""),
@@ -154,10 +163,24 @@ class Announcement:
         return cls.from_json(body)
 
     def checked(self) -> Announcement:
+        """Shape checks before any trust: every field a receiver stores or shows is bounded, so a
+        forged datagram cannot make a peer report (or a rejection reason) oversized."""
         if not _NAME_RE.match(self.node_id):
-            raise ValueError(f"malformed announcement: node id {self.node_id!r}")
+            raise ValueError(f"malformed announcement: node id {self.node_id[:64]!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"malformed announcement: port {self.port}")
+        if not _TOKEN_RE.match(self.instance):
+            raise ValueError(f"malformed announcement: instance {self.instance[:64]!r}")
+        if not _TOKEN_RE.match(self.pool) or len(self.version) > 16:
+            raise ValueError("malformed announcement: pool or version")
+        try:
+            ipaddress.ip_address(self.address)
+        except ValueError:
+            raise ValueError(f"malformed announcement: address {self.address[:64]!r} is not an IP") from None
+        if not math.isfinite(self.issued_at):
+            raise ValueError("malformed announcement: issued_at is not a finite time")
+        if len(self.devices) > MAX_DEVICES:
+            raise ValueError(f"malformed announcement: over {MAX_DEVICES} devices")
         return self
 
 
@@ -169,7 +192,9 @@ def verify(ann: Announcement, key: bytes, now: float, max_skew_s: float = MAX_SK
     if not ann.signature:
         return "unsigned announcement"
     if ann.pool != fingerprint(key):
-        return f"another pool (fingerprint {ann.pool})"
+        # Still a bad signature as far as this pool is concerned (a node given the wrong key shows
+        # up here); the fingerprint tells an operator it is a different pool, not a forgery.
+        return f"bad signature: signed with another pool's key (fingerprint {ann.pool})"
     expected = hmac.new(key, ann.signed_bytes(), hashlib.sha256).digest()
     try:
         given = base64.b64decode(ann.signature, validate=True)
