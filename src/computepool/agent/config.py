@@ -15,6 +15,7 @@ from computepool.agent.sandbox import SandboxConfig
 
 EXIT_FATAL = 2
 EXIT_CREDENTIAL_REFUSED = 3  # `cpool up` answers this one with a fresh join token
+DEFAULT_DISCOVERY_PORT = 5757
 
 
 class AgentFatal(Exception):
@@ -23,6 +24,20 @@ class AgentFatal(Exception):
     def __init__(self, message: str, code: int = EXIT_FATAL) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class DiscoveryOptions:
+    """`cpool agent --discovery …`: LAN discovery (agent/discovery_link.py)."""
+
+    address: str | None = None  # None: --address when it is an IP, else the route to the server
+    port: int = DEFAULT_DISCOVERY_PORT  # UDP + TCP probe port
+    peers: tuple[str, ...] = ()  # unicast fallback where multicast is blocked, "HOST:PORT"
+    mdns: bool = True
+    report_every_s: float = 5.0  # a changed view is reported within this long
+    refresh_every_s: float = 30.0  # an unchanged one this often (fresh last_seen)
+    announce_every_s: float = 5.0
+    measure_every_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -45,3 +60,4 @@ class AgentConfig:
     watchdog_interval_s: float = 2.0
     fence_s: float | None = None  # None: as long as the control plane's lost-node timeout allows
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # users, namespaces (sandbox.py)
+    discovery: DiscoveryOptions | None = None  # None: no LAN discovery

@@ -45,6 +45,7 @@ from computepool.agent.assignment import Assignment, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
+from computepool.agent.discovery_link import DiscoveryLink, start_discovery
 from computepool.agent.executor import Executor
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
@@ -485,9 +486,13 @@ def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
             raise AgentFatal(str(e)) from None
         api = AgentApi(config.server, verify=verify)
     previous: dict[signal.Signals, Any] = {}
+    link: DiscoveryLink | None = None
     try:
         cred = check_credential(config, inventory, api, connect(config, inventory, api))
         agent = Agent(config, inventory, api, cred)
+        link = start_discovery(
+            api, cred.name, inventory, config.discovery, agent_address=config.address, server=config.server
+        )
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             log.info("%s: stopping the agent; workloads keep running", signal.Signals(signum).name)
@@ -498,6 +503,8 @@ def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
         log.info("agent of node '%s' talking to %s; data in %s", cred.name, config.server, config.data_dir)
         agent.run()
     finally:
+        if link is not None:
+            link.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         api.close()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from computepool.cli.common import fail
+
+if TYPE_CHECKING:
+    from computepool.agent.config import DiscoveryOptions
 
 DEFAULT_AGENT_DIR = Path("~/.computepool/agent")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -26,6 +30,33 @@ def _labels(items: list[str]) -> dict[str, str]:
 
 def _cgroup_base(value: str) -> Path | None:
     return None if value.strip().lower() in ("", "none", "off") else Path(value)
+
+
+def _discovery(
+    on: bool, address: str | None, port: int, peers: list[str], no_mdns: bool
+) -> DiscoveryOptions | None:
+    """The discovery flags as options (None: off); a bad value is one line naming the flag."""
+    from computepool.agent.config import DiscoveryOptions
+    from computepool.discovery.unicast import parse_peer
+
+    if not (on or peers):
+        return None
+    for p in peers:
+        try:
+            parse_peer(p)
+        except ValueError:
+            raise fail(f"--peer: expected HOST:PORT (port 1-65535), got {p!r}") from None
+    if address is not None:
+        try:
+            ip = ipaddress.IPv4Address(address.strip())
+        except ValueError:
+            raise fail(f"--discovery-address: expected an IPv4 address, got {address!r}") from None
+        if ip.is_unspecified or ip.is_multicast:
+            raise fail(f"--discovery-address: {ip} cannot be announced (give this host's own address)")
+        address = str(ip)
+    return DiscoveryOptions(
+        address=address, port=port, peers=tuple(p.strip() for p in peers), mdns=not no_mdns
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -144,6 +175,36 @@ def register(app: typer.Typer) -> None:
             ),
         ] = 8.0,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+        discovery: Annotated[
+            bool,
+            typer.Option(
+                "--discovery",
+                help="Announce this node and its devices on the LAN (mDNS, signed with the pool's key), "
+                "find the other nodes, measure the links to them and report them (`cpool peers`).",
+            ),
+        ] = False,
+        discovery_address: Annotated[
+            str | None,
+            typer.Option(
+                "--discovery-address",
+                help="IPv4 address to announce and bind the probe port on (default: --address, else the "
+                "local address that routes to the control plane).",
+            ),
+        ] = None,
+        discovery_port: Annotated[
+            int, typer.Option("--discovery-port", min=0, max=65535, help="UDP + TCP probe port (0: any).")
+        ] = 5757,  # config.DEFAULT_DISCOVERY_PORT (not imported: start-up time)
+        peer: Annotated[
+            list[str],
+            typer.Option(
+                "--peer",
+                help="HOST:PORT of another node's probe port, where multicast is blocked (repeatable; "
+                "implies --discovery).",
+            ),
+        ] = [],  # noqa: B006
+        no_discovery_mdns: Annotated[
+            bool, typer.Option("--no-discovery-mdns", help="Discovery by --peer only (no multicast).")
+        ] = False,
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
         import os
@@ -172,6 +233,7 @@ def register(app: typer.Typer) -> None:
                 address = check_address(address, "--address")
             except InvalidInput as e:
                 raise fail(str(e)) from None
+        discovery_options = _discovery(discovery, discovery_address, discovery_port, peer, no_discovery_mdns)
         if log_level.lower() not in LOG_LEVELS:
             raise fail(f"--log-level: unknown level {log_level!r}")
         if not server.startswith(("http://", "https://")):
@@ -195,6 +257,7 @@ def register(app: typer.Typer) -> None:
             fence_s=fence_s,
             sandbox=sandbox,
             code_max_bytes=int(code_max_gib * (1 << 30)),
+            discovery=discovery_options,
         )
         try:
             run_agent(config)

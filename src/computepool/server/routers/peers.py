@@ -2,6 +2,37 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from computepool.server.context import Ctx
+from computepool.server.deps import requires
+from computepool.server.policy import Action
+from computepool.server.schemas.peers import DiscoveryKeyOut, NodePeersIn, PeersOut
+from computepool.server.services import peers
 
 router = APIRouter(tags=["peers"])
+
+
+@router.get("/discovery/key", summary="The pool's LAN discovery key (node credential)")
+def discovery_key(ctx: Annotated[Ctx, Depends(requires(Action.DISCOVERY_KEY_GET))]) -> DiscoveryKeyOut:
+    return peers.discovery_key(ctx)
+
+
+@router.put(
+    "/nodes/{name}/peers",
+    summary="A node replaces its report of the LAN peers its discovery found (its own credential)",
+)
+def report_peers(
+    name: str, body: NodePeersIn, ctx: Annotated[Ctx, Depends(requires(Action.NODE_PEERS_REPORT))]
+) -> PeersOut:
+    return peers.report(ctx, name, body)
+
+
+@router.get("/peers", summary="The LAN peers the nodes found, verified or rejected (with the reason)")
+def list_peers(
+    ctx: Annotated[Ctx, Depends(requires(Action.PEER_LIST))],
+    observer: Annotated[str | None, Query(max_length=63, description="Only what this node reported.")] = None,
+) -> PeersOut:
+    return peers.list_all(ctx, observer)
