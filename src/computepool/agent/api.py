@@ -241,5 +241,12 @@ class AgentApi:
         chunks = iter(lambda: body.read(1 << 20), b"")
         return dict(self._raw("PUT", path, content=chunks, timeout=max(self.timeout_s, 600.0)).json())
 
+    def discovery_key(self) -> dict[str, Any]:
+        """The pool's discovery key (a secret: the caller must never log it)."""
+        return dict(self._call("GET", f"{API}/discovery/key"))
+
+    def report_peers(self, name: str, peers: list[dict[str, Any]]) -> dict[str, Any]:
+        return dict(self._call("PUT", f"{API}/nodes/{name}/peers", json={"peers": peers}))
+
     def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self._call("POST", f"{API}{path}", json=body))

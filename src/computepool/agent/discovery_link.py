@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from computepool.agent.api import API, AgentApi, ApiError, Unreachable
+from computepool.agent.api import AgentApi, ApiError, Unreachable
 from computepool.agent.config import DiscoveryOptions
 from computepool.agent.devices import NodeInventory
 from computepool.discovery.announce import DeviceSummary
@@ -178,7 +178,7 @@ class DiscoveryLink:
         delay = 0.5
         while not self._stop.is_set():
             try:
-                got = self.api._call("GET", f"{API}/discovery/key")
+                got = self.api.discovery_key()
                 return bytes.fromhex(str(got["key"]))
             except ApiError as e:
                 if e.status == 404:
@@ -205,7 +205,7 @@ class DiscoveryLink:
         if view == self._sent and now - self._sent_at < self.options.refresh_every_s:
             return
         try:
-            self.api._call("PUT", f"{API}/nodes/{self.name}/peers", json={"peers": peers})
+            self.api.report_peers(self.name, peers)
             self.reports += 1
             self._sent, self._sent_at = view, now
         except Unreachable:

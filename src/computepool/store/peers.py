@@ -42,6 +42,11 @@ def replace(s: Session, observer: str, rows: Sequence[PeerRow], now: datetime) -
     s.flush()
 
 
+def forget_observer(s: Session, observer: str) -> None:
+    """A deleted node's view goes with it (a node of the same name joining later starts afresh)."""
+    s.execute(delete(NodePeer).where(NodePeer.observer == observer))
+
+
 def list_all(s: Session, observer: str | None = None) -> Sequence[NodePeer]:
     """Rows of observers that are still nodes of the pool (a removed node's view goes unseen),
     ordered by peer, then observer."""

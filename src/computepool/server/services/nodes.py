@@ -32,7 +32,7 @@ from computepool.server.services.audit import record
 from computepool.server.settings import ServerSettings
 from computepool.store import functions as fn_store
 from computepool.store import gangs as gang_store
-from computepool.store import nodes, tenants, tokens
+from computepool.store import nodes, peers, tenants, tokens
 from computepool.store.db import db_now
 from computepool.store.models import ApiToken, JoinToken, Node
 from computepool.store.nodes import DeviceSpec, DeviceUsage
@@ -307,6 +307,7 @@ def delete(ctx: Ctx, name: str) -> NodeOut:
             raise NotFound.of("node", name)
         out = _out(node, db_now(s), ctx.settings)
         nodes.delete(s, node)  # devices and the node's credentials go with it (ON DELETE CASCADE)
+        peers.forget_observer(s, name)
         record(s, ctx, f"node:{name}")
     if ctx.caches is not None:
         ctx.caches.tokens.forget()
