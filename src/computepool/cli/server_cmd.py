@@ -98,6 +98,13 @@ def register(app: typer.Typer) -> None:
                 help="FIRST-LAST: the ports a model service's replicas may be given to listen on.",
             ),
         ] = "31000-31999",
+        rpc_ports: Annotated[
+            str,
+            typer.Option(
+                "--rpc-ports",
+                help="FIRST-LAST: the ports a cooperative service's llama.cpp RPC servers may be given.",
+            ),
+        ] = "32000-32999",
         max_replicas_per_tenant: Annotated[
             int,
             typer.Option(
@@ -176,6 +183,9 @@ def register(app: typer.Typer) -> None:
         svc_lo, sep, svc_hi = service_ports.partition("-")
         if not (sep and svc_lo.strip().isdigit() and svc_hi.strip().isdigit()):
             raise fail(f"--service-ports: expected FIRST-LAST, e.g. 31000-31999, got {service_ports!r}")
+        rpc_lo, sep, rpc_hi = rpc_ports.partition("-")
+        if not (sep and rpc_lo.strip().isdigit() and rpc_hi.strip().isdigit()):
+            raise fail(f"--rpc-ports: expected FIRST-LAST, e.g. 32000-32999, got {rpc_ports!r}")
         try:
             settings = ServerSettings(
                 data_dir=data_dir.expanduser(),
@@ -199,6 +209,8 @@ def register(app: typer.Typer) -> None:
                 gang_port_max=int(port_hi),
                 service_port_min=int(svc_lo),
                 service_port_max=int(svc_hi),
+                rpc_port_min=int(rpc_lo),
+                rpc_port_max=int(rpc_hi),
                 max_replicas_per_tenant=max_replicas_per_tenant,
                 alerts_interval_s=alerts_interval,
                 ledger_interval_s=ledger_interval,

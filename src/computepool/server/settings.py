@@ -134,6 +134,10 @@ class ServerSettings(BaseModel):
                 f"service_port_min ({self.service_port_min}) must not exceed service_port_max "
                 f"({self.service_port_max})"
             )
+        if self.rpc_port_min > self.rpc_port_max:
+            raise ValueError(
+                f"rpc_port_min ({self.rpc_port_min}) must not exceed rpc_port_max ({self.rpc_port_max})"
+            )
         if not self.heartbeat_interval_s < self.suspect_after_s < self.lost_after_s:
             raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):
