@@ -173,6 +173,41 @@ def register(app: typer.Typer) -> None:
         delete: Annotated[
             bool, typer.Option("--delete", help="Remove the service: its replicas drain, then end.")
         ] = False,
+        cooperative: Annotated[
+            bool,
+            typer.Option(
+                "--cooperative",
+                help="Split one GGUF model (--model FILE.gguf, its path on the nodes) over devices of "
+                "several nodes (llama.cpp RPC); the pool writes the engine's command.",
+            ),
+        ] = False,
+        engine_python: Annotated[
+            str | None,
+            typer.Option(
+                "--engine-python", help="With --cooperative: Python with llama-cpp-python (RPC) on the nodes."
+            ),
+        ] = None,
+        ctx_len: Annotated[
+            int | None, typer.Option("--ctx", min=16, help="With --cooperative: context length.")
+        ] = None,
+        max_nodes: Annotated[
+            int | None,
+            typer.Option("--max-nodes", min=1, help="With --cooperative: at most this many nodes."),
+        ] = None,
+        min_gain: Annotated[
+            str | None,
+            typer.Option(
+                "--min-gain", help="With --cooperative: split only when predicted this much faster (1.1)."
+            ),
+        ] = None,
+        force_split: Annotated[
+            int | None,
+            typer.Option(
+                "--force-split",
+                min=1,
+                help="With --cooperative: exactly this many nodes (1: the fastest device).",
+            ),
+        ] = None,
         tenant: TenantOpt = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
@@ -208,10 +243,13 @@ def register(app: typer.Typer) -> None:
         draft = serve_spec.draft_service(name, src, list(ctx.args))
         with open_client(server, token, timeout=60.0) as pool:
             before = _current(pool, draft.name, draft.tenant)
-            req = ship.ship(
-                pool, draft.request, workdir=draft.workdir, no_code=draft.no_code, env=draft.env or None,
-                stdin=None,
-            )  # fmt: skip
+            if "cooperative" in draft.fields:  # no code to ship: the engine is the pool's
+                req = draft.request
+            else:
+                req = ship.ship(
+                    pool, draft.request, workdir=draft.workdir, no_code=draft.no_code, env=draft.env or None,
+                    stdin=None,
+                )  # fmt: skip
             out = pool.put_service(draft.name, draft.spec(req), draft.tenant)
         if json_out:
             print_json(out)
@@ -275,6 +313,23 @@ def register(app: typer.Typer) -> None:
             print_json(out)
             return
         show_service(out, base)
+
+    @services.command("explain")
+    @pool_command
+    def explain(
+        name: Annotated[str, typer.Argument(help="The cooperative service.")],
+        tenant: TenantOpt = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """A cooperative service's plan: its shards, measured speeds, links, the options weighed, and why."""
+        with open_client(server, token) as pool:
+            out = pool.service_plan(name, tenant)
+        if json_out:
+            print_json(out)
+            return
+        show_plan(out)
 
     @services.command("usage")
     @pool_command
@@ -354,3 +409,58 @@ def show_service(out: dict[str, Any], base: str) -> None:
             escape(str(r.get("reason") or "")),
         )
     show(t)
+
+
+def _tps(value: object) -> str:
+    return f"{value:.1f}" if isinstance(value, int | float) else "-"
+
+
+def _shards_table(title: str | None, shards: list[dict[str, Any]]) -> None:
+    t = table(title, "node", "device", "role", "layers", "memory MiB", "tokens/s alone", "endpoint")
+    for s in shards:
+        first, n = int(s.get("first_layer") or 0), int(s.get("layers") or 0)
+        t.add_row(
+            escape(str(s["node"])), escape(str(s["device"])), str(s["role"]),
+            f"{first}-{first + n - 1}" if n else "-", str(s.get("memory_mib", "")),
+            _tps(s.get("tokens_per_s")), escape(str(s.get("endpoint") or "-")),
+        )  # fmt: skip
+    show(t)
+
+
+def show_plan(out: dict[str, Any]) -> None:
+    """`cpool services explain`: the chosen split, predicted vs measured, and what was weighed."""
+    say(
+        f"service [bold]{escape(str(out['service']))}[/bold]: {out['status']} "
+        f"(plan {out.get('attempt', 0)}); "
+        f"predicted {_tps(out.get('predicted_tokens_per_s'))} tokens/s, "
+        f"measured {_tps(out.get('measured_tokens_per_s'))}"
+    )
+    say(f"reason: {escape(str(out.get('reason') or ''))}")
+    if out.get("shards"):
+        _shards_table("chosen", out["shards"])
+    best = out.get("best_single")
+    if best:
+        say(f"best single device: {escape(str(best['node']))} {escape(str(best['device']))}, "
+            f"{_tps(best.get('tokens_per_s'))} tokens/s")  # fmt: skip
+    cands = out.get("candidates") or []
+    if cands:
+        t = table("candidates", "node", "device", "tokens/s", "memory MiB", "holds model", "note")
+        for c in cands:
+            t.add_row(
+                escape(str(c["node"])), escape(str(c["device"])), _tps(c.get("tokens_per_s")),
+                str(c.get("memory_mib", "")), "yes" if c.get("holds_model") else "no",
+                escape(str(c.get("note") or "")),
+            )  # fmt: skip
+        show(t)
+    links = out.get("links") or []
+    if links:
+        t = table("links", "from", "to", "rtt ms", "bandwidth Mbit/s")
+        for k in links:
+            t.add_row(
+                escape(str(k["a"])), escape(str(k["b"])), _tps(k.get("rtt_ms")), _tps(k.get("bandwidth_mbps"))
+            )
+        show(t)
+    for i, o in enumerate(out.get("options") or [], 1):
+        nodes = ", ".join(f"{s['node']}:{s['device']}×{s['layers']}" for s in o.get("shards") or [])
+        say(f"option {i}: {escape(nodes)}: {_tps(o.get('predicted_tokens_per_s'))} tokens/s predicted"
+            + (f" ({escape(str(o['note']))})" if o.get("note") else ""))  # fmt: skip

@@ -52,10 +52,16 @@ FILE_KEYS: dict[str, str] = {
             "drain",
             "queue_timeout",
             "tenant",
+            "cooperative",
+            "engine_python",
+            "max_nodes",
+            "min_gain",
+            "force_split",
         )
     },  # fmt: skip
     "min": "min_",
     "max": "max_",
+    "ctx": "ctx_len",
 }
 # Spec fields given in seconds, from durations people write (`5m`); the flag, and whether 0 is allowed.
 DURATIONS: dict[str, tuple[str, bool]] = {
@@ -290,7 +296,8 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
     name = name or _text(src, "name")
     if not name:
         raise InvalidInput("NAME", "name the service: cpool serve NAME … (or `name:` in the spec file)")
-    command = command_of(src, extra)
+    coop = cooperative_of(src, extra)
+    command = None if coop is not None else command_of(src, extra)
     priority = _count(src, "priority") if src.get("priority") is not None else 0
     request = _file_named(
         src,
@@ -300,7 +307,7 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
             cpus=_text(src, "cpus") or "0",
             mem=_text(src, "mem") or "0",
             exclusive=_flag(src, "exclusive"),
-            model=_words(src, "model"),
+            model=None if coop is not None else _words(src, "model"),
             isolation=_text(src, "isolation"),
             image=_text(src, "image"),
             mig=_text(src, "mig"),
@@ -323,6 +330,9 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
     for key, (spec_key, zero_ok) in DURATIONS.items():
         if src.get(key) is not None:
             fields[spec_key] = _seconds(src, key, zero_ok)
+    if coop is not None:
+        fields.update(cooperative=coop, min_replicas=1, max_replicas=1)
+        fields.setdefault("health_path", "/v1/models")  # llama_cpp.server's
     return ServiceDraft(
         name=name,
         tenant=_text(src, "tenant"),
@@ -332,3 +342,43 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
         workdir=src.path("workdir"),
         no_code=_flag(src, "no_code"),
     )
+
+
+def cooperative_of(src: Sources, extra: list[str]) -> dict[str, Any] | None:
+    """With `--cooperative`: the CoopSpec (`--model` is then the GGUF file on the nodes, and the
+    coop controller writes the engine's command); None without it."""
+    if not _flag(src, "cooperative"):
+        for key in ("engine_python", "ctx", "max_nodes", "min_gain", "force_split"):
+            if src.get(key) is not None:
+                raise InvalidInput(src.where(key), "only with --cooperative")
+        return None
+    if extra or src.get("command") is not None:
+        raise InvalidInput(
+            "--command", "a cooperative service's command is the pool's: give --model FILE.gguf"
+        )
+    models = _words(src, "model") or []
+    if len(models) != 1:
+        raise InvalidInput(
+            "--model", "a cooperative service needs one model file: --model /path/to/model.gguf"
+        )
+    path = models[0]
+    if not path.startswith("/"):
+        raise InvalidInput(
+            src.where("model"), f"{path!r} is not an absolute path (the file's path on the nodes)"
+        )
+    coop: dict[str, Any] = {"model": path}
+    python = _text(src, "engine_python")
+    if python is not None:
+        if not python.startswith("/"):
+            raise InvalidInput(src.where("engine_python"), f"{python!r} is not an absolute path")
+        coop["engine_python"] = python
+    for key in ("ctx", "max_nodes", "force_split"):
+        if src.get(key) is not None:
+            coop[key] = _count(src, key)
+    gain = src.get("min_gain")
+    if gain is not None:
+        try:
+            coop["min_gain"] = float(gain)
+        except (TypeError, ValueError):
+            raise InvalidInput(src.where("min_gain"), f"expected a number, got {gain!r}") from None
+    return coop

@@ -55,6 +55,10 @@ class ServiceMethods:
     def service(self, name: str, tenant: str | None = None) -> JSON:
         return dict(self.request("GET", f"/services/{_seg(name)}", params={"tenant": tenant}))
 
+    def service_plan(self, name: str, tenant: str | None = None) -> JSON:
+        """A cooperative service's plan (CoopPlanOut): its shards, measurements and the reason."""
+        return dict(self.request("GET", f"/services/{_seg(name)}/plan", params={"tenant": tenant}))
+
     def delete_service(self, name: str, tenant: str | None = None) -> JSON:
         """Delete the service; its replicas drain (no new requests) and are then released."""
         return dict(self.request("DELETE", f"/services/{_seg(name)}", params={"tenant": tenant}))

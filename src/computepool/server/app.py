@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from computepool.server import metrics, web
 from computepool.server.alerts import AlertEngine
 from computepool.server.caches import Caches
+from computepool.server.coop.controller import CoopController
 from computepool.server.errors import ApiError, install_handlers
 from computepool.server.gateway import Gateway
 from computepool.server.gateway import router as gateway_router
@@ -205,6 +206,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     reclaimer.start()
     services: ServiceController = app.state.service_controller
     services.start()
+    coop: CoopController = app.state.coop_controller
+    coop.start()
     sweeper = Sweeper(db, hub)
     sweeper.start()
     gateway: Gateway = app.state.gateway
@@ -227,6 +230,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await accountant.stop()
         await gateway.stop()
         await sweeper.stop()
+        await coop.stop()
         await services.stop()
         await reclaimer.stop()
         await controller.stop()
@@ -257,6 +261,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.service_controller = ServiceController(
         app.state.db, settings, app.state.hub, app.state.controller
     )
+    app.state.coop_controller = CoopController(app.state.db, settings, app.state.hub, app.state.controller)
 
     app.state.gateway = Gateway(app.state.db, app.state.caches.tokens)  # /v1: see server.gateway
     app.state.accountant = Accountant(app.state.db, settings, app.state.hub, app.state.controller)

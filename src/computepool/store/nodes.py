@@ -11,6 +11,10 @@ from sqlalchemy.orm import Session
 
 from computepool.store.models import Device, Node, Tenant
 
+# every node carries its own name as a label, so that an allocation can be pinned to it with a
+# node selector (the coop controller's RPC servers and probes)
+NODE_LABEL = "cpool.io/node"
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -56,7 +60,7 @@ def create(
         name=name,
         cpu_milli=cpu_milli,
         memory_mib=memory_mib,
-        labels=dict(labels),
+        labels=dict(sorted((dict(labels) | {NODE_LABEL: name}).items())),
         taints={},
         lending=True,
         cordoned=False,
@@ -159,7 +163,7 @@ def set_rules(
     lending: bool,
 ) -> None:
     """Replace the node's placement rules (labels, taints, dedication); the scheduler reads them."""
-    node.labels = dict(sorted(labels.items()))
+    node.labels = dict(sorted((dict(labels) | {NODE_LABEL: node.name}).items()))  # its name stays
     node.taints = dict(sorted(taints.items()))
     node.dedicated_tenant = dedicated_to
     node.dedicated_tenant_id = dedicated_to.id if dedicated_to is not None else None

@@ -11,8 +11,9 @@ from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items, Name
+from computepool.server.schemas.coop import CoopPlanOut
 from computepool.server.schemas.services import ServiceIn, ServiceOut
-from computepool.server.services import services
+from computepool.server.services import coop, services
 
 router = APIRouter(tags=["services"])
 TenantParam = Annotated[Name | None, Query(description="Admins: another tenant's service.")]
@@ -50,6 +51,13 @@ def get_service(
     name: Name, ctx: Annotated[Ctx, Depends(requires(Action.SERVICE_GET))], tenant: TenantParam = None
 ) -> ServiceOut:
     return services.get(ctx, name, tenant)
+
+
+@router.get("/services/{name}/plan", summary="A cooperative service's plan: its split, measurements and why")
+def get_service_plan(
+    name: Name, ctx: Annotated[Ctx, Depends(requires(Action.SERVICE_PLAN_GET))], tenant: TenantParam = None
+) -> CoopPlanOut:
+    return coop.plan(ctx, name, tenant)
 
 
 @router.delete("/services/{name}", summary="Delete a service: its replicas are drained, then released")

@@ -217,6 +217,14 @@ class ServiceController:
                 current.append(kept)
         if deleted:
             return
+        if spec.cooperative is not None and not spec.request.command:
+            # the coop controller has not placed the plan yet (or is re-planning): no replica
+            for r in current:
+                self._retire(plan, r, "cooperative service re-planning")
+            why = "cooperative: waiting for the coop controller's plan (cpool services explain)"
+            if (0, why) != (svc.desired, svc.reason):
+                plan.decisions[svc.id] = (0, why)
+            return
         # replicas of an older generation that serve nothing are simply cancelled
         why_old = f"replaced by generation {svc.generation}"
         for r in [r for r in current if r.generation < svc.generation and not _ready(r)]:

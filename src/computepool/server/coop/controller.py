@@ -1,0 +1,463 @@
+"""The coop controller: measures, plans, places and re-plans each cooperative service.
+
+Every `coop_interval_s`, on the replica holding the scheduling lease (each write fenced by the lease
+term, as the service controller's are), for each service whose spec is `cooperative`:
+
+- measuring: a probe allocation on each ready node not measured yet for the model; its result (or
+  why it failed) is recorded;
+- planning: the planner weighs the measured devices and the links the head node's discovery
+  verified, and never picks a split predicted slower than the best single device;
+- placing: RPC servers (allocations pinned to their nodes, bound to the verified address); once
+  each says it is ready, the service's spec gets the head's command, pinned to the head node, and
+  the service controller runs, checks and routes to that replica as to any other;
+- running: the replica's real decoding speed is measured once; a split measured slower than the
+  best single device is re-planned onto that device (unless the split was forced);
+- re-planning: an RPC server that ends, a node lost, or a head replica that fails ends the rest,
+  drops the lost node, and plans again (measurements are kept). A spec the user changed is
+  planned afresh; a deleted service's RPC servers and probes are ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from computepool.core.allocation import LIVE
+from computepool.server.coop import measure
+from computepool.server.coop.measure import Speed
+from computepool.server.coop.place import (
+    choose,
+    free_port,
+    head_spec,
+    public_plan,
+    rpc_request,
+    shape,
+    without_command,
+)
+from computepool.server.coop.state import RpcShard, State, canon, empty_public, model_key, public
+from computepool.server.hub import Hub
+from computepool.server.scheduling import Controller
+from computepool.server.schemas.services import ServiceSpec
+from computepool.server.settings import ServerSettings
+from computepool.serving.coop import planner
+from computepool.store import allocations as alloc_store
+from computepool.store import coop as coop_store
+from computepool.store import services as svc_store
+from computepool.store.db import Database, db_now
+
+log = logging.getLogger("computepool.server")
+PORT_COOLDOWN_S = 300.0  # an RPC port whose server ended is not given again for this long
+MAX_ATTEMPTS = 8  # plans in a row that failed: then the service waits for a changed spec
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    service_id: int
+    attempt: int
+    endpoint: str
+    key: str | None = field(repr=False)
+    tokens: int
+
+
+@dataclass
+class _Pass:
+    """What one pass did, for the hub and the log (and what to measure after it)."""
+
+    now: datetime
+    ready: set[str]  # new work may go there: schedulable, heard from lately
+    nodes: dict[str, coop_store.NodeRow]
+    alive: set[str] = field(default_factory=set)  # not lost (a late heartbeat is no reason to re-plan)
+    checks: list[SpeedCheck] = field(default_factory=list)
+    ended_nodes: set[str] = field(default_factory=set)
+    ended: list[int] = field(default_factory=list)
+    started: list[int] = field(default_factory=list)
+    services: list[int] = field(default_factory=list)
+
+
+class CoopController:
+    """Runs `run_once` every `coop_interval_s` on the app's loop; tests set `auto = False` and call it."""
+
+    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, controller: Controller) -> None:
+        self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
+        self.auto = True
+        self._task: asyncio.Task[None] | None = None
+
+    async def run_once(self) -> bool:
+        """One pass; False when this replica does not lead."""
+        term = self.controller.term
+        if term is None:
+            return False
+        done = await asyncio.to_thread(self._pass, term)
+        if done is None:
+            return False
+        self._wake(done)
+        for check in done.checks:
+            speed = await measure.measure_replica(check.endpoint, check.key, check.tokens)
+            await asyncio.to_thread(self._speed_done, term, check, speed)
+        return True
+
+    # --- the pass -----------------------------------------------------------------------------------
+    def _pass(self, term: int) -> _Pass | None:
+        with self.db.write() as s:
+            if not alloc_store.holds_lease(s, self.controller.holder, term):
+                return None
+            now = db_now(s)
+            nodes = coop_store.nodes(s)
+            fresh = self.settings.suspect_after_s
+            ready = {
+                n.name
+                for n in nodes.values()
+                if n.schedulable and (now - n.last_heartbeat_at).total_seconds() < fresh
+            }
+            alive = {
+                n.name
+                for n in nodes.values()
+                if (now - n.last_heartbeat_at).total_seconds() < self.settings.lost_after_s
+            }
+            p = _Pass(now, ready, nodes, alive)
+            svcs = [v for v in svc_store.list_services(s, None) if v.spec.get("cooperative")]
+            ids = {v.id for v in svcs}
+            for a in coop_store.live_allocs(s):  # the service is gone (deleted, or no longer cooperative)
+                if a.service_id not in ids:
+                    self._end(s, p, a.id, "cooperative service deleted or changed")
+            rows = coop_store.plans(s, list(ids))
+            for svc in svcs:
+                try:
+                    self._service(s, p, svc, rows.get(svc.id))
+                except ValidationError as e:
+                    log.warning(
+                        "coop controller: service %d: spec unreadable: %s", svc.id, e.errors()[0]["msg"]
+                    )
+            return p
+
+    def _service(
+        self, s: Session, p: _Pass, svc: svc_store.ServiceRow, row: coop_store.PlanRow | None
+    ) -> None:
+        spec = ServiceSpec.model_validate(svc.spec)
+        coop = spec.cooperative
+        assert coop is not None
+        st = State.of(row)
+        pub = empty_public() | public(row)
+        attempt = row.attempt if row else 0
+        status = row.status if row else "measuring"
+        reason = row.reason if row else ""
+        if st.written != canon(svc.spec):  # created, or changed by its user: plan afresh
+            self._end_all(s, p, st, "spec changed: re-planning")
+            st, pub, attempt, status = (
+                State(written=canon(svc.spec)),
+                empty_public(),
+                attempt + 1,
+                "measuring",
+            )
+            reason = "measuring"
+        if status in ("measuring", "replanning", "failed"):
+            if status == "failed" and attempt >= MAX_ATTEMPTS:
+                return self._save(s, p, svc.id, row, "failed", reason, attempt, pub, st)
+            status, reason, pub = self._plan(s, p, svc, spec, st, pub)
+        if status in ("starting", "running"):
+            status, reason, attempt = self._follow(s, p, svc, spec, st, pub, status, reason, attempt)
+        self._save(s, p, svc.id, row, status, reason, attempt, pub, st)
+
+    # --- measuring and planning ------------------------------------------------------------------
+    def _plan(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        spec: ServiceSpec,
+        st: State,
+        pub: dict[str, object],
+    ) -> tuple[str, str, dict[str, object]]:
+        coop = spec.cooperative
+        assert coop is not None
+        key = model_key(coop)
+        usable = sorted(n for n in p.ready if n not in st.excluded and n not in st.unusable)
+        known = {m.node: m for m in coop_store.measurements(s, key) if m.device == "cpu"}
+        probes = coop_store.allocs_by_id(s, list(st.probes.values()))
+        pending: list[str] = []
+        for n in usable:
+            if n in known:
+                continue
+            pid = st.probes.get(n)
+            a = probes.get(pid) if pid is not None else None
+            if a is None:
+                req = measure.probe_request(coop, n, svc.tenant, svc.name)
+                st.probes[n] = self._insert(s, svc, "probe", req, None, p)
+                pending.append(n)
+                continue
+            if a.state in LIVE:
+                pending.append(n)
+                continue
+            result = measure.probe_result(coop_store.stdout_of(s, a.id))
+            late = a.ended_at is not None and (p.now - a.ended_at).total_seconds() < measure.LOG_GRACE_S
+            if result is not None:
+                m = measure.measurement(n, p.nodes[n].memory_mib, result, p.now)
+                coop_store.put_measurement(s, key, m)
+                known[n] = m
+                st.probes.pop(n, None)
+            elif a.state == "released" and late:
+                pending.append(n)  # its last output may still be on its way
+            else:
+                st.unusable[n] = measure.failure(a.state, a.reason, coop_store.stderr_tail(s, a.id))
+                st.probes.pop(n, None)
+        if pending:
+            return "measuring", f"measuring the model on {', '.join(pending)}", pub
+        measured = {n: m for n, m in known.items() if n in usable}
+        notes = {**{n: f"unusable: {w}" for n, w in st.unusable.items()},
+                 **{n: f"excluded: {w}" for n, w in st.excluded.items()}}  # fmt: skip
+        if not measured:
+            why = "; ".join(f"{n}: {w}" for n, w in sorted(notes.items())) or "no ready node"
+            return "failed", f"no node can run the model ({why})"[:1000], pub
+        model = shape(next(iter(measured.values())).detail)
+        peers = coop_store.verified_peers(s, list(measured))
+        choice = choose(coop, model, measured, peers, single_only=st.single_only is not None)
+        new = public_plan(choice, measured, p.nodes, notes, model)
+        chosen = choice.plan.chosen
+        if chosen is None or choice.head is None:
+            return "failed", choice.plan.reason or "the planner chose nothing", new
+        st.plan_reason = "; ".join(w for w in (choice.plan.reason, choice.why, st.single_only or "") if w)
+        st.head = choice.head
+        st.best_single_tps = (
+            choice.plan.best_single.predicted_tokens_per_s if choice.plan.best_single else None
+        )
+        by_node = {pr.node_id: pr for pr in peers if pr.observer == choice.head}
+        used = coop_store.used_rpc_ports(s, p.now - timedelta(seconds=PORT_COOLDOWN_S))
+        lo, hi = self.settings.rpc_port_min, self.settings.rpc_port_max
+        shards = list(new["shards"])
+        for sh, planned in zip(shards, chosen.shards, strict=True):
+            if planned.role != "rpc":
+                continue
+            port = free_port(used, lo, hi)
+            if port is None:
+                self._end_all(s, p, st, "no RPC port free")
+                return "failed", f"every RPC port {lo}-{hi} is taken", new
+            used.add(port)
+            address = by_node[planned.node].address
+            req = rpc_request(coop, planned.node, address, port, planned.memory_mib, svc.tenant, svc.name)
+            env = {coop_store.RPC_PORT_ENV: str(port)}
+            alloc = self._insert(s, svc, "rpc", req, env, p)
+            endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+            st.rpc.append(RpcShard(alloc, planned.node, endpoint))
+            sh["endpoint"] = endpoint
+        new["shards"] = shards
+        st.split = bool(st.rpc)
+        waiting = f"starting RPC servers on {', '.join(r.node for r in st.rpc)}" if st.rpc else "starting"
+        return "starting", f"{waiting}: {st.plan_reason}", new
+
+    # --- placing and following ---------------------------------------------------------------------
+    def _follow(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        spec: ServiceSpec,
+        st: State,
+        pub: dict[str, object],
+        status: str,
+        reason: str,
+        attempt: int,
+    ) -> tuple[str, str, int]:
+        lost = sorted(n for n in {st.head, *(r.node for r in st.rpc)} if n is not None and n not in p.alive)
+        if lost:
+            why = f"node {', '.join(lost)} lost"
+            return self._replan(s, p, svc, st, why, {n: "node lost" for n in lost}, attempt)
+        allocs = coop_store.allocs_by_id(s, [r.alloc for r in st.rpc])
+        for r in st.rpc:
+            a = allocs.get(r.alloc)
+            if a is None or a.state not in LIVE:
+                state, why = (a.state, a.reason) if a else ("gone", "")
+                text = f"RPC server on {r.node} {state}" + (f" ({why})" if why else "")
+                return self._replan(s, p, svc, st, text, {r.node: text}, attempt)
+            if not r.ready and a.state == "active":
+                r.ready = measure.RPC_READY_LINE in coop_store.stdout_of(s, a.id)
+        if st.head_generation is None:
+            waiting = [r.node for r in st.rpc if not r.ready]
+            if waiting:
+                return (
+                    "starting",
+                    f"waiting for RPC servers on {', '.join(waiting)}: {st.plan_reason}",
+                    attempt,
+                )
+            assert st.head is not None
+            shards = [_shard(sh) for sh in pub["shards"]]  # type: ignore[attr-defined]
+            address = p.nodes[st.head].address or "127.0.0.1"
+            new = head_spec(spec, svc.name, st.head, address, shards, [r.endpoint for r in st.rpc])
+            svc_store.set_spec(s, svc.id, new, svc.generation + 1, p.now)
+            st.written, st.head_generation, st.head_written_at = (
+                canon(new),
+                svc.generation + 1,
+                p.now.isoformat(),
+            )
+            p.services.append(svc.id)
+            return "starting", f"head replica starting on {st.head}: {st.plan_reason}", attempt
+        since = datetime.fromisoformat(st.head_written_at) if st.head_written_at else p.now
+        failed = [f for f in svc_store.failed_since(s, since) if f[1] == svc.id]
+        if failed:
+            return self._replan(
+                s, p, svc, st, f"head replica {failed[0][0]} failed ({failed[0][2]})", {}, attempt
+            )
+        reps = [r for r in svc_store.replicas(s, [svc.id]) if r.generation >= st.head_generation]
+        ready = [r for r in reps if r.state == "active" and r.replica_state == "ready"]
+        if not ready:
+            if status == "running":
+                return "starting", f"head replica restarting on {st.head}: {st.plan_reason}", attempt
+            return "starting", f"head replica starting on {st.head}: {st.plan_reason}", attempt
+        if not st.speed_checked and ready[0].endpoint:
+            coop = spec.cooperative
+            assert coop is not None
+            p.checks.append(SpeedCheck(svc.id, attempt, ready[0].endpoint, ready[0].key, coop.probe_tokens))
+        kind = f"split over {len(st.rpc) + 1} nodes" if st.rpc else f"on {st.head} alone"
+        return "running", f"running {kind}: {st.plan_reason}".rstrip(": "), attempt
+
+    def _replan(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        st: State,
+        why: str,
+        exclude: dict[str, str],
+        attempt: int,
+    ) -> tuple[str, str, int]:
+        """End what is left of the plan and plan again without the lost nodes (measurements kept)."""
+        self._end_all(s, p, st, f"re-planning: {why}")
+        st.excluded.update(exclude)
+        st.rpc, st.head, st.head_generation, st.head_written_at = [], None, None, None
+        st.speed_checked, st.split = False, False
+        if svc.spec.get("request", {}).get("command"):  # no head until the new plan is placed
+            new = without_command(svc.spec)
+            svc_store.set_spec(s, svc.id, new, svc.generation + 1, p.now)
+            st.written = canon(new)
+            p.services.append(svc.id)
+        log.info("coop service %d: re-planning (%s)", svc.id, why)
+        if attempt + 1 > MAX_ATTEMPTS:
+            return "failed", f"gave up after {attempt} plans (last: {why}); change the spec to retry", attempt
+        return "replanning", why, attempt + 1
+
+    # --- the running plan's speed ----------------------------------------------------------------
+    def _speed_done(self, term: int, check: SpeedCheck, speed: Speed) -> None:
+        with self.db.write() as s:
+            if not alloc_store.holds_lease(s, self.controller.holder, term):
+                return
+            row = coop_store.plans(s, [check.service_id]).get(check.service_id)
+            svc = svc_store.by_ids(s, [check.service_id]).get(check.service_id)
+            if row is None or svc is None or row.status != "running" or row.attempt != check.attempt:
+                return
+            st, pub = State.of(row), empty_public() | public(row)
+            if st.speed_checked:
+                return
+            st.speed_checked = True
+            pub["measured_tokens_per_s"] = speed.tokens_per_s
+            reason, status, attempt = row.reason, row.status, row.attempt
+            spec = ServiceSpec.model_validate(svc.spec)
+            forced = spec.cooperative is not None and spec.cooperative.force_split is not None
+            best = st.best_single_tps
+            now = db_now(s)
+            p = _Pass(now, set(), {})
+            if speed.tokens_per_s is None:
+                reason = f"{row.reason}; speed not measured: {speed.detail}"
+            elif st.split and not forced and best is not None and speed.tokens_per_s < best:
+                st.single_only = (
+                    f"the split measured {speed.tokens_per_s:.1f} tokens/s, slower than the best single "
+                    f"device's {best:.1f}: single devices only"
+                )
+                status, reason, attempt = self._replan(s, p, svc, st, st.single_only, {}, row.attempt)
+                pub["measured_tokens_per_s"] = None
+            self._save(s, p, svc.id, row, status, reason, attempt, pub, st)
+        self._wake(p)
+
+    # --- writes ------------------------------------------------------------------------------------
+    def _save(
+        self,
+        s: Session,
+        p: _Pass,
+        sid: int,
+        row: coop_store.PlanRow | None,
+        status: str,
+        reason: str,
+        attempt: int,
+        pub: dict[str, object],
+        st: State,
+    ) -> None:
+        plan = {"public": pub, "state": st.dump()}
+        if row is not None and (row.status, row.reason, row.attempt, canon(row.plan)) == (
+            status,
+            reason[:4000],
+            attempt,
+            canon(plan),
+        ):
+            return
+        coop_store.put_plan(s, sid, status, plan, reason[:4000], attempt, p.now)
+
+    def _end_all(self, s: Session, p: _Pass, st: State, why: str) -> None:
+        for r in st.rpc:
+            self._end(s, p, r.alloc, why)
+        for pid in st.probes.values():
+            self._end(s, p, pid, why)
+        st.probes.clear()
+
+    @staticmethod
+    def _insert(
+        s: Session,
+        svc: svc_store.ServiceRow,
+        role: str,
+        req: dict[str, Any],
+        env: dict[str, str] | None,
+        p: _Pass,
+    ) -> int:
+        alloc = coop_store.insert_alloc(
+            s, service_id=svc.id, tenant_id=svc.tenant_id, owner=svc.owner, name=str(req["name"]),
+            role=role, request=req, env=env, now=p.now,
+        )  # fmt: skip
+        p.started.append(alloc)
+        return alloc
+
+    @staticmethod
+    def _end(s: Session, p: _Pass, alloc_id: int, why: str) -> None:
+        head = alloc_store.lock_head(s, alloc_id)
+        if head is None or head.state not in LIVE:
+            return
+        alloc_store.end(s, head, "cancelled", why, p.now)
+        p.ended.append(alloc_id)
+        p.ended_nodes.update(head.nodes)
+
+    def _wake(self, p: _Pass) -> None:
+        keys = [f"node:{n}" for n in p.ended_nodes] + [f"alloc:{i}" for i in p.ended]
+        keys += [f"service:{i}" for i in p.services]
+        if keys:
+            self.hub.notify(*keys)
+        if p.started or p.ended:
+            self.hub.wake_scheduler()
+
+    # --- the loop --------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.coop_interval_s)
+            if not self.auto:
+                continue
+            try:
+                await self.run_once()
+            except Exception:  # the loop must survive a bad pass (database away): log, go on
+                log.exception("coop controller: pass failed")
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpool-coop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+def _shard(d: dict[str, object]) -> planner.Shard:
+    fields = {k: v for k, v in d.items() if k in planner.Shard.__dataclass_fields__}
+    return planner.Shard(**fields)  # type: ignore[arg-type]
