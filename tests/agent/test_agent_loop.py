@@ -142,7 +142,8 @@ def test_agent_joins_heartbeats_and_reuses_its_credential(server: Server, tmp_pa
         assert len({d["uuid"] for d in node["devices"]}) == 3
         # the Pythons a tenant's job can run here, as the agent reported them at its join
         pythons = {f"cpool.io/python-{v}": "yes" for v in tenant_pythons()}
-        assert node["labels"] == {"simulated": "true", **pythons} and node["pythons"] == tenant_pythons()
+        assert node["labels"] == {"simulated": "true", "cpool.io/node": "sim-1", **pythons}
+        assert node["pythons"] == tenant_pythons()
         cred = data / "node.json"
         assert stat.S_IMODE(cred.stat().st_mode) == 0o600
         # a root agent lets its sandboxed jobs pass through to their own dirs, never list or read it

@@ -94,6 +94,7 @@ def test_agent_label_selects_the_node_for_a_job(pool: tuple[Pool, dict[str, str]
 def test_cli_labels_taints_and_dedication_steer_and_explain(pool: tuple[Pool, dict[str, str]]) -> None:
     api, env = pool
     pythons = {f"cpool.io/python-{v}": "yes" for v in tenant_pythons()}  # the agent reports these
+    pythons["cpool.io/node"] = "small"  # every node carries its own name
     out = ok_json(env, "nodes", "label", "small", "gpu-class=t4", "zone=b")
     assert out["labels"] == {"gpu-class": "t4", "simulated": "true", "zone": "b", **pythons}  # agent's kept
     assert ok_json(env, "nodes", "label", "small", "zone-")["labels"] == {

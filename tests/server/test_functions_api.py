@@ -140,7 +140,11 @@ def test_register_idempotent_python_and_bad_input(api: Api) -> None:
 
     # python labels survive an admin's PUT of the labels; a heartbeat may report more versions
     api.ok("PUT", "/api/v1/nodes/n1", json={"labels": {"rack": "r1"}})
-    assert api.ok("GET", "/api/v1/nodes/n1")["labels"] == {"rack": "r1", "cpool.io/python-3.11": "yes"}
+    assert api.ok("GET", "/api/v1/nodes/n1")["labels"] == {
+        "rack": "r1",
+        "cpool.io/python-3.11": "yes",
+        "cpool.io/node": "n1",
+    }
     api.ok("POST", "/api/v1/nodes/n1/heartbeat", headers=n1, json={"pythons": ["3.12", "3.11"]})
     node = api.ok("GET", "/api/v1/nodes/n1")
     assert node["pythons"] == ["3.11", "3.12"] and node["labels"]["cpool.io/python-3.12"] == "yes"

@@ -36,7 +36,7 @@ def test_labels_steer_selectors_and_admins_change_them(api: Api) -> None:
     join(api, "n1")
     join(api, "n2")
     out = patch(api, "n2", labels={"gpu-class": "a100", "zone": "b"})
-    assert out["labels"] == {"gpu-class": "a100", "zone": "b"}
+    assert out["labels"] == {"gpu-class": "a100", "zone": "b", "cpool.io/node": "n2"}
     a = alloc(api, gpus=1, node_selector={"gpu-class": "a100"})
     cycle(api)
     assert get(api, a["id"])["nodes"] == ["n2"]
@@ -51,10 +51,11 @@ def test_labels_steer_selectors_and_admins_change_them(api: Api) -> None:
     patch(api, "n1", labels={"gpu-class": "a100"})
     cycle(api)
     assert get(api, b["id"])["nodes"] == ["n1"]
-    assert patch(api, "n2", labels={"zone": None})["labels"] == {"gpu-class": "a100"}
+    assert patch(api, "n2", labels={"zone": None})["labels"] == {"gpu-class": "a100", "cpool.io/node": "n2"}
     # PUT replaces the rules whole
     r = api.put(f"{N}/n2", json={"labels": {"x": "1"}}, headers=api.admin)
-    assert r.status_code == 200 and r.json()["labels"] == {"x": "1"} and r.json()["taints"] == {}
+    assert r.status_code == 200 and r.json()["labels"] == {"x": "1", "cpool.io/node": "n2"}
+    assert r.json()["taints"] == {}
 
 
 def test_selector_no_node_matches_is_accepted_and_explained(api: Api) -> None:
@@ -179,7 +180,7 @@ def test_rules_are_audited_admin_only_and_checked(api: Api) -> None:
         and done[0]["target"] == "node:n1"
         and done[0]["detail"]
         == {
-            "labels": {"a": "b"},
+            "labels": {"a": "b", "cpool.io/node": "n1"},
             "taints": {"t": "1"},
             "dedicated_to": "ml",
             "lending": False,
