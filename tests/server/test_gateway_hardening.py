@@ -93,6 +93,14 @@ class BadEngine:
                 }
                 body = json.dumps(answer).encode()
                 conn.sendall(OK + b"content-length: %d\r\n\r\n" % len(body) + body)
+            elif self.mode == "stream-break":  # a stream that starts, then the engine dies
+                head = (
+                    OK.replace(b"application/json", b"text/event-stream")
+                    + b"transfer-encoding: chunked\r\n\r\n"
+                )
+                event = b'data: {"choices": [{"text": "a"}]}\n\n'
+                conn.sendall(head + b"%x\r\n%s\r\n" % (len(event), event))
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             # "close": nothing at all
 
     def close(self) -> None:
@@ -225,6 +233,21 @@ def test_replica_failures_answer_502_or_504_and_only_unsent_requests_are_retried
             assert large["code"] == "answer_too_large" and "limit of 10000 bytes" in large["message"]
         assert usage_total(api, "big", 1)["failed"] == 1
         assert all(gw.balancer.load(i.id).inflight == 0 for i in list(gw._by_id.values()))
+
+
+def test_a_stream_broken_mid_answer_ends_with_an_error_event(pool: tuple[Api, Registry, H]) -> None:
+    """The 200 has gone out: the client must read the failure in the stream, never a clean end."""
+    api, reg, alice = pool
+    with bad_engine("stream-break") as breaker:
+        reg.replica(reg.service("t1", "breaker"), breaker.port)
+        listed(api, alice, "breaker")
+        r = ask(api, alice, "breaker", stream=True)
+        assert r.status_code == 200
+        events = [line[len("data:") :].strip() for line in r.text.splitlines() if line.startswith("data:")]
+        assert events[0] == '{"choices": [{"text": "a"}]}' and "[DONE]" not in events, events
+        err = json.loads(events[-1])["error"]
+        assert err["code"] == "replica_error" and "failed mid-answer" in err["message"], events
+        assert usage_total(api, "breaker", 1)["failed"] == 1
 
 
 def test_absurd_token_counts_are_capped_and_usage_still_flows(pool: tuple[Api, Registry, H]) -> None:

@@ -16,6 +16,10 @@ import httpx
 from computepool.server.gateway.usage import StreamUsage, Tokens
 
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer larger than this is refused (502)
+STREAM_BROKEN = (
+    b'\n\ndata: {"error": {"message": "the replica failed mid-answer: its connection broke", '
+    b'"type": "server_error", "code": "replica_error"}}\n\n'
+)
 
 
 class AnswerTooLarge(Exception):
@@ -63,7 +67,10 @@ class Relay:
                 self._seen.feed(chunk)
                 yield chunk
         except httpx.HTTPError:
+            # the status line (200) has gone out: the client learns of the failure from an error
+            # event in OpenAI's shape, never from a stream that merely stops
             self._failed = True
+            yield STREAM_BROKEN
         finally:
             await self.close()
 
