@@ -148,3 +148,40 @@ def test_a_sender_that_verifies_clears_its_old_rejection(registry: Registry) -> 
     assert "stale" in (registry.observe(stale, source="unicast", sender=("10.0.0.2", 5757), now=T0) or "")
     registry.observe(ann("b", "i1", T0), source="unicast", sender=("10.0.0.2", 5757), now=T0)
     assert by_key(registry, T0) == {"b": ("ok", "")}
+
+
+def test_a_replayed_announcement_does_not_bring_a_departed_peer_back(registry: Registry) -> None:
+    last = ann("b", "i1", T0 + 5)
+    registry.observe(ann("b", "i1", T0), source="unicast", sender=("10.0.0.2", 5757), now=T0)
+    registry.observe(last, source="unicast", sender=("10.0.0.2", 5757), now=T0 + 5)
+    assert "b" not in by_key(registry, T0 + 40)  # silent for over 30 s: gone
+    # Its last genuine announcement replayed (still within MAX_SKEW_S, so it verifies): ignored.
+    for at in (T0 + 41, T0 + 70, T0 + 100):
+        assert registry.observe(last, source="unicast", sender=("10.0.0.9", 1), now=at) is None
+        assert by_key(registry, at) == {}
+    # A genuinely new announcement of that instance (it was only cut off) is believed again.
+    registry.observe(ann("b", "i1", T0 + 101), source="unicast", sender=("10.0.0.2", 5757), now=T0 + 101)
+    assert by_key(registry, T0 + 102) == {"b": ("ok", "")}
+
+
+def test_instances_of_one_node_id_are_capped(registry: Registry) -> None:
+    for i in range(10):  # a key holder minting instances of node b, all still announcing
+        for j in range(i + 1):
+            registry.observe(
+                ann("b", f"i{j}", T0 + i + j / 100),
+                source="unicast",
+                sender=("10.0.0.2", 6000 + j),
+                now=T0 + i + j / 100,
+            )
+    flagged = [v for v in registry.snapshot(T0 + 10) if v.node_id == "b"]
+    assert flagged and all(v.status == "rejected" and "duplicate node id b" in v.reason for v in flagged)
+    assert len(flagged) == 4
+    assert {v.instance for v in flagged} == {"i6", "i7", "i8", "i9"}  # the most recently heard stay
+
+
+def test_a_scoped_ipv6_address_is_malformed(registry: Registry) -> None:
+    scoped = ann("b", "i1", T0, address="fe80::1%eth0,10.0.0.9:50052")
+    reason = registry.observe(scoped, source="unicast", sender=("10.0.0.2", 5757), now=T0)
+    assert reason is not None and reason.startswith("malformed announcement: address")
+    [view] = registry.snapshot(T0)
+    assert (view.status, view.address, view.devices) == ("rejected", "10.0.0.2", ())

@@ -177,6 +177,8 @@ class Announcement:
             ipaddress.ip_address(self.address)
         except ValueError:
             raise ValueError(f"malformed announcement: address {self.address[:64]!r} is not an IP") from None
+        if "%" in self.address:  # a scope is free text: it could smuggle a comma into an endpoint list
+            raise ValueError(f"malformed announcement: address {self.address[:64]!r} has a scope")
         if not math.isfinite(self.issued_at):
             raise ValueError("malformed announcement: issued_at is not a finite time")
         if len(self.devices) > MAX_DEVICES:

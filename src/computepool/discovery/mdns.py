@@ -14,7 +14,13 @@ signed announcements stop moving forward (`expire_after_s`). Zeroconf is bound t
 address's interface only, so discovery does not leak onto other networks of a multi-homed host.
 
 Threads only: zeroconf runs its own event-loop thread; browse callbacks just queue names, and one
-worker thread resolves them (resolving blocks, which zeroconf forbids in its callbacks).
+worker thread resolves them (resolving blocks, which zeroconf forbids in its callbacks). A name is
+read from zeroconf's cache when the records are there (no network wait) and asked for otherwise.
+
+Flooding: anyone on the link can publish thousands of names. A name that does not resolve or does
+not verify leaves the polled set at once and is tried again only when the browser reports it again
+and its back-off (doubling per failure, at most `_MAX_BACKOFF_S`) is over; such names never count
+toward the polled set's cap, so junk cannot lock genuine peers out.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
@@ -34,6 +41,8 @@ from computepool.discovery.registry import Registry
 log = logging.getLogger(__name__)
 
 _MAX_NAMES = 512
+_MAX_FAILED = 4096
+_MAX_BACKOFF_S = 300.0
 _RESOLVE_TIMEOUT_MS = 1500
 _STALE_AFTER_S = MAX_SKEW_S / 2
 
@@ -47,14 +56,18 @@ class MdnsTransport:
         announcement: Callable[[], Announcement],
         announce_every_s: float,
         stop: threading.Event,
+        max_names: int = _MAX_NAMES,
     ) -> None:
         self._address = address
+        self._max_names = max_names
         self._registry = registry
         self._announcement = announcement
         self._every = announce_every_s
         self._stop = stop
         self._names: queue.Queue[str] = queue.Queue()
-        self._known: set[str] = set()  # written by zeroconf's thread, read by ours
+        self._known: set[str] = set()  # names polled (none has failed since); capped
+        # name -> (failures in a row, monotonic time before which it is not tried again)
+        self._failed: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._last_at: dict[str, tuple[str, float]] = {}  # name -> (TXT "at", when it last changed)
         self._pending: set[str] = set()  # names queued and not yet resolved
         self._known_lock = threading.Lock()
@@ -135,7 +148,8 @@ class MdnsTransport:
                 self._stop.wait(self._every)
 
     def _queue(self, name: str) -> None:
-        """Queue a name to resolve unless it already waits (the queue stays ≤ _MAX_NAMES)."""
+        """Queue a name to resolve unless it already waits (so the queue holds each polled or
+        retried name at most once: it stays within `max_names` + `_MAX_FAILED`)."""
         with self._known_lock:
             if name in self._pending:
                 return
@@ -149,16 +163,42 @@ class MdnsTransport:
             if state_change is ServiceStateChange.Removed:
                 self._known.discard(name)  # unsigned goodbye: stop polling it; the registry decides
                 return
-            if name not in self._known and len(self._known) >= _MAX_NAMES:
-                return
-            self._known.add(name)
+            failed = self._failed.get(name)
+            if failed is not None:
+                if time.monotonic() < failed[1]:
+                    return  # backing off; it does not take a polled slot meanwhile
+            elif name not in self._known:
+                if len(self._known) >= self._max_names:
+                    return
+                self._known.add(name)
         self._queue(name)
+
+    def _failure(self, name: str) -> None:
+        """`name` did not resolve or verify: stop polling it, and back off before trying it again."""
+        with self._known_lock:
+            self._known.discard(name)
+            count = self._failed.pop(name, (0, 0.0))[0] + 1
+            self._failed[name] = (count, time.monotonic() + min(2.0 ** (count - 1), _MAX_BACKOFF_S))
+            while len(self._failed) > _MAX_FAILED:
+                self._failed.popitem(last=False)
+        self._last_at.pop(name, None)
+
+    def _success(self, name: str) -> None:
+        with self._known_lock:
+            if self._failed.pop(name, None) is not None and len(self._known) < self._max_names:
+                self._known.add(name)  # it verifies now: poll it again like any peer
 
     def _resolve(self, zc: Zeroconf, name: str) -> None:
         if self._stop.is_set():
             return
-        info = zc.get_service_info(SERVICE_TYPE, name, timeout=_RESOLVE_TIMEOUT_MS)
+        cached = ServiceInfo(SERVICE_TYPE, name)
+        info = (
+            cached
+            if cached.load_from_cache(zc)
+            else zc.get_service_info(SERVICE_TYPE, name, timeout=_RESOLVE_TIMEOUT_MS)
+        )
         if info is None:
+            self._failure(name)
             return
         # Only a changed TXT is news. A crashed agent's record lingers in the cache (TXT TTLs run
         # to an hour): re-reading it would turn a departed peer into a "stale announcement"
@@ -173,16 +213,20 @@ class MdnsTransport:
                     self._known.discard(name)
                 self._last_at.pop(name, None)
             return
-        if len(self._last_at) >= _MAX_NAMES:
+        if len(self._last_at) >= self._max_names:
             self._last_at.clear()
         self._last_at[name] = (at, now)
         addresses = info.parsed_addresses(IPVersion.V4Only)
-        sender = (addresses[0] if addresses else "?", int(info.port or 0))
+        # No address record: "" (a rejection's address must be an IP or nothing at all).
+        sender = (addresses[0] if addresses else "", int(info.port or 0))
         try:
             ann: Announcement | Exception = Announcement.from_txt(info.properties)
         except ValueError as e:
             ann = e
-        self._registry.observe(ann, source="mdns", sender=sender, now=time.time())
+        if self._registry.observe(ann, source="mdns", sender=sender, now=time.time()) is None:
+            self._success(name)
+        else:
+            self._failure(name)
 
 
 def _s(value: bytes | None) -> str:

@@ -11,7 +11,9 @@ Trust rules (why the table is shaped this way):
 - Liveness counts only *new* announcements: an instance is "heard" when its `issued_at` moves
   forward. A replayed datagram, or an mDNS cache still holding a dead agent's TXT record, repeats an
   old `issued_at` and keeps nothing alive; such a peer drops out `expire_after_s` after it was last
-  really heard.
+  really heard. When an instance expires (or is evicted) its newest `issued_at` is kept as a
+  tombstone for `MAX_SKEW_S` (after that `verify` rejects the old announcements as stale anyway), so
+  replaying a departed peer's last announcement cannot bring it back into the table.
 - A copied identity is two instances that both hold the key and announce one node id. It is told
   apart from a restart (new instance, the old one silent) by the senders' own clocks: two instances
   are flagged only when the older one signs again after the newer one's first announcement, i.e.
@@ -19,7 +21,9 @@ Trust rules (why the table is shaped this way):
   signed before the new instance's first one). While flagged, every instance of that id is shown
   rejected, since nothing tells which one is genuine; the flag clears once one of them goes silent
   and expires.
-  Another instance announcing *our own* node id is flagged the same way.
+  Another instance announcing *our own* node id is flagged the same way. At most
+  `MAX_INSTANCES_PER_NODE` instances of one id are kept (the least recently heard one goes), so a
+  key holder minting instances costs bounded memory.
 - Our own instance (heard back over multicast, or relayed) is ignored.
 
 Unverified claims are kept only as words for `cpool peers`: a rejected entry carries the node id
@@ -33,11 +37,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from computepool.discovery.announce import Announcement, DeviceSummary, verify
+from computepool.discovery.announce import MAX_SKEW_S, Announcement, DeviceSummary, verify
 
 Source = Literal["mdns", "unicast"]
 MAX_REJECTED = 256
 MAX_VERIFIED = 1024
+MAX_INSTANCES_PER_NODE = 4
+MAX_TOMBSTONES = 4096
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class _Instance:
 @dataclass
 class _Node:
     instances: dict[str, _Instance] = field(default_factory=dict)
+    crowded_until: float = 0.0  # our clock: a live copy was evicted by the cap; flagged till then
 
 
 @dataclass
@@ -123,6 +130,8 @@ class Registry:
         self._lock = threading.Lock()
         self._nodes: dict[str, _Node] = {}
         self._rejected: OrderedDict[str, _Rejected] = OrderedDict()
+        # (node id, instance) -> (its newest issued_at, our clock when it went): see the module doc.
+        self._gone: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
 
     # -- input --------------------------------------------------------------------------------
 
@@ -145,6 +154,13 @@ class Registry:
                     _Rejected(where, None, "", sender[0], sender[1] or None, what[:500], source, now)
                 )
             return what
+        if "%" in ann_or_error.address:  # a scoped IPv6 address: the scope is free text (commas …)
+            return self.observe(
+                ValueError(f"malformed announcement: address {ann_or_error.address[:64]!r} has a scope"),
+                source=source,
+                sender=sender,
+                now=now,
+            )
         ann = ann_or_error
         reason = verify(ann, self._key, now)
         if reason is not None:
@@ -166,7 +182,18 @@ class Registry:
                         return "peer table full"
                 node = self._nodes[ann.node_id] = _Node()
             inst = node.instances.get(ann.instance)
+            gone = self._gone.get((ann.node_id, ann.instance))
+            if inst is None and gone is not None and ann.issued_at <= gone[0]:
+                return None  # a replay of a departed instance: genuine, but no sign of life
             if inst is None:
+                self._gone.pop((ann.node_id, ann.instance), None)
+                while len(node.instances) >= MAX_INSTANCES_PER_NODE:
+                    oldest = min(node.instances.values(), key=lambda i: i.last_heard)
+                    if oldest in self._duplicates(ann.node_id, node, now)[1]:
+                        # Evicting a copy that still announces must not clear the flag it raised.
+                        node.crowded_until = now + self._expire
+                    self._bury(ann.node_id, oldest, now)
+                    del node.instances[oldest.instance]
                 node.instances[ann.instance] = _Instance(
                     ann.instance,
                     ann.address,
@@ -204,7 +231,7 @@ class Registry:
             self._expire_locked(now)
             out = []
             for node_id, node in self._nodes.items():
-                if node_id == self._node_id or self._duplicates(node_id, node)[0]:
+                if node_id == self._node_id or self._duplicates(node_id, node, now)[0]:
                     continue
                 inst = _newest(node)
                 out.append(Target(node_id, inst.instance, inst.address, inst.port, inst.rtt_ms is not None))
@@ -218,7 +245,7 @@ class Registry:
             flagged: list[PeerView] = []
             for node_id in sorted(self._nodes):
                 node = self._nodes[node_id]
-                reason, involved = self._duplicates(node_id, node)
+                reason, involved = self._duplicates(node_id, node, now)
                 if reason:
                     flagged.extend(_view(node_id, i, "rejected", reason) for i in involved)
                 elif node_id != self._node_id:  # a leftover of our own previous run is not a peer
@@ -255,16 +282,31 @@ class Registry:
         for node_id in list(self._nodes):
             node = self._nodes[node_id]
             for inst_id in [i for i, v in node.instances.items() if now - v.last_heard > self._expire]:
-                del node.instances[inst_id]
+                self._bury(node_id, node.instances.pop(inst_id), now)
             if not node.instances:
                 del self._nodes[node_id]
         for sender in [s for s, r in self._rejected.items() if now - r.last_seen > self._expire]:
             del self._rejected[sender]
+        while self._gone and now - next(iter(self._gone.values()))[1] > MAX_SKEW_S:
+            self._gone.popitem(last=False)
 
-    def _duplicates(self, node_id: str, node: _Node) -> tuple[str, list[_Instance]]:
+    def _bury(self, node_id: str, inst: _Instance, now: float) -> None:
+        key = (node_id, inst.instance)
+        self._gone.pop(key, None)
+        self._gone[key] = (inst.last_issued, now)
+        while len(self._gone) > MAX_TOMBSTONES:
+            self._gone.popitem(last=False)
+
+    def _duplicates(self, node_id: str, node: _Node, now: float) -> tuple[str, list[_Instance]]:
         """The copied-identity reason and the instances involved, when two live instances keep
         announcing `node_id` ("" and [] otherwise; an old instance that went silent is not one)."""
         insts = sorted(node.instances.values(), key=lambda i: i.first_issued)
+        if now < node.crowded_until:
+            return (
+                f"duplicate node id {node_id}: more than {MAX_INSTANCES_PER_NODE} instances announce "
+                "it (a copied identity?)",
+                insts,
+            )
         if node_id == self._node_id:
             copies = [i for i in insts if i.last_issued > self._started_at]
             return (

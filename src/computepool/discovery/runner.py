@@ -9,23 +9,26 @@ trusted by the control plane as more than a report: placement still pins work to
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from computepool.discovery.announce import Announcement, DeviceSummary, fingerprint, new_instance
 from computepool.discovery.links import BandwidthServer, measure_bandwidth, measure_rtt
 from computepool.discovery.mdns import MdnsTransport
-from computepool.discovery.registry import PeerView, Registry
+from computepool.discovery.registry import PeerView, Registry, Target
 from computepool.discovery.unicast import UnicastEndpoint, parse_peer
 
 log = logging.getLogger(__name__)
 
+_BANDWIDTH_TRIES = 3
+
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    key: bytes  # the pool's discovery key (derive_key output)
+    key: bytes = field(repr=False)  # the pool's discovery key (derive_key output); a secret
     node_id: str  # the node's registered name
     address: str  # IP to announce and to bind the probe port on
     port: int = 0  # UDP+TCP probe port; 0 = ephemeral (then `Discovery.port`)
@@ -110,7 +113,9 @@ class Discovery:
                 announce_every_s=self.config.announce_every_s,
                 stop=self._stop,
             )
-            bandwidth = BandwidthServer(self.config.key, self._tcp, self._stop)
+            bandwidth = BandwidthServer(
+                self.config.key, self._tcp, self._stop, node_id=self.config.node_id, instance=self.instance
+            )
             self._parts = [unicast, bandwidth]
             unicast.start()
             bandwidth.start()
@@ -165,15 +170,27 @@ class Discovery:
                 if not t.measured and now - last.get(key, 0.0) < min(5.0, self.config.measure_every_s):
                     continue  # it failed a moment ago; do not hammer it
                 last[key] = now
-                rtt = measure_rtt(self.config.key, self.config.address, t.address, t.port)
-                bw = (
-                    measure_bandwidth(self.config.key, self.config.address, t.address, t.port)
-                    if rtt is not None
-                    else None
-                )
-                # A failed re-measurement clears old figures: an unreachable link is not a fast one.
-                self._registry.set_link(t.node_id, t.instance, rtt, bw)
+                try:
+                    self._measure(t)
+                except Exception:  # one odd peer must never end link measurement for all of them
+                    log.exception("measuring the link to %s at %s:%s failed", t.node_id, t.address, t.port)
             self._stop.wait(0.25)
+
+    def _measure(self, t: Target) -> None:
+        """RTT, then bandwidth, to the very node and instance the signed announcement names."""
+        key, here = self.config.key, self.config.address
+        rtt = measure_rtt(key, here, t.address, t.port, node_id=t.node_id, instance=t.instance)
+        bw = None
+        for attempt in range(_BANDWIDTH_TRIES if rtt is not None else 0):
+            # A refused transfer is often only a busy slot (the peer serves one per source
+            # address: several nodes on one host, or one machine's loopback, take turns).
+            if attempt and self._stop.wait(random.uniform(0.2, 1.0)):
+                return
+            bw = measure_bandwidth(key, here, t.address, t.port, node_id=t.node_id, instance=t.instance)
+            if bw is not None:
+                break
+        # A failed re-measurement clears old figures: an unreachable link is not a fast one.
+        self._registry.set_link(t.node_id, t.instance, rtt, bw)
 
 
 def _bind_pair(address: str, port: int) -> tuple[socket.socket, socket.socket]:

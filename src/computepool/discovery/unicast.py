@@ -165,7 +165,8 @@ class UnicastEndpoint:
             log.debug("answer to %s failed: %s", ann.node_id, e)
 
     def _pong(self, msg: dict[str, object], sender: tuple[str, int], now: float) -> None:
-        pong = answer_ping(self._key, msg, now)
+        mine = self._announcement()
+        pong = answer_ping(self._key, msg, now, node_id=mine.node_id, instance=mine.instance)
         if pong is None:
             return
         second, count = self._pongs

@@ -3,12 +3,13 @@ lists, and the discovery key a node fetches (one definition for server, agent an
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import datetime
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from computepool.server.schemas.common import In, Items, Out
+from computepool.server.schemas.common import In, Items, Name, Out
 
 PeerStatus = Literal["ok", "rejected"]
 PeerSource = Literal["mdns", "unicast"]
@@ -28,9 +29,11 @@ class PeerReport(In):
     """One peer as the reporting node's discovery last saw it."""
 
     peer_key: str = Field(min_length=1, max_length=160, description="Its node id, or ADDRESS:PORT.")
-    node_id: str | None = Field(default=None, max_length=63)
+    node_id: Name | None = None
     instance: str = Field(default="", max_length=64)
-    address: str = Field(default="", max_length=253)
+    address: str = Field(
+        default="", max_length=253, description="An IP address; empty when a rejected sender had none."
+    )
     port: int | None = Field(default=None, strict=True, ge=1, le=65535)
     devices: list[PeerDevice] = Field(default_factory=list, max_length=64)
     status: PeerStatus
@@ -39,6 +42,20 @@ class PeerReport(In):
     rtt_ms: float | None = Field(default=None, ge=0, le=3_600_000)
     bandwidth_mbps: float | None = Field(default=None, ge=0, le=10_000_000)
     last_seen: datetime
+
+    @field_validator("address")
+    @classmethod
+    def _an_ip(cls, value: str) -> str:
+        """It may end up in an RPC endpoint list: a name, a port, a comma (an IPv6 scope may hold
+        one) in it must not."""
+        if value:
+            try:
+                ipaddress.ip_address(value)
+                if "%" in value:
+                    raise ValueError
+            except ValueError:
+                raise ValueError("must be an IP address (without an IPv6 scope)") from None
+        return value
 
 
 class NodePeersIn(In):
