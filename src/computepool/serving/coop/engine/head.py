@@ -1,34 +1,38 @@
 """The head of a split model: llama_cpp.server's OpenAI-compatible API over local and RPC layers.
 
-Run by the service's replica as `PYTHON -c <this source> --model F --host IP --port N --ctx N
---threads N [--rpc EP,EP --n-gpu-layers K --tensor-split a,b] [--alias NAME]` with the llama venv's
-python (stdlib and llama_cpp only). The RPC servers become the devices this process offloads to:
-llama.cpp counts the output layer as layer n_layer and gives the last K = --n-gpu-layers of those
+Run by the service's replica as `PYTHON -c LOADER RELAY <this source> --model F --host IP --port N --ctx N
+--threads N [--rpc EP,EP --n-gpu-layers K --tensor-split a,b] [--alias NAME]` (scripts.command) with
+the llama venv's python (stdlib and llama_cpp only). The RPC servers become the devices this process
+offloads to: llama.cpp counts the output layer as layer n_layer and gives the last K = --n-gpu-layers of those
 n_layer+1 layers to the RPC servers, in --rpc order, divided by --tensor-split (planner.layer_params
 writes both); the first layers and the input embeddings stay on the local CPU. The API key is read from
 CPOOL_SERVICE_KEY. Health path: /v1/models.
 
-A lost peer ends the head (exit 3, one line `head: lost the RPC server EP ...` on stderr) instead of
-leaving a replica that hangs or answers wrongly: llama.cpp aborts the process when an RPC call fails
-mid-generation, and a watchdog notices a peer's connection closing while idle. Keepalives on the
-RPC connections turn a peer that vanished without closing into a failed call within ~25 s.
+Each RPC server is reached through a relay of this process (relay.py): llama.cpp is given
+127.0.0.1 listeners that accept only this process's own connections, each carried over a connection
+authenticated with the plan's secret (CPOOL_COOP_SECRET, from the environment; required with --rpc).
+Authenticated, not encrypted.
+
+A lost peer ends the head at once (exit 3, one line `head: lost the RPC server EP ...` on stderr),
+before anything more is sent to a client, so a stream breaks instead of ending normally: the relay
+notices the peer's connection end (keepalives turn a peer that vanished without closing into an error
+within ~25 s) and llama.cpp's aborts are reported the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import importlib
 import os
-import socket
 import threading
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time the loader has run relay.py in this namespace already
+    from .relay import coop_secret, local_relays
 
 LOST = 3  # exit status: a peer (or llama.cpp itself) failed; the pool re-plans
-ESTABLISHED = "01"
 
 
 def fail(why: str, status: int = 2) -> None:
@@ -36,70 +40,22 @@ def fail(why: str, status: int = 2) -> None:
     os._exit(status)  # llama.cpp may hold threads in blocking calls: no interpreter teardown
 
 
-def connections(endpoints: list[str]) -> dict[str, list[tuple[int, str]]]:
-    """This process's TCP sockets to each endpoint: (fd, state as /proc/net/tcp writes it)."""
-    inode_fd: dict[str, int] = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/self/fd/{fd}")
-            if link.startswith("socket:["):
-                inode_fd[link[8:-1]] = int(fd)
-    wanted: dict[str, str] = {}
-    for ep in endpoints:
-        host, port = ep.rsplit(":", 1)
-        with contextlib.suppress(OSError):
-            packed = socket.inet_aton(socket.gethostbyname(host))
-            wanted[f"{int.from_bytes(packed, 'little'):08X}:{int(port):04X}"] = ep
-    found: dict[str, list[tuple[int, str]]] = {ep: [] for ep in endpoints}
-    with open("/proc/self/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            cols = line.split()
-            if cols[2] in wanted and cols[9] in inode_fd:
-                found[wanted[cols[2]]].append((inode_fd[cols[9]], cols[3]))
-    return found
-
-
-def lost(endpoints: list[str]) -> list[str]:
-    """The endpoints this process no longer has an open connection to."""
-    return [ep for ep, conns in connections(endpoints).items() if all(st != ESTABLISHED for _, st in conns)]
-
-
-def keep_alive(endpoints: list[str]) -> None:
-    """Probe idle RPC connections and bound unacknowledged sends: a vanished peer becomes an error."""
-    for conns in connections(endpoints).values():
-        for fd, _ in conns:
-            with socket.socket(fileno=os.dup(fd)) as s:  # options belong to the socket, not the fd
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 20_000)
-
-
-def watchdog(endpoints: list[str], every_s: float) -> None:
-    while True:
-        time.sleep(every_s)
-        gone = lost(endpoints)
-        if gone:
-            fail(f"lost the RPC server {', '.join(gone)}: connection closed or timed out; exiting", LOST)
-
-
-def add_server(rpc: Any, ep: str, timeout: float) -> int:
-    """llama.cpp's registry entry for the RPC server at `ep`, within `timeout` seconds."""
+def add_server(rpc: Any, ep: str, timeout: float, name: str) -> int:
+    """llama.cpp's registry entry for the RPC server `name` (reached at `ep`), within `timeout` s."""
     got: list[int | None] = []
     t = threading.Thread(target=lambda: got.append(rpc.ggml_backend_rpc_add_server(ep.encode())), daemon=True)
     t.start()
     t.join(timeout)
     if not got:
-        fail(f"the RPC server {ep} did not answer within {timeout:g} s (busy with another client?)", LOST)
+        fail(f"the RPC server {name} did not answer within {timeout:g} s (busy with another client?)", LOST)
     if not got[0]:
-        fail(f"cannot connect to the RPC server {ep}", LOST)
+        fail(f"cannot connect to the RPC server {name}", LOST)
     return got[0] or 0
 
 
-def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float) -> list[Any]:
+def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float, names: list[str]) -> list[Any]:
     """Make the RPC servers the devices every model of this process offloads to, in order, and
-    report llama.cpp's aborts in one line naming the lost peer. Returns what must stay referenced.
+    report llama.cpp's aborts in one line. Returns what must stay referenced.
 
     The Python `Llama` has no argument for devices: its default model parameters get them. Each
     connection gets `timeout` seconds: a server busy with another client never answers."""
@@ -110,9 +66,7 @@ def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float) -> lis
     @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
     def aborted(message: bytes | None) -> None:
         text = (message or b"").decode("utf-8", "replace").strip().splitlines()
-        gone = lost(endpoints)
-        why = f"lost the RPC server {', '.join(gone)}" if gone else "llama.cpp aborted"
-        fail(f"{why}: {text[0].rsplit(': ', 1)[-1] if text else 'no message'}; exiting", LOST)
+        fail(f"llama.cpp aborted: {text[0].rsplit(': ', 1)[-1] if text else 'no message'}; exiting", LOST)
 
     base.ggml_set_abort_callback.argtypes = [ctypes.c_void_p]
     base.ggml_set_abort_callback(ctypes.cast(aborted, ctypes.c_void_p))
@@ -124,8 +78,8 @@ def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float) -> lis
     base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     count = base.ggml_backend_reg_dev_count
     devices: list[int] = []
-    for ep in endpoints:
-        reg = add_server(rpc, ep, timeout)
+    for ep, name in zip(endpoints, names, strict=True):
+        reg = add_server(rpc, ep, timeout, name)
         devices += [base.ggml_backend_reg_dev_get(reg, i) for i in range(count(reg))]
     listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
     defaults = llama_cpp.llama_cpp.llama_model_default_params
@@ -158,7 +112,6 @@ def main() -> None:
     p.add_argument("--tensor-split", default="", help="how the K layers divide among the RPC servers")
     p.add_argument("--alias", default=None)
     p.add_argument("--connect-timeout", type=float, default=30.0)
-    p.add_argument("--watch-every", type=float, default=0.5)
     a = p.parse_args()
     eps = [endpoint(e) for e in a.rpc.split(",") if e]
     try:
@@ -171,12 +124,17 @@ def main() -> None:
         fail("--ctx must be at least 16, --threads at least 1, --port a TCP port, --n-gpu-layers >= 0")
     if not os.path.isfile(a.model):
         fail(f"--model {a.model}: no such file")
+    try:
+        secret = coop_secret() if eps else b""
+    except ValueError as e:
+        fail(str(e))
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort prints one line, never runs gdb
     llama_cpp = importlib.import_module("llama_cpp")  # by name: only the llama venv has it
     server = importlib.import_module("llama_cpp.server.app")
     settings = importlib.import_module("llama_cpp.server.settings")
     uvicorn = importlib.import_module("uvicorn")
-    keep = use_rpc_servers(llama_cpp, eps, a.connect_timeout) if eps else []  # noqa: F841
+    relays = local_relays(eps, secret, lambda why: fail(f"{why}; exiting", LOST))
+    keep = use_rpc_servers(llama_cpp, relays, a.connect_timeout, eps) if eps else []  # noqa: F841
     model = settings.ModelSettings(
         model=a.model, model_alias=a.alias, n_ctx=a.ctx, n_threads=a.threads, n_threads_batch=a.threads,
         n_gpu_layers=a.n_gpu_layers if eps else 0, tensor_split=split, verbose=False,
@@ -189,12 +147,6 @@ def main() -> None:
         )
     except (ValueError, RuntimeError, OSError) as e:
         fail(f"cannot load {a.model}: {e}", LOST if eps else 2)
-    if eps:
-        keep_alive(eps)
-        gone = lost(eps)
-        if gone:
-            fail(f"lost the RPC server {', '.join(gone)} while loading the model", LOST)
-        threading.Thread(target=watchdog, args=(eps, a.watch_every), daemon=True).start()
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

@@ -1,11 +1,14 @@
 """Measure how fast this node (or, through --rpc, a remote RPC server) decodes a model greedily.
 
-Run by a probe allocation as `PYTHON -c <this source> --model F --tokens N --ctx N --threads N
-[--rpc EP --n-gpu-layers K]` with the llama venv's python (stdlib and llama_cpp only). It loads the
+Run by a probe allocation as `PYTHON -c LOADER RELAY <this source> --model F --tokens N --ctx N
+--threads N [--rpc EP --n-gpu-layers K]` (scripts.command) with the llama venv's python (stdlib and
+llama_cpp only). RPC servers are reached through this process's authenticated relays (relay.py; the
+secret comes from CPOOL_COOP_SECRET, required with --rpc). It loads the
 model, warms up, decodes N tokens from a fixed prompt and prints one line `CPOOL-PROBE {json}`:
 tokens_per_s (decoding only: the prompt's evaluation is left out), the model's shape (n_layer, n_embd,
 n_vocab, n_params, model_bytes, and the planner's layer_bytes/embd_bytes estimates), text (the greedy
-output, for comparing engines), load_s and threads. Failures exit 1 with one line on stderr.
+output, for comparing engines), load_s and threads. Failures exit 1 with one line on stderr (2: bad
+arguments or no secret).
 """
 
 from __future__ import annotations
@@ -18,30 +21,33 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time the loader has run relay.py in this namespace already
+    from .relay import coop_secret, local_relays
 
 PROMPT = b"The pool measures"
 
 
-def fail(why: str) -> None:
+def fail(why: str, status: int = 1) -> None:
     os.write(2, f"probe: {why}\n".encode())  # one write: llama.cpp writes to stderr too
-    os._exit(1)  # also when llama.cpp still holds a thread in a blocking call
+    os._exit(status)  # also when llama.cpp still holds a thread in a blocking call
 
 
-def add_server(rpc: Any, ep: str, timeout: float) -> int:
-    """llama.cpp's registry entry for the RPC server at `ep`, within `timeout` seconds."""
+def add_server(rpc: Any, ep: str, timeout: float, name: str) -> int:
+    """llama.cpp's registry entry for the RPC server `name` (reached at `ep`), within `timeout` s."""
     got: list[int | None] = []
     t = threading.Thread(target=lambda: got.append(rpc.ggml_backend_rpc_add_server(ep.encode())), daemon=True)
     t.start()
     t.join(timeout)
     if not got:
-        fail(f"the RPC server {ep} did not answer within {timeout:g} s (busy with another client?)")
+        fail(f"the RPC server {name} did not answer within {timeout:g} s (busy with another client?)")
     if not got[0]:
-        fail(f"cannot connect to the RPC server {ep}")
+        fail(f"cannot connect to the RPC server {name}")
     return got[0] or 0
 
 
-def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float) -> Any:
+def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float, names: list[str]) -> Any:
     """Make the RPC servers the devices models of this process offload to (the Python `Llama` has no
     argument for them: its default model parameters get them); returns what must stay referenced.
     Each connection gets `timeout` seconds: a server busy with another client never answers."""
@@ -56,8 +62,8 @@ def use_rpc_servers(llama_cpp: Any, endpoints: list[str], timeout: float) -> Any
     base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     count = base.ggml_backend_reg_dev_count
     devices: list[int] = []
-    for ep in endpoints:
-        reg = add_server(rpc, ep, timeout)
+    for ep, name in zip(endpoints, names, strict=True):
+        reg = add_server(rpc, ep, timeout, name)
         devices += [base.ggml_backend_reg_dev_get(reg, i) for i in range(count(reg))]
     listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
     defaults = llama_cpp.llama_cpp.llama_model_default_params
@@ -104,7 +110,12 @@ def main() -> None:
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort prints one line, never runs gdb
     llama_cpp = importlib.import_module("llama_cpp")  # by name: only the llama venv has it
     endpoints = [e for e in a.rpc.split(",") if e]
-    keep = use_rpc_servers(llama_cpp, endpoints, a.connect_timeout) if endpoints else None  # noqa: F841
+    try:
+        secret = coop_secret() if endpoints else b""
+    except ValueError as e:
+        fail(str(e), 2)
+    relays = local_relays(endpoints, secret, fail)
+    keep = use_rpc_servers(llama_cpp, relays, a.connect_timeout, endpoints) if endpoints else None  # noqa: F841
     start = time.perf_counter()
     try:
         m = llama_cpp.Llama(model_path=a.model, n_ctx=a.ctx, n_threads=a.threads, verbose=False,

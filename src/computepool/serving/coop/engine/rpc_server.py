@@ -1,27 +1,45 @@
 """llama.cpp's RPC server on this node's CPU, for layers of a model split over several nodes.
 
-Run by an allocation as `PYTHON -c <this source> --host IP --port N [--threads N]` with the llama
-venv's python: stdlib and llama_cpp only, since computepool is not installed there. llama.cpp's RPC
-protocol has no authentication (whoever reaches the port can read and write this process's memory),
-so the server only ever binds a loopback, RFC 1918, RFC 6598, link-local or IPv6 ULA address: a
-wildcard or public one is refused (exit 2, one line). Prints `CPOOL-RPC ready HOST:PORT` once it
-accepts connections there; SIGTERM ends it with exit 0.
+Run by an allocation as `PYTHON -c LOADER RELAY <this source> --host IP --port N [--threads N]`
+(scripts.command) with the llama venv's python: stdlib and llama_cpp only, since computepool is not
+installed there. llama.cpp's RPC protocol has no authentication (whoever reaches it can read and
+write this process's memory), so llama.cpp never listens where anything else can reach it:
+
+- this program first binds the node's listening socket on (host, port) itself, and only on a
+  loopback, RFC 1918, RFC 6598 or link-local IPv4 address (a wildcard or public one: exit 2);
+- then, still single-threaded, it enters a new user and network namespace of its own and starts
+  llama.cpp's server on 127.0.0.1 in there: no other process can connect to it. If the namespace
+  cannot be made, it exits 2 rather than expose llama.cpp;
+- a relay (relay.py) accepts on the node's socket, which keeps working across the unshare, and
+  carries only clients that prove the plan's secret (CPOOL_COOP_SECRET) to llama.cpp. Authenticated,
+  not encrypted.
+
+Prints `CPOOL-RPC ready HOST:PORT` once llama.cpp answers inside; SIGTERM ends it with exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import importlib
 import ipaddress
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # at run time the loader has run relay.py in this namespace already
+    from .relay import coop_secret, serve_relay
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 PRIVATE = tuple(
     ipaddress.ip_network(n)
@@ -47,6 +65,18 @@ def refusal(host: str) -> str | None:
     if ip.version != 4:
         return f"--host {host}: llama.cpp's RPC server listens on IPv4 addresses only"
     return None
+
+
+def isolate() -> None:
+    """Enter a network namespace of this process's own, with only its loopback up; OSError if not.
+    Needs a single-threaded process (the kernel refuses a new user namespace otherwise)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0))[:18])[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
 
 
 def serve(host: str, port: int, threads: int) -> None:
@@ -79,6 +109,11 @@ def main() -> None:
         why = f"--port {a.port} is not a TCP port"
     if why is None and a.threads < 1:
         why = "--threads must be at least 1"
+    if why is None:
+        try:
+            secret = coop_secret()
+        except ValueError as e:
+            why = str(e)
     if why:
         say(f"rpc_server: {why}", 2)
         sys.exit(2)
@@ -92,26 +127,37 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    try:  # the readiness check below must not reach another program already on the port
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((a.host, a.port))
+    listener = socket.socket()  # ours before anything else runs: nobody can take the port in between
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((a.host, a.port))
+        listener.listen(16)
     except OSError as e:
         say(f"rpc_server: cannot listen on {a.host}:{a.port}: {e.strerror or e}", 2)
         sys.exit(1)
+    try:
+        isolate()
+    except OSError as e:
+        say(f"rpc_server: cannot give llama.cpp a private network namespace ({e.strerror or e}); "
+            "refusing to expose its unauthenticated RPC", 2)  # fmt: skip
+        sys.exit(2)
+    with socket.socket() as s:  # a free port of the private loopback: nothing else lives there
+        s.bind(("127.0.0.1", 0))
+        inner = ("127.0.0.1", int(s.getsockname()[1]))
     # llama.cpp's loop never returns to Python: it runs in a thread, this one waits for signals
-    server = threading.Thread(target=serve, args=(a.host, a.port, a.threads), daemon=True)
+    server = threading.Thread(target=serve, args=(*inner, a.threads), daemon=True)
     server.start()
     deadline = time.monotonic() + a.ready_timeout
     while True:
         try:
-            socket.create_connection((a.host, a.port), timeout=5.0).close()  # llama.cpp drops it
+            socket.create_connection(inner, timeout=5.0).close()  # llama.cpp drops it
             break
         except OSError as e:
             if not server.is_alive() or time.monotonic() > deadline:
-                say(f"rpc_server: cannot serve on {a.host}:{a.port}: {e}", 2)
+                say(f"rpc_server: llama.cpp did not start serving: {e}", 2)
                 sys.exit(1)
             time.sleep(0.05)
+    threading.Thread(target=serve_relay, args=(listener, secret, inner), daemon=True).start()
     say(f"CPOOL-RPC ready {a.host}:{a.port}", out)
     while server.is_alive():
         server.join(0.5)
