@@ -35,14 +35,14 @@ class Coop:
         self.nodes: dict[str, H] = {}
         self.dark: set[str] = set()  # nodes a test lets go silent
 
-    def join(self, name: str) -> None:
+    def join(self, name: str, address: str = "127.0.0.1") -> None:
         token = self.api.ok("POST", "/api/v1/join-tokens", json={})["token"]
         body = {
             "join_token": token,
             "name": name,
             "cpu_milli": 4000,
             "memory_mib": 8192,
-            "address": "127.0.0.1",
+            "address": address,
         }
         cred = self.api.ok("POST", "/api/v1/nodes/join", json=body, headers={})["credential"]
         self.nodes[name] = {"Authorization": f"Bearer {cred}"}
@@ -54,10 +54,13 @@ class Coop:
             self.api.ok("POST", f"/api/v1/nodes/{name}/heartbeat", headers=headers)
 
     def step(self) -> dict[str, Any]:
+        self.step_only()
+        return self.plan()
+
+    def step_only(self) -> None:
         self.beat()
         self.api.app.state.controller.acquire()
         assert asyncio.run(self.ctrl.run_once()) is True
-        return self.plan()
 
     def plan(self, name: str = "big") -> dict[str, Any]:
         return dict(self.api.ok("GET", f"{S}/{name}/plan"))
@@ -66,12 +69,16 @@ class Coop:
         items = self.api.ok("GET", A, params={"limit": 500})["items"]
         return [a for a in items if a["name"].startswith(f"coop-{role}-")]
 
-    def peers(self, observer: str, *seen: str) -> None:
-        now = datetime.now(UTC).isoformat()
+    def peers(
+        self, observer: str, *seen: str, at: dict[str, str] | None = None, last_seen: datetime | None = None
+    ) -> None:
+        """`observer` reports `seen` verified, each at its address in `at` (default 127.0.0.1)."""
+        when = (last_seen or datetime.now(UTC)).isoformat()
         body = {
             "peers": [
-                {"peer_key": n, "node_id": n, "address": "127.0.0.1", "port": 5757, "status": "ok",
-                 "source": "unicast", "rtt_ms": 0.2, "bandwidth_mbps": 5000.0, "last_seen": now}
+                {"peer_key": n, "node_id": n, "address": (at or {}).get(n, "127.0.0.1"), "port": 5757,
+                 "status": "ok", "source": "unicast", "rtt_ms": 0.2, "bandwidth_mbps": 5000.0,
+                 "last_seen": when}
                 for n in seen
             ]
         }  # fmt: skip

@@ -29,8 +29,9 @@ from computepool.store.models import (
 LEASE_ID = 1
 # Secrets a job needs while it holds and nobody after: dropped from the stored env (and the
 # request's copy of it) when its allocation ends — a function worker's bearer token, a service
-# replica's key (what the gateway must show it).
-SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN", "CPOOL_SERVICE_KEY"})
+# replica's key (what the gateway must show it), a cooperative plan's secret (COOP_PLAN_SECRET in
+# its service's spec, renamed by the head's launching shell: requests may not name CPOOL_ ones).
+SECRET_ENV = frozenset({"CPOOL_WORKER_TOKEN", "CPOOL_SERVICE_KEY", "CPOOL_COOP_SECRET", "COOP_PLAN_SECRET"})
 
 
 def _has_secret(env: dict[str, str] | None) -> bool:

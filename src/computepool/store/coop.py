@@ -8,7 +8,7 @@ controller, which sizes replicas, never counts or ends them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -43,6 +43,7 @@ class CoopAlloc:
     attempt: int
     node: str | None
     port: int | None
+    created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None
     reason: str
@@ -56,6 +57,8 @@ class NodeRow:
     memory_mib: int
     last_heartbeat_at: datetime
     schedulable: bool
+    labels: dict[str, str] = field(default_factory=dict)
+    taints: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ def put_measurement(s: Session, model_key: str, m: Measurement) -> None:
 # --- nodes and the peers they verified -----------------------------------------------------------
 def nodes(s: Session) -> dict[str, NodeRow]:
     stmt = select(Node.name, Node.address, Node.cpu_milli, Node.memory_mib, Node.last_heartbeat_at,
-                  Node.cordoned, Node.draining)  # fmt: skip
+                  Node.cordoned, Node.draining, Node.labels, Node.taints)  # fmt: skip
     return {
         r.name: NodeRow(
             r.name,
@@ -149,18 +152,23 @@ def nodes(s: Session) -> dict[str, NodeRow]:
             int(r.memory_mib),
             r.last_heartbeat_at,
             not (r.cordoned or r.draining),
+            dict(r.labels or {}),
+            dict(r.taints or {}),
         )  # fmt: skip
         for r in s.execute(stmt)
     }
 
 
-def verified_peers(s: Session, observers: Sequence[str]) -> list[PeerRow]:
-    """Peers these nodes' discovery verified (status ok, with a node id): only these may hold shards."""
+def verified_peers(s: Session, observers: Sequence[str], since: datetime) -> list[PeerRow]:
+    """Peers these nodes' discovery verified (status ok, with a node id) in a report received and a
+    sighting made since `since`: only these may hold shards. An agent resends its view every 30 s
+    even unchanged, so an older row is from an agent that stopped reporting, not a current proof."""
     if not observers:
         return []
     stmt = select(NodePeer).where(
-        NodePeer.observer.in_(list(observers)), NodePeer.status == "ok", NodePeer.node_id.is_not(None)
-    )
+        NodePeer.observer.in_(list(observers)), NodePeer.status == "ok", NodePeer.node_id.is_not(None),
+        NodePeer.reported_at >= since, NodePeer.last_seen >= since,
+    )  # fmt: skip
     return [
         PeerRow(p.observer, str(p.node_id), p.address, p.rtt_ms, p.bandwidth_mbps, p.last_seen)
         for p in s.scalars(stmt.order_by(NodePeer.observer, NodePeer.node_id))
@@ -179,6 +187,7 @@ def _coop_alloc(a: Any) -> CoopAlloc:
         attempt=int(a.attempt),
         node=a.nodes[0] if a.nodes else None,
         port=int(port) if port else None,
+        created_at=a.created_at,
         started_at=a.started_at,
         ended_at=a.ended_at,
         reason=str(a.reason),
@@ -186,8 +195,8 @@ def _coop_alloc(a: Any) -> CoopAlloc:
 
 
 _COOP_COLS = (Allocation.id, Allocation.coop_service_id, Allocation.coop_role, Allocation.state,
-              Allocation.attempt, Allocation.nodes, Allocation.env, Allocation.started_at,
-              Allocation.ended_at, Allocation.reason)  # fmt: skip
+              Allocation.attempt, Allocation.nodes, Allocation.env, Allocation.created_at,
+              Allocation.started_at, Allocation.ended_at, Allocation.reason)  # fmt: skip
 
 
 def live_allocs(s: Session) -> list[CoopAlloc]:

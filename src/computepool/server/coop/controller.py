@@ -14,7 +14,14 @@ term, as the service controller's are), for each service whose spec is `cooperat
   best single device is re-planned onto that device (unless the split was forced);
 - re-planning: an RPC server that ends, a node lost, or a head replica that fails ends the rest,
   drops the lost node, and plans again (measurements are kept). A spec the user changed is
-  planned afresh; a deleted service's RPC servers and probes are ended.
+  planned afresh; a deleted service's RPC servers and probes are ended;
+- failed: tried again after min(2**failures, 60) s, at most MAX_ATTEMPTS plans in a row (a plan
+  that fails every second would churn allocations); a changed spec starts over.
+
+Each plan has its own secret (CPOOL_COOP_SECRET in its RPC servers' and head's env, never in argv):
+llama.cpp's RPC has no authentication, so the engine admits only its holder. Probes and RPC servers
+go only where the service's own selector and tolerations let it, and one not started within
+PENDING_DEADLINE_S gives its node up for the plan instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -33,15 +40,30 @@ from computepool.core.allocation import LIVE
 from computepool.server.coop import measure
 from computepool.server.coop.measure import Speed
 from computepool.server.coop.place import (
+    SECRET_ENV,
     choose,
+    fits,
     free_port,
     head_spec,
+    peer_refusal,
     public_plan,
     rpc_request,
     shape,
     without_command,
 )
-from computepool.server.coop.state import RpcShard, State, canon, empty_public, model_key, public
+from computepool.server.coop.state import Pass as _Pass
+from computepool.server.coop.state import (
+    RpcShard,
+    SpeedCheck,
+    State,
+    canon,
+    empty_public,
+    expire_exclusions,
+    model_key,
+    public,
+    same_file,
+    waited,
+)
 from computepool.server.hub import Hub
 from computepool.server.scheduling import Controller
 from computepool.server.schemas.services import ServiceSpec
@@ -55,30 +77,9 @@ from computepool.store.db import Database, db_now
 log = logging.getLogger("computepool.server")
 PORT_COOLDOWN_S = 300.0  # an RPC port whose server ended is not given again for this long
 MAX_ATTEMPTS = 8  # plans in a row that failed: then the service waits for a changed spec
-
-
-@dataclass(frozen=True)
-class SpeedCheck:
-    service_id: int
-    attempt: int
-    endpoint: str
-    key: str | None = field(repr=False)
-    tokens: int
-
-
-@dataclass
-class _Pass:
-    """What one pass did, for the hub and the log (and what to measure after it)."""
-
-    now: datetime
-    ready: set[str]  # new work may go there: schedulable, heard from lately
-    nodes: dict[str, coop_store.NodeRow]
-    alive: set[str] = field(default_factory=set)  # not lost (a late heartbeat is no reason to re-plan)
-    checks: list[SpeedCheck] = field(default_factory=list)
-    ended_nodes: set[str] = field(default_factory=set)
-    ended: list[int] = field(default_factory=list)
-    started: list[int] = field(default_factory=list)
-    services: list[int] = field(default_factory=list)
+MAX_BACKOFF_S = 60.0  # a failed plan is tried again after min(2**failures, this) seconds
+PEER_FRESH_S = 90.0  # 3x the agents' refresh of an unchanged peer view: older reports prove nothing
+EXCLUSION_S = 60.0  # an excluded node ready again this long (and excluded this long) is used again
 
 
 class CoopController:
@@ -88,6 +89,7 @@ class CoopController:
         self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
         self.auto = True
         self._task: asyncio.Task[None] | None = None
+        self._checks: dict[int, asyncio.Task[None]] = {}  # service id → its running speed check
 
     async def run_once(self) -> bool:
         """One pass; False when this replica does not lead."""
@@ -98,10 +100,19 @@ class CoopController:
         if done is None:
             return False
         self._wake(done)
-        for check in done.checks:
+        self._checks = {sid: t for sid, t in self._checks.items() if not t.done()}
+        for check in done.checks:  # each its own task: one slow replica must not stall every service
+            if check.service_id not in self._checks:
+                task = asyncio.get_running_loop().create_task(self._check(term, check))
+                self._checks[check.service_id] = task
+        return True
+
+    async def _check(self, term: int, check: SpeedCheck) -> None:
+        try:
             speed = await measure.measure_replica(check.endpoint, check.key, check.tokens)
             await asyncio.to_thread(self._speed_done, term, check, speed)
-        return True
+        except Exception:  # a lost database, …: the next pass checks again
+            log.exception("coop controller: speed check of service %d failed", check.service_id)
 
     # --- the pass -----------------------------------------------------------------------------------
     def _pass(self, term: int) -> _Pass | None:
@@ -157,10 +168,21 @@ class CoopController:
                 "measuring",
             )
             reason = "measuring"
-        if status in ("measuring", "replanning", "failed"):
-            if status == "failed" and attempt >= MAX_ATTEMPTS:
+        expire_exclusions(st, p.ready, p.now, EXCLUSION_S)
+        if status == "failed":  # tried again after a back-off, at most MAX_ATTEMPTS times in a row
+            wait = min(2.0**st.failures, MAX_BACKOFF_S)
+            since = (p.now - row.updated_at).total_seconds() if row else wait
+            if st.failures >= MAX_ATTEMPTS or since < wait:
                 return self._save(s, p, svc.id, row, "failed", reason, attempt, pub, st)
+            attempt += 1
+        if status in ("measuring", "replanning", "failed"):
             status, reason, pub = self._plan(s, p, svc, spec, st, pub)
+            if status == "failed":
+                st.failures += 1
+                if st.failures >= MAX_ATTEMPTS:
+                    reason = (
+                        f"gave up after {st.failures} failed plans (last: {reason}); change the spec to retry"
+                    )
         if status in ("starting", "running"):
             status, reason, attempt = self._follow(s, p, svc, spec, st, pub, status, reason, attempt)
         self._save(s, p, svc.id, row, status, reason, attempt, pub, st)
@@ -177,9 +199,14 @@ class CoopController:
     ) -> tuple[str, str, dict[str, object]]:
         coop = spec.cooperative
         assert coop is not None
-        key = model_key(coop)
-        usable = sorted(n for n in p.ready if n not in st.excluded and n not in st.unusable)
-        known = {m.node: m for m in coop_store.measurements(s, key) if m.device == "cpu"}
+        key = model_key(coop, svc.tenant_id)
+        known = same_file({m.node: m for m in coop_store.measurements(s, key) if m.device == "cpu"}, st)
+        usable = sorted(
+            n
+            for n in p.ready
+            if n not in st.excluded and n not in st.unusable and fits(p.nodes[n], spec.request)
+        )
+        size = next((int(m.detail.get("model_bytes") or 0) for m in known.values()), 0)
         probes = coop_store.allocs_by_id(s, list(st.probes.values()))
         pending: list[str] = []
         for n in usable:
@@ -188,9 +215,15 @@ class CoopController:
             pid = st.probes.get(n)
             a = probes.get(pid) if pid is not None else None
             if a is None:
-                req = measure.probe_request(coop, n, svc.tenant, svc.name)
+                mib = measure.probe_memory_mib(size, p.nodes[n].memory_mib)
+                req = measure.probe_request(coop, spec.request, n, mib, svc.tenant, svc.name)
                 st.probes[n] = self._insert(s, svc, "probe", req, None, p)
                 pending.append(n)
+                continue
+            if a.state in ("pending", "bound") and waited(p.now, a) > measure.PENDING_DEADLINE_S:
+                self._end(s, p, a.id, f"not started within {measure.PENDING_DEADLINE_S:g} s")
+                st.unusable[n] = f"its probe was not started within {measure.PENDING_DEADLINE_S:g} s"
+                st.probes.pop(n, None)
                 continue
             if a.state in LIVE:
                 pending.append(n)
@@ -207,22 +240,39 @@ class CoopController:
             else:
                 st.unusable[n] = measure.failure(a.state, a.reason, coop_store.stderr_tail(s, a.id))
                 st.probes.pop(n, None)
+        checked = same_file(known, st)  # a file differing from one measured in this pass: probed again
+        pending += [n for n in usable if n in known and n not in checked and n not in st.unusable]
+        known = checked
         if pending:
             return "measuring", f"measuring the model on {', '.join(pending)}", pub
         measured = {n: m for n, m in known.items() if n in usable}
-        notes = {**{n: f"unusable: {w}" for n, w in st.unusable.items()},
+        notes = {**{n: "not admitted by the service's node selector or tolerations"
+                    for n in p.ready if not fits(p.nodes[n], spec.request)},
+                 **{n: f"unusable: {w}" for n, w in st.unusable.items()},
                  **{n: f"excluded: {w}" for n, w in st.excluded.items()}}  # fmt: skip
         if not measured:
             why = "; ".join(f"{n}: {w}" for n, w in sorted(notes.items())) or "no ready node"
             return "failed", f"no node can run the model ({why})"[:1000], pub
         model = shape(next(iter(measured.values())).detail)
-        peers = coop_store.verified_peers(s, list(measured))
+        fresh = p.now - timedelta(seconds=PEER_FRESH_S)
+        peers: list[coop_store.PeerRow] = []
+        refused: list[str] = []
+        for pr in coop_store.verified_peers(s, list(measured), fresh):
+            refusal = peer_refusal(pr, p.nodes)
+            if refusal is None:
+                peers.append(pr)
+            elif pr.node_id in measured:
+                refused.append(refusal)
         choice = choose(coop, model, measured, peers, single_only=st.single_only is not None)
         new = public_plan(choice, measured, p.nodes, notes, model)
         chosen = choice.plan.chosen
         if chosen is None or choice.head is None:
             return "failed", choice.plan.reason or "the planner chose nothing", new
-        st.plan_reason = "; ".join(w for w in (choice.plan.reason, choice.why, st.single_only or "") if w)
+        refusals = f"peer addresses not used: {'; '.join(refused)}" if refused else ""
+        st.plan_reason = "; ".join(
+            w for w in (choice.plan.reason, choice.why, st.single_only or "", refusals) if w
+        )
+        st.secret = secrets.token_hex(32)  # a new plan, a new secret
         st.head = choice.head
         st.best_single_tps = (
             choice.plan.best_single.predicted_tokens_per_s if choice.plan.best_single else None
@@ -240,8 +290,9 @@ class CoopController:
                 return "failed", f"every RPC port {lo}-{hi} is taken", new
             used.add(port)
             address = by_node[planned.node].address
-            req = rpc_request(coop, planned.node, address, port, planned.memory_mib, svc.tenant, svc.name)
-            env = {coop_store.RPC_PORT_ENV: str(port)}
+            req = rpc_request(coop, spec.request, planned.node, address, port, planned.memory_mib,
+                              svc.tenant, svc.name)  # fmt: skip
+            env = {coop_store.RPC_PORT_ENV: str(port), SECRET_ENV: st.secret}
             alloc = self._insert(s, svc, "rpc", req, env, p)
             endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
             st.rpc.append(RpcShard(alloc, planned.node, endpoint))
@@ -277,6 +328,9 @@ class CoopController:
                 return self._replan(s, p, svc, st, text, {r.node: text}, attempt)
             if not r.ready and a.state == "active":
                 r.ready = measure.RPC_READY_LINE in coop_store.stdout_of(s, a.id)
+            if a.state in ("pending", "bound") and waited(p.now, a) > measure.PENDING_DEADLINE_S:
+                text = f"RPC server on {r.node} not started within {measure.PENDING_DEADLINE_S:g} s"
+                return self._replan(s, p, svc, st, text, {r.node: text}, attempt)
         if st.head_generation is None:
             waiting = [r.node for r in st.rpc if not r.ready]
             if waiting:
@@ -286,9 +340,12 @@ class CoopController:
                     attempt,
                 )
             assert st.head is not None
+            if st.secret is None:  # a plan stored before plans had secrets
+                st.secret = secrets.token_hex(32)
             shards = [_shard(sh) for sh in pub["shards"]]  # type: ignore[attr-defined]
             address = p.nodes[st.head].address or "127.0.0.1"
-            new = head_spec(spec, svc.name, st.head, address, shards, [r.endpoint for r in st.rpc])
+            endpoints = [r.endpoint for r in st.rpc]
+            new = head_spec(spec, svc.name, st.head, address, shards, endpoints, st.secret)
             svc_store.set_spec(s, svc.id, new, svc.generation + 1, p.now)
             st.written, st.head_generation, st.head_written_at = (
                 canon(new),
@@ -300,6 +357,11 @@ class CoopController:
         since = datetime.fromisoformat(st.head_written_at) if st.head_written_at else p.now
         failed = [f for f in svc_store.failed_since(s, since) if f[1] == svc.id]
         if failed:
+            # A head that lost a peer exits at once, maybe before that RPC server's own end reaches
+            # the server: wait a little for it, so that the lost node is left out of the next plan.
+            first = min(f[3] for f in failed)
+            if st.rpc and (p.now - first).total_seconds() < measure.LOG_GRACE_S:
+                return "starting", "head replica failed: checking its RPC servers before re-planning", attempt
             return self._replan(
                 s, p, svc, st, f"head replica {failed[0][0]} failed ({failed[0][2]})", {}, attempt
             )
@@ -313,6 +375,7 @@ class CoopController:
             coop = spec.cooperative
             assert coop is not None
             p.checks.append(SpeedCheck(svc.id, attempt, ready[0].endpoint, ready[0].key, coop.probe_tokens))
+        st.failures = 0
         kind = f"split over {len(st.rpc) + 1} nodes" if st.rpc else f"on {st.head} alone"
         return "running", f"running {kind}: {st.plan_reason}".rstrip(": "), attempt
 
@@ -329,16 +392,24 @@ class CoopController:
         """End what is left of the plan and plan again without the lost nodes (measurements kept)."""
         self._end_all(s, p, st, f"re-planning: {why}")
         st.excluded.update(exclude)
-        st.rpc, st.head, st.head_generation, st.head_written_at = [], None, None, None
+        st.excluded_at.update({n: p.now.isoformat() for n in exclude})
+        for n in exclude:
+            st.ready_since.pop(n, None)
         st.speed_checked, st.split = False, False
+        st.failures += 1
         if svc.spec.get("request", {}).get("command"):  # no head until the new plan is placed
             new = without_command(svc.spec)
             svc_store.set_spec(s, svc.id, new, svc.generation + 1, p.now)
             st.written = canon(new)
             p.services.append(svc.id)
         log.info("coop service %d: re-planning (%s)", svc.id, why)
-        if attempt + 1 > MAX_ATTEMPTS:
-            return "failed", f"gave up after {attempt} plans (last: {why}); change the spec to retry", attempt
+        if st.failures >= MAX_ATTEMPTS:
+            return (
+                "failed",
+                f"gave up after {st.failures} plans in a row that did not run (last: {why}); change the "
+                "spec to retry",
+                attempt,
+            )
         return "replanning", why, attempt + 1
 
     # --- the running plan's speed ----------------------------------------------------------------
@@ -397,11 +468,13 @@ class CoopController:
         coop_store.put_plan(s, sid, status, plan, reason[:4000], attempt, p.now)
 
     def _end_all(self, s: Session, p: _Pass, st: State, why: str) -> None:
+        """End the plan's RPC servers and probes and forget them (and the head, and the secret)."""
         for r in st.rpc:
             self._end(s, p, r.alloc, why)
         for pid in st.probes.values():
             self._end(s, p, pid, why)
         st.probes.clear()
+        st.rpc, st.head, st.head_generation, st.head_written_at, st.secret = [], None, None, None, None
 
     @staticmethod
     def _insert(
@@ -456,6 +529,9 @@ class CoopController:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for task in self._checks.values():
+            task.cancel()
+        self._checks.clear()
 
 
 def _shard(d: dict[str, object]) -> planner.Shard:

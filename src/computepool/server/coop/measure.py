@@ -9,6 +9,7 @@ it (showing the replica's key), so `explain` compares what users get, not a pred
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,19 +20,42 @@ import httpx
 from computepool.server.schemas.allocations import AllocationCreate
 from computepool.server.schemas.coop import CoopSpec
 from computepool.server.services.allocations import _normalise
-from computepool.serving.coop import scripts
+from computepool.serving.coop import planner, scripts
 from computepool.store.coop import Measurement
 
 PROBE_LINE = "CPOOL-PROBE "
 RPC_READY_LINE = "CPOOL-RPC ready "
 PROBE_CPU_MILLI = 1000
-PROBE_MEMORY_MIB = 512
+PROBE_OVERHEAD_MIB = 256  # the engine's own memory (Python, llama.cpp's buffers) beyond the model's
 NODE_LABEL = "cpool.io/node"
 LOG_GRACE_S = 10.0  # an ended probe's last output may reach the server this long after it ended
+PENDING_DEADLINE_S = 120.0  # a probe or RPC server not started by then: its node cannot take it now
 SPEED_PROMPT = "The pool measures"
+MIB = 1 << 20
 
 
-def probe_request(coop: CoopSpec, node: str, tenant: str, service: str) -> dict[str, Any]:
+def probe_memory_mib(model_bytes: int | None, node_memory_mib: int) -> int:
+    """What a probe asks for (and is held to: memory.max): the whole model with the planner's margin
+    plus the engine's own, never more than the node has. Before any probe read the file's size the
+    control plane cannot know it (the file is on the nodes), so the first probes ask for the node's
+    memory: too little would have the model's load killed, and a probe that cannot get it in time
+    marks the node unusable (see PENDING_DEADLINE_S)."""
+    if not model_bytes or model_bytes <= 0:
+        return max(1, node_memory_mib)
+    need = math.ceil(model_bytes * planner.MEMORY_MARGIN / MIB) + PROBE_OVERHEAD_MIB
+    return max(1, min(need, node_memory_mib))
+
+
+def identity(detail: dict[str, Any]) -> tuple[object, ...]:
+    """What tells two probes' model files apart: the size llama.cpp read, and the file's size and
+    digest where the probe reports them. Not its modification time: a file copied to each node
+    has one time per copy, yet it is the same model."""
+    return (detail.get("model_bytes"), detail.get("file_size"), detail.get("file_digest"))
+
+
+def probe_request(
+    coop: CoopSpec, spec: AllocationCreate, node: str, memory_mib: int, tenant: str, service: str
+) -> dict[str, Any]:
     args = [
         "--model",
         coop.model,
@@ -45,8 +69,9 @@ def probe_request(coop: CoopSpec, node: str, tenant: str, service: str) -> dict[
     body = AllocationCreate(
         name=f"coop-probe-{service}"[:63],
         cpu_milli=PROBE_CPU_MILLI,
-        memory_mib=PROBE_MEMORY_MIB,
-        node_selector={NODE_LABEL: node},
+        memory_mib=memory_mib,
+        node_selector={**(spec.node_selector or {}), NODE_LABEL: node},
+        tolerations=spec.tolerations,
         command=scripts.command(coop.engine_python, "probe", args),
         time_limit="10m",
     )

@@ -1,17 +1,25 @@
 """Choosing and placing a cooperative service's plan: the planner's inputs from measurements and
 verified links, the RPC servers' allocations, and the head replica's spec.
 
-RPC shards go only on nodes the head node's discovery verified, at the address that verification
-saw: llama.cpp's RPC protocol has no authentication, so its server binds that private address (the
-engine refuses any other) and the head connects to nothing it was not shown a proof for.
+RPC shards go only on nodes the head node's discovery verified lately, at the address that
+verification saw — and only when that address is the one the control plane itself knows the node
+by (`Node.address`, which only that node's credential sets): the discovery key is shared by every
+node, so a key holder could announce another node's id at an address of its choosing (its own
+loopback, say); the control plane's record is what ties the id to a machine. Loopback and
+link-local addresses mean "this machine" or "this link" whoever says them, so they are used only
+when the head itself is on loopback (a single-machine pool, as tests and `cpool bench coop` run).
+The RPC server binds that private address (the engine refuses any other) and admits only the
+holder of the plan's secret.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from computepool.scheduler.constraints import tolerates
 from computepool.server.coop.measure import NODE_LABEL
 from computepool.server.schemas.allocations import AllocationCreate
 from computepool.server.schemas.coop import CoopSpec
@@ -23,6 +31,48 @@ from computepool.store.coop import Measurement, NodeRow, PeerRow
 RPC_CPU_MILLI = 1000
 RPC_MEMORY_MIB = 256  # beyond the shard's own memory
 MIB = 1 << 20
+SECRET_ENV = "CPOOL_COOP_SECRET"  # what the engine programs read the plan's secret from
+# A service's request.env may not name CPOOL_ variables (schemas/allocations.check_env_name), so the
+# head's spec carries the secret under this name and its launching shell renames it.
+SPEC_SECRET_ENV = "COOP_PLAN_SECRET"
+
+
+def fits(node: NodeRow, request: AllocationCreate) -> bool:
+    """Whether the service's own node selector and tolerations let its allocations go to `node`.
+    Not the node label: the controller itself pins the head's spec with it (and probes and RPC
+    servers get their own)."""
+    if any(node.labels.get(k) != v for k, v in (request.node_selector or {}).items() if k != NODE_LABEL):
+        return False
+    allowed = frozenset(request.tolerations or ())
+    return all(tolerates(allowed, k, v) for k, v in node.taints.items())
+
+
+def peer_refusal(peer: PeerRow, nodes: dict[str, NodeRow]) -> str | None:
+    """Why this verified peer row may not place an RPC shard (None: it may); see the module's doc."""
+    node, head = nodes.get(peer.node_id), nodes.get(peer.observer)
+    if node is None or head is None:
+        return f"{peer.node_id} as seen by {peer.observer}: not a node of the pool"
+    where = f"{peer.node_id} as seen by {peer.observer}"
+    try:
+        seen = ipaddress.ip_address(peer.address)
+    except ValueError:
+        return f"{where}: announced address is not an IP address"
+    try:
+        known = ipaddress.ip_address(node.address)
+    except ValueError:
+        return f"{where}: the pool knows the node by {node.address or 'no address'!r}, not an IP address"
+    if seen != known:
+        return f"{where}: announced at {seen}, but the pool knows the node at {known}"
+    if seen.is_unspecified:
+        return f"{where}: unspecified address {seen}"
+    if seen.is_loopback or seen.is_link_local:
+        try:
+            local = ipaddress.ip_address(head.address).is_loopback
+        except ValueError:
+            local = False
+        if not local:
+            return f"{where}: {seen} is loopback or link-local, and the head {peer.observer} is not"
+    return None
 
 
 def shape(detail: dict[str, Any]) -> planner.ModelShape:
@@ -108,14 +158,17 @@ def _candidate(m: Measurement) -> planner.Candidate:
 
 
 def rpc_request(
-    coop: CoopSpec, node: str, host: str, port: int, memory_mib: int, tenant: str, service: str
-) -> dict[str, Any]:
+    coop: CoopSpec, spec: AllocationCreate, node: str, host: str, port: int, memory_mib: int, tenant: str,
+    service: str,
+) -> dict[str, Any]:  # fmt: skip
+    """An RPC server's allocation (its secret goes in its env, never in these args)."""
     args = ["--host", host, "--port", str(port), "--threads", "1"]
     body = AllocationCreate(
         name=f"coop-rpc-{service}"[:63],
         cpu_milli=RPC_CPU_MILLI,
         memory_mib=memory_mib + RPC_MEMORY_MIB,
-        node_selector={NODE_LABEL: node},
+        node_selector={**(spec.node_selector or {}), NODE_LABEL: node},
+        tolerations=spec.tolerations,
         command=scripts.command(coop.engine_python, "rpc_server", args),
     )
     return _normalise(body, tenant)
@@ -132,9 +185,11 @@ def head_spec(
     address: str,
     shards: Sequence[planner.Shard],
     endpoints: Sequence[str],
+    secret: str,
 ) -> dict[str, Any]:
     """The service's spec with the head replica's command (the engine gets the port the service
-    controller picks from `port_env`, through a shell) and pinned to the head node."""
+    controller picks from `port_env`, and the plan's secret, through a shell: never in argv) and
+    pinned to the head node."""
     coop = spec.cooperative
     assert coop is not None
     threads = max(1, spec.request.cpu_milli // 1000)
@@ -145,11 +200,13 @@ def head_spec(
         args += ["--rpc", ",".join(endpoints), "--n-gpu-layers", str(n_gpu_layers)]
         if split:
             args += ["--tensor-split", ",".join(f"{x:g}" for x in split)]
-    launch = f'exec "$0" "$@" --port "${spec.port_env}"'
+    launch = (f'{SECRET_ENV}="${SPEC_SECRET_ENV}"; export {SECRET_ENV}; unset {SPEC_SECRET_ENV}; '
+              f'exec "$0" "$@" --port "${spec.port_env}"')  # fmt: skip
     command = ["/bin/sh", "-c", launch, *scripts.command(coop.engine_python, "head", args)]
     dumped = spec.model_dump(mode="json", exclude_unset=False)
     request = dict(dumped["request"])
     request["command"] = command
+    request["env"] = {**(request.get("env") or {}), SPEC_SECRET_ENV: secret}
     request["node_selector"] = {**(request.get("node_selector") or {}), NODE_LABEL: head}
     dumped["request"] = {k: v for k, v in request.items() if v is not None}
     if spec.health_path == "/health":
@@ -158,8 +215,13 @@ def head_spec(
 
 
 def without_command(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec with no head command: the service controller then runs no replica (while re-planning)."""
+    """The spec with no head command (and no plan secret): the service controller then runs no
+    replica (while re-planning)."""
     request = {k: v for k, v in dict(spec.get("request") or {}).items() if k != "command"}
+    env = {k: v for k, v in dict(request.get("env") or {}).items() if k != SPEC_SECRET_ENV}
+    request.pop("env", None)
+    if env:
+        request["env"] = env
     return dict(spec, request=request)
 
 
@@ -190,7 +252,7 @@ def public_plan(
         candidates.append({
             "node": name, "device": m.device if m else "cpu", "tokens_per_s": m.tokens_per_s if m else None,
             "memory_mib": m.memory_mib if m else (nodes[name].memory_mib if name in nodes else 0),
-            "holds_model": bool(m and m.memory_mib * MIB >= model.model_bytes),
+            "holds_model": bool(m and model.model_bytes * planner.MEMORY_MARGIN <= m.memory_mib * MIB),
             "measured_at": m.measured_at.isoformat() if m else None, "note": note[:500],
         })  # fmt: skip
     return {

@@ -73,7 +73,7 @@ def _out(svc: store.ServiceRow, reps: list[store.ReplicaRow], load: Load | None)
         inflight=load.inflight if load else 0,
         queued=load.queued if load else 0,
         reason=svc.reason,
-        spec=ServiceSpec.model_validate(svc.spec),
+        spec=ServiceSpec.model_validate(_shown_spec(svc.spec)),
         replicas=[_replica_out(r, load) for r in reps],
         created_at=svc.created_at,
         updated_at=svc.updated_at,
@@ -234,3 +234,9 @@ def drain_or_cancel(s: Session, reps: list[store.ReplicaRow], why: str, now: dat
         alloc_store.end(s, head, "cancelled", why, now)
         nodes.extend(head.nodes)
     return nodes
+
+
+def _shown_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as readers see it: secrets the pool put in request.env (a cooperative plan's) hidden."""
+    request = spec.get("request")
+    return spec if not isinstance(request, dict) else dict(spec, request=allocations._hidden(request))

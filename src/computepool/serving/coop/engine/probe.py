@@ -29,6 +29,18 @@ if TYPE_CHECKING:  # at run time the loader has run relay.py in this namespace a
 PROMPT = b"The pool measures"
 
 
+def _digest(path: str) -> str:
+    """SHA-256 of the file's first and last MiB: tells two different files of one size apart cheaply."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
 def fail(why: str, status: int = 1) -> None:
     os.write(2, f"probe: {why}\n".encode())  # one write: llama.cpp writes to stderr too
     os._exit(status)  # also when llama.cpp still holds a thread in a blocking call
@@ -136,7 +148,8 @@ def main() -> None:
         "n_vocab": n_vocab, "n_params": params, "model_bytes": size, "embd_bytes": embd,
         "layer_bytes": (size - embd) // max(n_layer, 1), "text": m.detokenize(out).decode("utf-8", "replace"),
         "load_s": round(load_s, 3), "threads": a.threads, "rpc": endpoints,
-        "n_gpu_layers": a.n_gpu_layers if endpoints else 0,
+        "n_gpu_layers": a.n_gpu_layers if endpoints else 0, "file_size": os.stat(a.model).st_size,
+        "file_digest": _digest(a.model),
     }  # fmt: skip
     os.write(result_fd, f"CPOOL-PROBE {json.dumps(result)}\n".encode())
     os._exit(0)  # skip llama.cpp's teardown: freeing remote buffers of a dying peer could abort
