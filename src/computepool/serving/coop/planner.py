@@ -20,7 +20,11 @@ after another, never at once):
   On this (busy, 2-core) VM, tiny model, 200 tokens, medians of 7 probes: one process alone
   0.35-0.46 ms/token (2,200-2,800 tokens/s); the forced two-node split (layer 1 and the output on an
   RPC server) 1.05-1.09 ms/token (915-950 tokens/s) over loopback and over a veth pair alike (rtt
-  0.05-0.3 ms). Predicted with HOP_OVERHEAD_S = 0.6 ms: 1.0 ms/token (990 tokens/s), within 10%.
+  0.05-0.3 ms), 0.6 ms of overhead per hop, with llama.cpp's RPC reached directly. Since every
+  connection between nodes goes through the authenticated relay (engine/relay.py: a Python thread
+  pumps each direction), a hop costs more: probes 1.5-1.7 ms/token split against 0.15-0.36 alone
+  (1.3 ms more), and through the gateway (`cpool bench coop`, 2 runs) 2.8-2.9 ms against
+  0.6-0.8 (2.1 ms more). HOP_OVERHEAD_S = 1.5 ms sits between the two.
 
 Because the shards run one after another, a split's compute time is a speed-weighted average of its
 devices' and can never beat the fastest device alone: a split pays off only when no single device
@@ -42,7 +46,7 @@ from typing import Literal
 
 ROUND_TRIPS_PER_HOP = 1
 HOP_BYTES = 4096
-HOP_OVERHEAD_S = 0.0006
+HOP_OVERHEAD_S = 0.0015
 MEMORY_MARGIN = 1.15
 MAX_REMOTES = 8  # more usable remote devices than this: the fastest and the roomiest are weighed
 MIB = 1 << 20
