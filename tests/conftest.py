@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,16 @@ POD_HEADER = (
     "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,"
     "qos,pod_phase,creation_time,deletion_time,scheduled_time"
 )
+
+
+@pytest.fixture(autouse=True)
+def _umask_kept() -> Iterator[None]:
+    """Each test ends with the umask it began with: a command run in-process that narrows it (the
+    agent's and `cpool up`'s 077) would make every later test's directories closed to tenants."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    yield
+    os.umask(umask)
 
 
 @pytest.fixture(scope="session")

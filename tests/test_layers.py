@@ -18,11 +18,12 @@ ALLOWED = {
     "scheduler": {"core"},
     "store": {"core"},
     "sim": {"core", "scheduler"},
-    "server": {"core", "scheduler", "store"},
-    "agent": {"core"},
-    "client": {"core", "serving"},
+    "server": {"core", "scheduler", "store", "discovery", "serving"},
+    "agent": {"core", "discovery"},
+    "client": {"core", "serving", "discovery"},
     "sdk": {"core", "client"},
     "serving": set(),  # engines and traces that run as a tenant's job: nothing of the pool's
+    "discovery": set(),  # signed LAN announcements: shared by the agent, the server and benchmarks
 }
 
 

@@ -6,6 +6,7 @@ The CLI is invoked through Typer's runner with the server and token in the envir
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def cli(app: typer.Typer, server: PoolServer, tmp_path: Path) -> Cli:
     def run(*args: str, env: dict[str, str | None] | None = None, input: str | None = None) -> Result:
         base: dict[str, str | None] = {"CPOOL_SERVER": server.url, "CPOOL_TOKEN": server.token}
         base["CPOOL_CONFIG"] = config
-        return runner.invoke(app, list(args), env={**base, **(env or {})}, input=input)
+        # commands run in this process: one that narrows the umask (`cpool agent`, `cpool up`) must
+        # not leave every later test making directories that no tenant's user may pass
+        umask = os.umask(0o022)
+        os.umask(umask)
+        try:
+            return runner.invoke(app, list(args), env={**base, **(env or {})}, input=input)
+        finally:
+            os.umask(umask)
 
     return run

@@ -238,9 +238,10 @@ def test_a_model_split_over_two_nodes_then_replanned_when_one_fails(pool: Pool, 
         assert kill_rpc_server(port) >= 1
         t.join(120)
         assert not t.is_alive(), "the request hung after its RPC server died"
-        # cut short, not hung. (Its end is not yet an explicit error event: llama_cpp.server may close
-        # a failed stream with [DONE], and the gateway passes the cut through as it came.)
-        assert outcome["events"] < CTX - 16, outcome
+        # cut short, not hung, and told: the head exits at once (never a [DONE]) and the gateway ends
+        # the stream with an error event
+        assert outcome["events"] < CTX - 16 and not outcome["done"], outcome
+        assert "error" in outcome, outcome
 
         again = wait_for(
             "the re-planned service running on the other node",

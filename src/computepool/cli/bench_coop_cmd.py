@@ -59,7 +59,9 @@ def register(bench_app: typer.Typer) -> None:
                 err_console.print(line, highlight=False, markup=False)
 
         try:
-            out: dict[str, Any] = run_coop_bench(settings, say)
+            from computepool.agent.tenants import remove_tenant_user
+
+            out: dict[str, Any] = run_coop_bench(settings, say, remove_tenant_user)
         except BenchError as e:
             raise fail(f"bench coop: {e}", 1) from None
         if json_out:

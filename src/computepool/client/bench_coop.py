@@ -26,6 +26,7 @@ import secrets
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,14 +242,16 @@ def _auth_cost() -> dict[str, Any] | None:
     return dict(bench.auth_cost())
 
 
-def run_coop_bench(s: CoopBenchSettings, say: Say = lambda _: None) -> dict[str, Any]:
+def run_coop_bench(
+    s: CoopBenchSettings, say: Say = lambda _: None, forget_tenant: Callable[[str], object] = lambda _: None
+) -> dict[str, Any]:
     """The whole bench; returns what `cpool bench coop --json` prints."""
     from computepool.serving.tinymodel import write_tiny_llama
 
     check_engine_python(s.engine_python)
     if os.geteuid() != 0:
         raise BenchError("the bench's agents run jobs as tenant users: run it as root")
-    with bench_pool(say) as (pool, admin):
+    with bench_pool(say, forget_tenant) as (pool, admin):
         models = pool.root / "models"
         models.mkdir(mode=0o755)
         model = write_tiny_llama(models / "tiny.gguf", seed=MODEL_SEED)

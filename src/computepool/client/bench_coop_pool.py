@@ -230,16 +230,18 @@ def _kill_under(root: Path) -> int:
 
 
 @contextlib.contextmanager
-def bench_pool(say: Say) -> Iterator[tuple[BenchPool, PoolClient]]:
-    from computepool.agent.tenants import remove_tenant_user
-
+def bench_pool(
+    say: Say, forget_tenant: Callable[[str], object] = lambda _: None
+) -> Iterator[tuple[BenchPool, PoolClient]]:
+    """The bench's own pool; `forget_tenant` removes the tenant's Unix user at the end (the CLI
+    passes the agent's own function: the client layer does not reach into the agent's)."""
     root = Path("/var/tmp") / f"cpool-bench-coop-{secrets.token_hex(4)}"
     root.mkdir(mode=0o755)
     root.chmod(0o755)
     server = Proc(
         "the bench's server",
         _cpool("server", "--data-dir", str(root / "server"), "--host", HOST, "--port", str(free_port()),
-               "--service-ports", _service_ports()),
+               "--service-ports", _service_ports(), "--rpc-ports", _service_ports()),
         root / "server.log",
     )  # fmt: skip
     pool = BenchPool(root, server)
@@ -270,7 +272,7 @@ def bench_pool(say: Say) -> Iterator[tuple[BenchPool, PoolClient]]:
         _kill_under(root)
         if pool.tenant:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                remove_tenant_user(pool.tenant)
+                forget_tenant(pool.tenant)
         shutil.rmtree(root, ignore_errors=True)
 
 
