@@ -230,8 +230,12 @@ def test_spawn_result_timeout_and_cancel(pool: Pool, cluster: Cluster) -> None:
 
 
 CALLER = """
-import sys, time
+import signal, sys, time
 from computepool import Pool
+
+# Ctrl-C as at a terminal, even where this test runs in the background (a shell's `cmd &` starts
+# its children with SIGINT ignored, and Python keeps an ignored SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pool = Pool(server=sys.argv[1], token=sys.argv[2])
 
