@@ -8,6 +8,7 @@ import socket
 import subprocess
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,28 @@ class PgServer:
             conn.execute(f'CREATE SCHEMA "{name}"')
         self.schemas.append(name)
         return f"postgresql+psycopg://{PG_USER}@127.0.0.1:{self.port}/postgres?options=-csearch_path%3D{name}"
+
+    def url(self, dbname: str) -> str:
+        return f"postgresql+psycopg://{PG_USER}@127.0.0.1:{self.port}/{dbname}"
+
+    def make_template(self, migrate: Callable[[str], None]) -> str:
+        """One database migrated once per session, that `copy_template` clones for each test."""
+        name = f"tmpl_{uuid.uuid4().hex[:12]}"
+        with self.admin_conn() as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        migrate(self.url(name))
+        return name
+
+    def copy_template(self, template: str) -> str:
+        """A migrated database of the test's own: PostgreSQL copies the template's files."""
+        name = f"t_{uuid.uuid4().hex[:12]}"
+        with self.admin_conn() as conn:
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}" STRATEGY FILE_COPY')
+        return name
+
+    def drop(self, dbname: str) -> None:
+        with self.admin_conn() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
 
 
 class Api:

@@ -19,8 +19,8 @@ VALUES (1, :attempt, :stream, :offset, :pos, :size, :data)
 """
 
 
-def test_0008_places_old_chunks_in_their_own_stream(db_url: str) -> None:
-    db = Database(db_url)
+def test_0008_places_old_chunks_in_their_own_stream(empty_db_url: str) -> None:
+    db = Database(empty_db_url)
     try:
         upgrade(db, "0007")
         # output as the server stored it before: one combined log, arrival order (two attempts)

@@ -10,8 +10,8 @@ from computepool.store.db import db_now
 from computepool.store.models import Base
 
 
-def test_migrations_match_models(db_url: str) -> None:
-    db = Database(db_url)
+def test_migrations_match_models(empty_db_url: str) -> None:
+    db = Database(empty_db_url)
     try:
         upgrade(db)
         upgrade(db)
