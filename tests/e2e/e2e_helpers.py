@@ -22,7 +22,6 @@ import computepool
 from computepool.core.tls import client_context
 
 SRC = Path(computepool.__file__).parent.parent
-HAVE_ALLOCATIONS = (SRC / "computepool" / "server" / "routers" / "allocations.py").exists()
 
 
 def _job_python() -> str:

@@ -7,12 +7,9 @@ import subprocess
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, child_env, cpool
+from e2e_helpers import child_env, cpool
 
 from computepool.client.bench_pool import peak_overlap
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
 JOBS_KEYS = {
     "start_latency_p50_ms",

@@ -19,13 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import child_env, cpool, free_port, stop, wait_for
 
 from computepool.agent.container import Podman
 from computepool.agent.tenants import remove_tenant_user
 
 pytestmark = [
-    pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet"),
     pytest.mark.skipif(os.geteuid() != 0, reason="container jobs need a root agent (rootful podman)"),
 ]
 

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
 from computepool.agent.join import tenant_pythons
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import (
-    HAVE_ALLOCATIONS,
     Pool,
     alive,
     child_env,
@@ -26,8 +25,6 @@ from e2e_helpers import (
     stop,
     wait_for,
 )
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
 ADDRESSES = {"gang-a": "127.0.0.2", "gang-b": "127.0.0.3"}
 GANG_VARS = (

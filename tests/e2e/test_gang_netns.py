@@ -24,16 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, SRC, alive, wait_for
+from e2e_helpers import alive, wait_for
 from netns import Cluster, HostsUnavailable, two_hosts
 
-HAVE_GANGS = (SRC / "computepool" / "agent" / "gang.py").exists()
 TORCH_VENV = Path(os.environ.get("CPOOL_TEST_TORCH_VENV") or "/opt/computepool-test/torch-venv")
 
-pytestmark = [
-    pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet"),
-    pytest.mark.skipif(not HAVE_GANGS, reason="the gang runtime is not built yet"),
-]
 
 # Each member joins the gang's rendezvous at MASTER_ADDR:MASTER_PORT (env://), sums rank + 1 over
 # both, and prints what it saw as one JSON line, with which members' addresses are its own.

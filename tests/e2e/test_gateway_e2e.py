@@ -9,12 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, job_readable_copy, local_pool, wait_for
+from e2e_helpers import JOB_PYTHON, job_readable_copy, local_pool, wait_for
 
 import computepool
 
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="needs the allocations API")
 # a copy jobs can read wherever the checkout is (their sandbox hides /tmp)
 SIMENGINE = job_readable_copy(Path(computepool.__file__).parent / "serving" / "simengine.py")
 

@@ -14,9 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, cpool, local_pool, wait_for
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
+from e2e_helpers import JOB_PYTHON, Pool, cpool, local_pool, wait_for
 
 # Lines long enough that a chunk boundary falls inside them, alternating between the two streams.
 INTERLEAVED = (

@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
+from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
 SPEC = "1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb,1xA100-80GB"
 SHOW_GPU = "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'])"

@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 from e2e_helpers import (
-    HAVE_ALLOCATIONS,
     Pool,
     alive,
     child_env,
@@ -23,8 +22,6 @@ from e2e_helpers import (
     stop,
     wait_for,
 )
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 
 
 @dataclass

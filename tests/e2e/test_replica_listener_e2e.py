@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import (
-    HAVE_ALLOCATIONS,
     JOB_PYTHON,
     child_env,
     cpool,
@@ -33,7 +32,6 @@ import computepool
 from computepool.agent.tenants import remove_tenant_user
 
 pytestmark = [
-    pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="needs the allocations API"),
     pytest.mark.skipif(os.geteuid() != 0, reason="tenant users need a root agent"),
 ]
 # a copy jobs can read wherever the checkout is (their sandbox hides /tmp)

@@ -9,9 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
+from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
 
 @pytest.fixture(scope="module")

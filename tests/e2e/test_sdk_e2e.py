@@ -20,15 +20,13 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import SRC, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import child_env, cpool, free_port, stop, wait_for
 
 import computepool.sdk.pool as sdk_pool
 from computepool.core.tls import client_context, generate_self_signed
 from computepool.sdk import CallCancelled, IncompatiblePython, Pool, RemoteError, RemoteTraceback
 
-HAVE_FUNCTIONS = (SRC / "computepool" / "server" / "routers" / "functions.py").exists()
 pytestmark = [
-    pytest.mark.skipif(not HAVE_FUNCTIONS, reason="the functions API is not built yet"),
     pytest.mark.skipif(os.geteuid() != 0, reason="tenant users need a root agent"),
     pytest.mark.skipif(not os.access("/usr/bin/python3.11", os.X_OK), reason="workers need python3.11"),
     pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the caller must match the node's 3.11"),

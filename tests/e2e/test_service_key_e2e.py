@@ -17,13 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, cpool, job_readable_copy, local_pool, wait_for
+from e2e_helpers import JOB_PYTHON, Pool, cpool, job_readable_copy, local_pool, wait_for
 
 import computepool
 from computepool.agent.tenants import remove_tenant_user
 
 pytestmark = [
-    pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="needs the allocations API"),
     pytest.mark.skipif(os.geteuid() != 0, reason="tenant users need a root agent"),
 ]
 # a copy jobs can read wherever the checkout is (their sandbox hides /tmp)

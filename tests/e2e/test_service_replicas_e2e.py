@@ -9,10 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, local_pool, wait_for
-
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="needs the allocations API")
+from e2e_helpers import JOB_PYTHON, local_pool, wait_for
 
 ENGINE = textwrap.dedent(
     """

@@ -21,13 +21,12 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, child_env, cpool, free_port, stop, wait_for
 
 from computepool.agent.tenants import remove_tenant_user, user_name
 from computepool.core.tarsafe import sha256_hex
 
 pytestmark = [
-    pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet"),
     pytest.mark.skipif(os.geteuid() != 0, reason="tenant users need a root agent"),
 ]
 

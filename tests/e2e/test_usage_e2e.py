@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import HAVE_ALLOCATIONS, JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
-pytestmark = pytest.mark.skipif(not HAVE_ALLOCATIONS, reason="the allocations API is not built yet")
 SIM = "2xA100-80GB"  # reported as model A100; core.power: 55 W idle, 400 W at full use
 
 

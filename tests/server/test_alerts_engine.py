@@ -26,7 +26,9 @@ def expire_lease(api: Api) -> None:
 def second_replica(api: Api, holder: str) -> tuple[Controller, AlertEngine]:
     state = api.app.state
     controller = Controller(state.db, state.settings, state.hub, holder=holder)
-    engine = AlertEngine(state.db, state.settings, state.hub, controller, audit_problem=lambda: None)
+    engine = AlertEngine(
+        state.db, state.settings, state.hub, controller.leadership, audit_problem=lambda: None
+    )
     return controller, engine
 
 
@@ -44,7 +46,7 @@ def test_leader_changes_fire_once_and_resolve_and_the_old_leader_is_fenced_out(a
     # the old leader still believes it leads (its lease is within its TTL here): its writes are fenced
     old: AlertEngine = api.app.state.alert_engine
     api.app.state.audit_problem = "made up"
-    assert old.controller.term == 1
+    assert old.leadership.term == 1
     assert old.run_once().leader is False
     assert firing(api, "audit-chain-broken") == []
     # the change resolves after its window (10 min by default), and does not fire again
@@ -97,7 +99,7 @@ def test_a_broken_audit_chain_fires_and_a_repaired_view_resolves(api: Api) -> No
     problem: list[str | None] = ["records cut from the end"]
     state = api.app.state
     engine = AlertEngine(
-        state.db, state.settings, state.hub, state.controller, audit_problem=lambda: problem[0]
+        state.db, state.settings, state.hub, state.leadership, audit_problem=lambda: problem[0]
     )
     assert engine.run_once().fired == []  # already firing: never a second alert
     problem[0] = None

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
-from computepool.store import Database, upgrade
-from computepool.store import allocations as store
+from computepool.store import Database, logs, upgrade
 
 ALLOC = """
 INSERT INTO allocations (id, name, tenant_id, owner, request, priority, restartable, state, reason,
@@ -39,10 +38,10 @@ def test_0008_places_old_chunks_in_their_own_stream(empty_db_url: str) -> None:
                 pos += len(data)
         upgrade(db)
         with db.read() as s:
-            assert store.read_log(s, 1, 0, "stdout", 0, 1 << 20) == ("a1\nb1\na2\n", 9)
-            assert store.read_log(s, 1, 0, "stderr", 0, 1 << 20) == ("E1\n", 3)
-            assert store.read_log(s, 1, 0, "stdout", 6, 1 << 20) == ("a2\n", 9)
-            assert store.log_length(s, 1, 0, "stdout") == 9
-            assert store.stream_length(s, 1, 2, "stdout") == 3  # the agent's offsets stay per attempt
+            assert logs.read_log(s, 1, 0, "stdout", 0, 1 << 20) == ("a1\nb1\na2\n", 9)
+            assert logs.read_log(s, 1, 0, "stderr", 0, 1 << 20) == ("E1\n", 3)
+            assert logs.read_log(s, 1, 0, "stdout", 6, 1 << 20) == ("a2\n", 9)
+            assert logs.log_length(s, 1, 0, "stdout") == 9
+            assert logs.stream_length(s, 1, 2, "stdout") == 3  # the agent's offsets stay per attempt
     finally:
         db.dispose()

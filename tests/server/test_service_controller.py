@@ -442,7 +442,7 @@ def test_only_the_lease_holder_runs_services(pool: Pool) -> None:
     pool.api.app.state.controller.acquire()  # this replica holds the scheduling lease
     other = Controller(pool.api.app.state.db, pool.api.settings, Hub(), holder="another-replica")
     assert other.acquire() is None
-    rival = ServiceController(pool.api.app.state.db, pool.api.settings, Hub(), other)
+    rival = ServiceController(pool.api.app.state.db, pool.api.settings, Hub(), other.leadership)
     assert asyncio.run(rival.run_once()) == PassReport(leader=False)
     assert pool.replicas("chat") == []
     assert len(pool.step().started) == 1

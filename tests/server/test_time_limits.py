@@ -74,7 +74,7 @@ def test_only_the_lease_holder_applies_time_limits(api: Api) -> None:
     cycle(api)  # this replica's controller holds the lease
     time.sleep(1.1)
     other = Controller(api.app.state.db, api.settings, Hub(), holder="another-replica")
-    report = Reclaimer(api.app.state.db, api.settings, Hub(), other).run_once()
+    report = Reclaimer(api.app.state.db, api.settings, Hub(), other.leadership).run_once()
     assert not report.leader and report.ended == []
     assert get(api, job["id"])["state"] == "bound"
     api.app.state.controller.acquire()

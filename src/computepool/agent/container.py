@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 
 if TYPE_CHECKING:
-    from computepool.agent.executor import JobSpec
+    from computepool.agent.jobspec import JobSpec
 
 CONF_FILE = "containers.conf"
 LABEL = "computepool"

@@ -19,7 +19,7 @@ from computepool.agent.assignment import ASSIGNMENT_FILE, Assignment, assignment
 from computepool.agent.blobs import BlobCache, CodeUnavailable
 from computepool.agent.devices import NodeInventory, SimulatedBackend
 from computepool.agent.devices.simulated import SIM_MEMORY_FILE_ENV, SIM_MEMORY_FILE_NAME
-from computepool.agent.executor import Executor, JobSpec
+from computepool.agent.executor import Executor
 from computepool.agent.isolation import (
     IsolationUnavailable,
     MemoryWatchdog,
@@ -29,6 +29,7 @@ from computepool.agent.isolation import (
     slice_env,
 )
 from computepool.agent.jobfiles import write_job_file
+from computepool.agent.jobspec import JobSpec
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.core.allocation import Isolation, Slice
 from computepool.core.errors import InvalidInput

@@ -30,7 +30,7 @@ from computepool.agent.tenants import TenantUserError, ensure_tenant_user
 
 if TYPE_CHECKING:
     from computepool.agent.container import Podman
-    from computepool.agent.executor import JobSpec
+    from computepool.agent.jobspec import JobSpec
 
 _PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "LD_LIBRARY_PATH")
 

@@ -18,35 +18,16 @@ different labels), so they are applied as a node mask beside `schedulable`, cach
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from computepool.core.errors import InvalidInput
 from computepool.core.request import Request
-
-KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")
-VALUE_RE = re.compile(r"^[A-Za-z0-9_.:/@ -]{0,63}$")
 
 # What `rejections` codes mean, in the words `explain` shows.
 OK, SELECTOR, TAINT, DEDICATED = 0, 1, 2, 3
 LABELS = {SELECTOR: "node selector", TAINT: "untolerated taint", DEDICATED: "dedicated to another tenant"}
-
-
-def parse_pair(text: str, field_name: str, *, value_required: bool = True) -> tuple[str, str]:
-    """`key=value` (or a bare `key` when `value_required` is False) → (key, value)."""
-    key, sep, value = text.partition("=")
-    if not sep and value_required:
-        raise InvalidInput(field_name, f"expected KEY=VALUE, got {text!r}")
-    if not KEY_RE.match(key):
-        raise InvalidInput(field_name, f"bad key {key!r} in {text!r} (letters, digits, '_./-', up to 63)")
-    if not VALUE_RE.match(value):
-        raise InvalidInput(
-            field_name, f"bad value {value!r} in {text!r} (letters, digits, '_.:/@ -', up to 63)"
-        )
-    return key, value
 
 
 def tolerates(tolerations: frozenset[str], key: str, value: str) -> bool:

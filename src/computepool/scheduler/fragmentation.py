@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import Request
 
 TypicalKey = tuple[int, int, int, frozenset[str] | None]
@@ -137,7 +136,3 @@ def frag_after_share(
 def sigmoid_score(f0: np.ndarray, f1: np.ndarray, temperature: float = 1000.0) -> np.ndarray:
     """FGD's node score: 100·sigmoid((F0 − F1)/temperature), truncated to a whole number."""
     return np.floor((1.0 / (1.0 + np.exp(-(f0 - f1) / temperature))) * 100.0)
-
-
-def whole_device(milli: int) -> bool:
-    return milli >= MILLI_PER_DEVICE

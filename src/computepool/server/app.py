@@ -9,7 +9,6 @@ wake-up hub on `app.state.hub`, the Prometheus registry on `app.state.metrics`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -34,8 +33,10 @@ from computepool.server.errors import ApiError, install_handlers
 from computepool.server.gateway import Gateway
 from computepool.server.gateway import router as gateway_router
 from computepool.server.hub import Hub
+from computepool.server.leadership import Leadership
 from computepool.server.ledger import Accountant
 from computepool.server.limits import capped_receive, too_large
+from computepool.server.loops import Loops, Periodic
 from computepool.server.policy import Action
 from computepool.server.reclaim import Reclaimer
 from computepool.server.routers import api_routers, health
@@ -150,34 +151,28 @@ def _migrate_and_bootstrap(db: Database, settings: ServerSettings) -> None:
     ensure_admin(db, settings.admin_token_path)
 
 
-async def _checkpoints(db: Database) -> None:
-    """SQLite's log is folded back into the file here, once a second, off the write path."""
-    if db.dialect != "sqlite":
-        return
-    while True:
-        await asyncio.sleep(CHECKPOINT_EVERY_S)
-        try:
-            await asyncio.to_thread(db.checkpoint)
-        except Exception as e:  # a busy or vanished file: the next round tries again
-            log.debug("checkpoint skipped: %s", e)
-
-
-async def _audit_watch(app: FastAPI) -> None:
+class _AuditWatcher:
     """The whole chain once at start (a broken one is logged loudly and shown in /readyz and the
     metrics, but the pool keeps serving), then the head against this server's anchor each second."""
-    state = app.state
-    settings: ServerSettings = state.settings
-    watch = audit_checks.Watch(state.db, settings.audit_anchor_path)
-    problem: str | None = None
-    try:
-        report = await asyncio.to_thread(audit_checks.check_chain, state.db, settings.audit_anchor_path)
-        problem = report.cause if not report.ok else None
-    except Exception as e:  # the database away at start: the anchor checks below still run
-        log.warning("audit chain not checked at start: %s", e)
-    while True:
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.watch = audit_checks.Watch(state.db, state.settings.audit_anchor_path)
+        self.whole_checked = False
+
+    def step(self) -> None:
+        state = self.state
+        problem: str | None = state.audit_problem
+        if not self.whole_checked:
+            self.whole_checked = True
+            try:
+                report = audit_checks.check_chain(state.db, state.settings.audit_anchor_path)
+                problem = report.cause if not report.ok else None
+            except Exception as e:  # the database away at start: the anchor checks below still run
+                log.warning("audit chain not checked at start: %s", e)
         if problem is None:
             try:
-                problem = await asyncio.to_thread(watch.step)
+                problem = self.watch.step()
             except audit_checks.AnchorUnreadable as e:
                 problem = str(e)
             except Exception as e:  # the database away: the next round looks again
@@ -186,54 +181,51 @@ async def _audit_watch(app: FastAPI) -> None:
             log.error("AUDIT CHAIN NOT INTACT: %s; run `cpool audit verify`", problem)
         state.audit_problem, state.audit_checked = problem, True
         state.metrics.audit_intact.set(0 if problem else 1)
-        await asyncio.sleep(CHECKPOINT_EVERY_S)
+
+
+def _periodics(state: State) -> list[Periodic]:
+    """Every background loop of the control plane, in one list."""
+    loops = [
+        state.controller.periodic(),
+        state.reclaimer.periodic(),
+        state.service_controller.periodic(),
+        state.coop_controller.periodic(),
+        *Sweeper(state.db, state.hub).periodic(),
+        *state.gateway.periodic(),
+        state.accountant.periodic(),
+        *state.alert_engine.periodic(),
+        Periodic("audit-watch", CHECKPOINT_EVERY_S, _AuditWatcher(state).step, first_at_start=True),
+    ]
+    if state.db.dialect == "sqlite":  # the log folded back into the file, off the write path
+        loops.append(Periodic("checkpoint", CHECKPOINT_EVERY_S, state.db.checkpoint, quiet=True))
+    return loops
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    settings: ServerSettings = app.state.settings
-    db: Database = app.state.db
+    state = app.state
+    settings: ServerSettings = state.settings
+    db: Database = state.db
     _prepare_data_dir(settings)
     await run_in_threadpool(_migrate_and_bootstrap, db, settings)
-    hub: Hub = app.state.hub
-    controller: Controller = app.state.controller
-    hub.attach(asyncio.get_running_loop())
+    state.hub.attach(asyncio.get_running_loop())
     # Sync routes run in worker threads. Forty of them (anyio's default) mostly contend for
     # the GIL and the database's write lock; a few keep the CPU as busy with far less switching.
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
-    controller.start()
-    reclaimer: Reclaimer = app.state.reclaimer
-    reclaimer.start()
-    services: ServiceController = app.state.service_controller
-    services.start()
-    coop: CoopController = app.state.coop_controller
-    coop.start()
-    sweeper = Sweeper(db, hub)
-    sweeper.start()
-    gateway: Gateway = app.state.gateway
+    gateway: Gateway = state.gateway
     await gateway.start()
-    accountant: Accountant = app.state.accountant
-    accountant.start()
-    alert_engine: AlertEngine = app.state.alert_engine
+    alert_engine: AlertEngine = state.alert_engine
     alert_engine.start()
-    checkpoints = asyncio.get_running_loop().create_task(_checkpoints(db), name="cpool-checkpoint")
-    audit_watch = asyncio.get_running_loop().create_task(_audit_watch(app), name="cpool-audit-watch")
+    loops = Loops(_periodics(state), state.leadership)
+    loops.start()
     log.info("control plane ready (database: %s)", db.dialect)
     try:
         yield
     finally:
-        for task in (checkpoints, audit_watch):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await loops.stop()
         await alert_engine.stop()
-        await accountant.stop()
         await gateway.stop()
-        await sweeper.stop()
-        await coop.stop()
-        await services.stop()
-        await reclaimer.stop()
-        await controller.stop()
+        await state.coop_controller.stop()
         db.dispose()
 
 
@@ -252,24 +244,27 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.hub = Hub()
     app.state.caches = Caches.create(settings.token_cache_s, settings.shape_cache_s)
     app.state.metrics = metrics.Metrics(app.state.db, settings)
+    app.state.leadership = leadership = Leadership(app.state.db)
     app.state.controller = Controller(
-        app.state.db, settings, app.state.hub, observe=app.state.metrics.cycle_seconds.observe
+        app.state.db,
+        settings,
+        app.state.hub,
+        observe=app.state.metrics.cycle_seconds.observe,
+        leadership=leadership,
     )
     app.state.reclaimer = Reclaimer(
-        app.state.db, settings, app.state.hub, app.state.controller, app.state.metrics.registry
+        app.state.db, settings, app.state.hub, leadership, app.state.metrics.registry
     )
-    app.state.service_controller = ServiceController(
-        app.state.db, settings, app.state.hub, app.state.controller
-    )
-    app.state.coop_controller = CoopController(app.state.db, settings, app.state.hub, app.state.controller)
+    app.state.service_controller = ServiceController(app.state.db, settings, app.state.hub, leadership)
+    app.state.coop_controller = CoopController(app.state.db, settings, app.state.hub, leadership)
 
     app.state.gateway = Gateway(app.state.db, app.state.caches.tokens)  # /v1: see server.gateway
-    app.state.accountant = Accountant(app.state.db, settings, app.state.hub, app.state.controller)
+    app.state.accountant = Accountant(app.state.db, settings, app.state.hub, leadership)
     app.state.alert_engine = AlertEngine(
         app.state.db,
         settings,
         app.state.hub,
-        app.state.controller,
+        leadership,
         audit_problem=lambda: app.state.audit_problem,
     )
 

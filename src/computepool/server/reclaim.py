@@ -21,8 +21,6 @@ audit record of the scheduler.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -32,8 +30,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from computepool.core.allocation import HOLDING
 from computepool.core.quantities import format_duration
+from computepool.server import topics
 from computepool.server.hub import Hub
-from computepool.server.scheduling import Controller
+from computepool.server.leadership import Leadership
+from computepool.server.loops import Periodic
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as alloc_store
 from computepool.store import reclaim as sql
@@ -106,16 +106,15 @@ class Reclaimer:
         db: Database,
         settings: ServerSettings,
         hub: Hub,
-        controller: Controller,
+        leadership: Leadership,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
+        self.db, self.settings, self.hub, self.leadership = db, settings, hub, leadership
         self.auto = True
         self._idle_since: dict[tuple[int, int], datetime] = {}
         self._warned: dict[tuple[int, int], datetime] = {}
         self._memory: dict[tuple[str, int], int | None] = {}
         self._lock = threading.Lock()
-        self._task: asyncio.Task[None] | None = None
         self.ends = Counter(
             "cpool_reclaim_ends_total",
             "Allocations ended by the control plane: time limit reached or idle reclaim.",
@@ -134,7 +133,7 @@ class Reclaimer:
 
     def run_once(self) -> ReclaimReport:
         with self._lock:
-            term = self.controller.term  # the scheduling loop holds and renews the lease
+            term = self.leadership.term  # the scheduling loop holds and renews the lease
             if term is None:
                 self._idle_since.clear()
                 self._warned.clear()
@@ -238,7 +237,7 @@ class Reclaimer:
         report = ReclaimReport(leader=True)
         touched: set[str] = set()
         with self.db.write() as s:
-            if not alloc_store.holds_lease(s, self.controller.holder, term):
+            if not self.leadership.holds(s, term):
                 return ReclaimReport(leader=False)
             now = db_now(s)
             for e in ends:
@@ -263,31 +262,11 @@ class Reclaimer:
         for e in ends:
             log.info("allocation %d: %s", e.id, e.reason)
         if report.ended:
-            self.hub.notify(*(f"node:{n}" for n in touched))
-            self.hub.notify(*(f"logs:{i}" for i in report.ended), *(f"alloc:{i}" for i in report.ended))
+            self.hub.notify(*topics.nodes(touched), *topics.ended(report.ended))
             self.hub.wake_scheduler()  # the capacity is free: place what waits
         if report.warned:
-            self.hub.notify(*(f"alloc:{i}" for i in report.warned))
+            self.hub.notify(*topics.allocs(report.warned))
         return report
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.reclaim_interval_s)
-            if not self.auto:
-                continue
-            try:
-                await asyncio.to_thread(self.run_once)
-            except Exception:  # the loop must survive a bad pass (database away): log, go on
-                log.exception("time limits and idle reclaim: pass failed")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpool-reclaim")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with self._lock:
-            pass
+    def periodic(self) -> Periodic:
+        return Periodic("reclaim", self.settings.reclaim_interval_s, self.run_once, enabled=lambda: self.auto)

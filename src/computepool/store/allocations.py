@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import bindparam, delete, func, select, update
@@ -19,14 +19,11 @@ from computepool.core.allocation import ENDED, HOLDING, LIVE  # also read as sto
 from computepool.store.models import (
     Allocation,
     AllocationEvent,
-    AllocationLog,
     AllocationNode,
     Node,
-    SchedulerLease,
     Tenant,
 )
 
-LEASE_ID = 1
 # Secrets a job needs while it holds and nobody after: dropped from the stored env (and the
 # request's copy of it) when its allocation ends — a function worker's bearer token, a service
 # replica's key (what the gateway must show it), a cooperative plan's secret (COOP_PLAN_SECRET in
@@ -376,119 +373,3 @@ def count_by(session: Session, state: str) -> dict[str, int]:
         .group_by(Tenant.name)
     )
     return {name: int(n) for name, n in session.execute(stmt).all()}
-
-
-# --- logs (offsets in UTF-8 bytes) -------------------------------------------------------------
-# A log is one (allocation, rank, stream): the agent writes it per attempt (`stream_offset`), readers
-# see each attempt's output after the previous one's (`pos`), stdout and stderr never mixed.
-def stream_length(session: Session, alloc_id: int, attempt: int, stream: str, rank: int = 0) -> int:
-    """Bytes of one attempt's stream of one gang member: where the agent's next chunk starts."""
-    stmt = select(func.max(AllocationLog.stream_offset + AllocationLog.size)).where(
-        AllocationLog.allocation_id == alloc_id,
-        AllocationLog.rank == rank,
-        AllocationLog.stream == stream,
-        AllocationLog.attempt == attempt,
-    )
-    return int(session.execute(stmt).scalar_one() or 0)
-
-
-def log_length(session: Session, alloc_id: int, rank: int, stream: str) -> int:
-    """Bytes of a member's stream over all attempts: where a reader that has everything stands."""
-    stmt = select(func.max(AllocationLog.pos + AllocationLog.size)).where(
-        AllocationLog.allocation_id == alloc_id, AllocationLog.rank == rank, AllocationLog.stream == stream
-    )
-    return int(session.execute(stmt).scalar_one() or 0)
-
-
-def append_log(
-    session: Session,
-    alloc_id: int,
-    attempt: int,
-    stream: str,
-    stream_offset: int,
-    data: str,
-    rank: int = 0,
-) -> None:
-    session.add(
-        AllocationLog(
-            allocation_id=alloc_id,
-            attempt=attempt,
-            rank=rank,
-            stream=stream,
-            stream_offset=stream_offset,
-            pos=log_length(session, alloc_id, rank, stream),
-            size=len(data.encode()),
-            data=data,
-        )
-    )
-    session.flush()
-
-
-def read_log(
-    session: Session, alloc_id: int, rank: int, stream: str, offset: int, max_bytes: int
-) -> tuple[str, int]:
-    """About `max_bytes` of one member's stream from byte `offset` (whole characters); (data, next)."""
-    stmt = (
-        select(AllocationLog.pos, AllocationLog.data)
-        .where(
-            AllocationLog.allocation_id == alloc_id,
-            AllocationLog.rank == rank,
-            AllocationLog.stream == stream,
-            AllocationLog.pos + AllocationLog.size > offset,
-        )
-        .order_by(AllocationLog.pos)
-    )
-    out = bytearray()
-    nxt = offset
-    for pos, data in session.execute(stmt):
-        raw = data.encode()[max(0, offset - pos) :]
-        room = max_bytes - len(out)
-        if len(raw) > room:
-            raw = raw[:room].decode(errors="ignore").encode()  # cut on a character boundary
-        out += raw
-        nxt = max(pos, offset) + len(raw)
-        if len(out) >= max_bytes or not raw:
-            break
-    return out.decode(errors="replace"), nxt
-
-
-# --- the scheduler lease ------------------------------------------------------------------
-def _lease_row(session: Session) -> SchedulerLease | None:
-    stmt = select(SchedulerLease).where(SchedulerLease.id == LEASE_ID).with_for_update()
-    return session.execute(stmt).scalar_one_or_none()
-
-
-def acquire_lease(session: Session, holder: str, now: datetime, ttl_s: float) -> int | None:
-    """Hold (or renew) the lease; the term when this holder schedules, None when another does.
-
-    Taking the lease over from an expired holder bumps the term, which fences its commits out.
-    """
-    row = _lease_row(session)
-    expires = now + timedelta(seconds=ttl_s)
-    if row is None:
-        session.add(SchedulerLease(id=LEASE_ID, holder=holder, term=1, expires_at=expires))
-        session.flush()
-        return 1
-    if row.holder == holder:
-        row.expires_at = expires
-    elif row.expires_at <= now:
-        row.holder, row.term, row.expires_at = holder, row.term + 1, expires
-    else:
-        return None
-    session.flush()
-    return row.term
-
-
-_LEASE_T = SchedulerLease.__table__
-_HOLDS = select(_LEASE_T.c.holder, _LEASE_T.c.term).where(_LEASE_T.c.id == LEASE_ID).with_for_update()
-
-
-def holds_lease(session: Session, holder: str, term: int) -> bool:
-    """Inside a commit: does `holder` still hold the lease in `term`? (Locks the row on PostgreSQL.)"""
-    row = session.connection().execute(_HOLDS).one_or_none()
-    return row is not None and row[0] == holder and row[1] == term
-
-
-def current_term(session: Session) -> int:
-    row = session.execute(select(SchedulerLease.term).where(SchedulerLease.id == LEASE_ID)).scalar()
-    return int(row or 0)

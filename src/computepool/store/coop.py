@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from computepool.core.allocation import LIVE
 from computepool.store import allocations as alloc_store
+from computepool.store import logs
 from computepool.store.models import Allocation, CoopMeasurement, CoopPlan, Node, NodePeer
 
 RPC_PORT_ENV = "CPOOL_RPC_PORT"  # an RPC allocation's port, kept in its env (the pool picks ports)
@@ -253,8 +254,8 @@ def insert_alloc(
 
 
 def stdout_of(s: Session, alloc_id: int, max_bytes: int = 65536) -> str:
-    return alloc_store.read_log(s, alloc_id, 0, "stdout", 0, max_bytes)[0]
+    return logs.read_log(s, alloc_id, 0, "stdout", 0, max_bytes)[0]
 
 
 def stderr_tail(s: Session, alloc_id: int, max_bytes: int = 65536) -> str:
-    return alloc_store.read_log(s, alloc_id, 0, "stderr", 0, max_bytes)[0]
+    return logs.read_log(s, alloc_id, 0, "stderr", 0, max_bytes)[0]

@@ -11,23 +11,22 @@ without end.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from computepool.server import topics
 from computepool.server.alerts import rules
 from computepool.server.alerts.notify import Notifier
 from computepool.server.alerts.rules import Facts, Finding, Rule
 from computepool.server.hub import Hub
-from computepool.server.scheduling import Controller
+from computepool.server.leadership import Leadership
+from computepool.server.loops import Periodic
 from computepool.server.scheduling.snapshot import load_snapshot
 from computepool.server.settings import ServerSettings
 from computepool.store import alerts as store
-from computepool.store import allocations as alloc_store
 from computepool.store.alerts import RuleSetting
 from computepool.store.db import Database, db_now
 from computepool.store.models import Alert
@@ -37,7 +36,6 @@ log = logging.getLogger("computepool.server")
 # committed later (PostgreSQL sequences) are still seen
 EVENT_MARGIN = 1000
 PRUNE_EVERY_S = 600.0  # how often the leader deletes what is past `history_keep_s`
-ALERTS_TOPIC = "alerts"  # the hub key woken when alerts fire or resolve (the dashboard's live view)
 
 
 def effective(settings: ServerSettings, stored: dict[str, RuleSetting]) -> dict[str, RuleSetting]:
@@ -69,10 +67,10 @@ class AlertEngine:
         db: Database,
         settings: ServerSettings,
         hub: Hub,
-        controller: Controller,
+        leadership: Leadership,
         audit_problem: Callable[[], str | None],
     ) -> None:
-        self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
+        self.db, self.settings, self.hub, self.leadership = db, settings, hub, leadership
         self.audit_problem = audit_problem
         self.notifier = Notifier(db, settings)
         self.auto = True
@@ -85,14 +83,13 @@ class AlertEngine:
         self._last_event = 0
         self._pruned_at: datetime | None = None
         self._lock = threading.Lock()
-        self._task: asyncio.Task[None] | None = None
 
     # --- one pass -----------------------------------------------------------------------------------
 
     def run_once(self, now: datetime | None = None) -> AlertReport:
         """One pass of every enabled rule (`now`: the time to judge by; tests move it ahead)."""
         with self._lock:
-            term = self.controller.term
+            term = self.leadership.term
             if term is None:
                 self._since.clear()
                 self._term_seen = None
@@ -133,7 +130,7 @@ class AlertEngine:
         if self._pruned_at is not None and (now - self._pruned_at).total_seconds() < PRUNE_EVERY_S:
             return (0, 0)
         with self.db.write() as s:
-            if not alloc_store.holds_lease(s, self.controller.holder, term):
+            if not self.leadership.holds(s, term):
                 return (0, 0)
             pruned = store.prune(s, now - timedelta(seconds=self.settings.history_keep_s))
         self._pruned_at = now
@@ -189,7 +186,7 @@ class AlertEngine:
         report = AlertReport(leader=True)
         mail = bool(self.settings.smtp_host and self.settings.mail_to)
         with self.db.write() as s:
-            if not alloc_store.holds_lease(s, self.controller.holder, term):
+            if not self.leadership.holds(s, term):
                 return AlertReport(leader=False)
             hooks = [h.id for h in store.webhooks(s)]
             firing = store.firing(s)  # again, inside the fenced transaction
@@ -215,31 +212,20 @@ class AlertEngine:
         for rule_name, subject in report.resolved:
             log.info("alert resolved: %s %s", rule_name, subject)
         if report.fired or report.resolved:
-            self.hub.notify(ALERTS_TOPIC)
+            self.hub.notify(topics.ALERTS)
             self.notifier.wake()
         return report
 
     # --- the loops ----------------------------------------------------------------------------------
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.alerts_interval_s)
-            if not self.auto:
-                continue
-            try:
-                await asyncio.to_thread(self.run_once)
-            except Exception:  # the loop must survive a bad pass (database away): log, go on
-                log.exception("alert rules: pass failed")
+    def periodic(self) -> list[Periodic]:
+        """The rules' passes, and the notifier's delivery rounds."""
+        every = self.settings.alerts_interval_s
+        return [Periodic("alerts", every, self.run_once, enabled=lambda: self.auto), self.notifier.periodic()]
 
     def start(self) -> None:
         _ = self.notifier.key  # the webhook key made (0600) at start, not on the first webhook
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpool-alerts")
         self.notifier.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
         await self.notifier.stop()

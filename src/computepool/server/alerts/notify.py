@@ -27,6 +27,7 @@ import httpx
 
 from computepool.server.alerts.redact import hook_name, scrub
 from computepool.server.alerts.signing import load_or_create_key, signed_headers, webhook_secret
+from computepool.server.loops import Periodic
 from computepool.server.schemas.alerts import AlertOut, WebhookBody
 from computepool.server.settings import ServerSettings
 from computepool.store import alerts as store
@@ -92,7 +93,6 @@ class Notifier:
         self._key: bytes | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[Outcome]] = set()
 
     @property
@@ -249,23 +249,24 @@ class Notifier:
             with contextlib.suppress(RuntimeError):  # the loop closed
                 loop.call_soon_threadsafe(ev.set)
 
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
-            self._wake.clear()
-            if not self.auto:
-                continue
-            try:
-                claim = await asyncio.to_thread(self._claim, None, BATCH - len(self._inflight))
-            except Exception:  # the database away: the next round tries again
-                log.exception("alert notifications: round failed")
-                continue
-            for job in claim.jobs:  # each on its own: none waits for another
-                task = asyncio.get_running_loop().create_task(self._deliver(claim, job))
-                self._inflight.add(task)
-                task.add_done_callback(self._done)
+    def periodic(self) -> Periodic:
+        """A round each tick, or at once when `wake` is called (an alert fired)."""
+        return Periodic(
+            "alert-notify", self.tick_s, self._dispatch, wake=self._event, enabled=lambda: self.auto
+        )
+
+    def _event(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
+
+    async def _dispatch(self) -> None:
+        """Claim what is due and start each delivery on its own (none waits for another)."""
+        claim = await asyncio.to_thread(self._claim, None, BATCH - len(self._inflight))
+        for job in claim.jobs:  # each on its own: none waits for another
+            task = asyncio.get_running_loop().create_task(self._deliver(claim, job))
+            self._inflight.add(task)
+            task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[Outcome]) -> None:
         self._inflight.discard(task)
@@ -273,18 +274,17 @@ class Notifier:
             log.error("alert notifications: a delivery failed", exc_info=task.exception())
 
     def start(self) -> None:
+        """Bind to the app's loop (its rounds run as a `Periodic` among the app's loops)."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._task = self._loop.create_task(self._run(), name="cpool-alert-notify")
 
     async def stop(self) -> None:
         """Stop sending; deliveries in flight are dropped unrecorded (their claims lapse, and they
         are sent again, by this replica after a restart or by another)."""
-        tasks = [t for t in (self._task, *self._inflight) if t is not None]
+        tasks = list(self._inflight)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = None
         self._inflight.clear()
         self._loop = None
 

@@ -27,7 +27,6 @@ PENDING_DEADLINE_S gives its node up for the plan instead of waiting for ever.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from datetime import datetime, timedelta
@@ -37,6 +36,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from computepool.core.allocation import LIVE
+from computepool.server import topics
 from computepool.server.coop import measure
 from computepool.server.coop.measure import Speed
 from computepool.server.coop.place import (
@@ -65,7 +65,8 @@ from computepool.server.coop.state import (
     waited,
 )
 from computepool.server.hub import Hub
-from computepool.server.scheduling import Controller
+from computepool.server.leadership import Leadership
+from computepool.server.loops import Periodic
 from computepool.server.schemas.services import ServiceSpec
 from computepool.server.settings import ServerSettings
 from computepool.serving.coop import planner
@@ -85,15 +86,14 @@ EXCLUSION_S = 60.0  # an excluded node ready again this long (and excluded this 
 class CoopController:
     """Runs `run_once` every `coop_interval_s` on the app's loop; tests set `auto = False` and call it."""
 
-    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, controller: Controller) -> None:
-        self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
+    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, leadership: Leadership) -> None:
+        self.db, self.settings, self.hub, self.leadership = db, settings, hub, leadership
         self.auto = True
-        self._task: asyncio.Task[None] | None = None
         self._checks: dict[int, asyncio.Task[None]] = {}  # service id → its running speed check
 
     async def run_once(self) -> bool:
         """One pass; False when this replica does not lead."""
-        term = self.controller.term
+        term = self.leadership.term
         if term is None:
             return False
         done = await asyncio.to_thread(self._pass, term)
@@ -117,7 +117,7 @@ class CoopController:
     # --- the pass -----------------------------------------------------------------------------------
     def _pass(self, term: int) -> _Pass | None:
         with self.db.write() as s:
-            if not alloc_store.holds_lease(s, self.controller.holder, term):
+            if not self.leadership.holds(s, term):
                 return None
             now = db_now(s)
             nodes = coop_store.nodes(s)
@@ -415,7 +415,7 @@ class CoopController:
     # --- the running plan's speed ----------------------------------------------------------------
     def _speed_done(self, term: int, check: SpeedCheck, speed: Speed) -> None:
         with self.db.write() as s:
-            if not alloc_store.holds_lease(s, self.controller.holder, term):
+            if not self.leadership.holds(s, term):
                 return
             row = coop_store.plans(s, [check.service_id]).get(check.service_id)
             svc = svc_store.by_ids(s, [check.service_id]).get(check.service_id)
@@ -502,33 +502,19 @@ class CoopController:
         p.ended_nodes.update(head.nodes)
 
     def _wake(self, p: _Pass) -> None:
-        keys = [f"node:{n}" for n in p.ended_nodes] + [f"alloc:{i}" for i in p.ended]
-        keys += [f"service:{i}" for i in p.services]
+        keys = [*topics.nodes(p.ended_nodes), *topics.ended(p.ended)]
+        keys += [topics.service(i) for i in p.services]
         if keys:
             self.hub.notify(*keys)
         if p.started or p.ended:
             self.hub.wake_scheduler()
 
     # --- the loop --------------------------------------------------------------------------------
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.coop_interval_s)
-            if not self.auto:
-                continue
-            try:
-                await self.run_once()
-            except Exception:  # the loop must survive a bad pass (database away): log, go on
-                log.exception("coop controller: pass failed")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpool-coop")
+    def periodic(self) -> Periodic:
+        return Periodic("coop", self.settings.coop_interval_s, self.run_once, enabled=lambda: self.auto)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Cancel the speed checks still running (after the loops have stopped)."""
         for task in self._checks.values():
             task.cancel()
         self._checks.clear()

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from computepool.server.caches import TokenCache
 from computepool.server.gateway.core import Gateway
 from computepool.server.gateway.router import MAX_BODY_BYTES, router
+from computepool.server.loops import Loops
 from computepool.store.db import Database
 
 
@@ -23,9 +24,12 @@ from computepool.store.db import Database
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
     await gateway.start()
+    loops = Loops(gateway.periodic())
+    loops.start()
     try:
         yield
     finally:
+        await loops.stop()
         await gateway.stop()
         app.state.db.dispose()
 

@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import httpx
 from fastapi.concurrency import run_in_threadpool
@@ -35,6 +34,7 @@ from computepool.server.gateway.relay import (
     read_capped,
 )
 from computepool.server.gateway.usage import Tokens, UsageBook, tokens_in_body
+from computepool.server.loops import Periodic
 from computepool.server.policy import Principal
 from computepool.server.services.service_load import Load, write_load
 from computepool.store import gateway as store
@@ -148,7 +148,6 @@ class Gateway:
         self.answer_timeout_s = ANSWER_TIMEOUT_S
         self.max_answer_bytes = MAX_ANSWER_BYTES
         self._client: httpx.AsyncClient | None = None
-        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -160,33 +159,23 @@ class Gateway:
         )
         with contextlib.suppress(Exception):  # the database away: the loop tries again
             await self.refresh()
-        loop = asyncio.get_running_loop()
-        for name, step, every in (
-            ("refresh", self.refresh, REFRESH_S),
-            ("report", self.report, REPORT_S),
-            ("flush", self.flush, FLUSH_S),
-        ):
-            self._tasks.append(loop.create_task(self._every(name, step, every), name=f"cpool-gateway-{name}"))
+
+    def periodic(self) -> list[Periodic]:
+        """Its table re-read, its load reported, its usage flushed (each skipped while the database
+        is away: the next round tries again)."""
+        return [
+            Periodic("gateway-refresh", REFRESH_S, self.refresh, quiet=True),
+            Periodic("gateway-report", REPORT_S, self.report, quiet=True),
+            Periodic("gateway-flush", FLUSH_S, self.flush, quiet=True),
+        ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        """After the loops: the last usage flushed, the client closed."""
         with contextlib.suppress(Exception):
             await self.flush()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-
-    async def _every(self, name: str, step: Callable[[], Any], every: float) -> None:
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await step()
-            except Exception as e:  # the database away or busy: the next round tries again
-                log.debug("gateway %s skipped: %s", name, e)
 
     # -- the routing table ----------------------------------------------------------------------
 

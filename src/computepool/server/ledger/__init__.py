@@ -20,8 +20,6 @@ no counter, its power estimate covers only the last `MAX_GAP_INTERVALS` interval
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -30,10 +28,10 @@ from datetime import datetime, timedelta
 from sqlalchemy.orm import Session
 
 from computepool.server.hub import Hub
+from computepool.server.leadership import Leadership
 from computepool.server.ledger.accrual import DeviceState, Holding, accrue
-from computepool.server.scheduling import Controller
+from computepool.server.loops import Periodic
 from computepool.server.settings import ServerSettings
-from computepool.store import allocations as alloc_store
 from computepool.store import usage as sql
 from computepool.store.db import Database, db_now
 
@@ -72,22 +70,21 @@ def holding_of(row: sql.HeldRow) -> Holding:
 class Accountant:
     """Books use and energy every `ledger_interval_s` on the leader; `run_once` is one pass."""
 
-    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, controller: Controller) -> None:
-        self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
+    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, leadership: Leadership) -> None:
+        self.db, self.settings, self.hub, self.leadership = db, settings, hub, leadership
         self.auto = True
         self._lock = threading.Lock()
-        self._task: asyncio.Task[None] | None = None
         # what the last committed pass saw held: (its clock, allocation id → (attempt, holding))
         self._seen: tuple[datetime, dict[int, tuple[int, Holding]]] | None = None
 
     def run_once(self, now: datetime | None = None) -> LedgerReport:
         """Book up to `now` (default: the database's clock; tests pass their own)."""
         with self._lock:
-            term = self.controller.term
+            term = self.leadership.term
             if term is None:
                 return LedgerReport(leader=False)
             with self.db.write() as s:
-                if not alloc_store.holds_lease(s, self.controller.holder, term):
+                if not self.leadership.holds(s, term):
                     return LedgerReport(leader=False)
                 report, seen = self._book(s, now or db_now(s))
             if seen is not None:  # committed: the next pass may rely on it
@@ -152,24 +149,5 @@ class Accountant:
         report = LedgerReport(leader=True, booked_s=(now - last).total_seconds(), entries=len(entries))
         return report, seen
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.ledger_interval_s)
-            if not self.auto:
-                continue
-            try:
-                await asyncio.to_thread(self.run_once)
-            except Exception:  # the loop must survive a bad pass (database away): log, go on
-                log.exception("usage ledger: pass failed")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpool-ledger")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with self._lock:
-            pass
+    def periodic(self) -> Periodic:
+        return Periodic("ledger", self.settings.ledger_interval_s, self.run_once, enabled=lambda: self.auto)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.concurrency import run_in_threadpool
 
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.policy import Action
-from computepool.server.routers.allocations import MAX_WAIT_S, RECHECK_S, get_hub
+from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
+from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.allocations import Assignments, LogAppended, LogChunk, Reports, ReportsOut
 from computepool.server.services import agent_reports
 
@@ -29,18 +27,13 @@ async def assignments(
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for a change.")] = 0,
     since: Annotated[int | None, Query(ge=0, lt=2**63, description="The version last seen.")] = None,
 ) -> Assignments:
-    deadline = time.monotonic() + wait
-    while True:
-        ev = hub.subscribe(f"node:{name}")
-        try:
-            out = await run_in_threadpool(agent_reports.assignments, ctx, name)
-            left = deadline - time.monotonic()
-            if since is None or out.version != since or left <= 0:
-                return out
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
-        finally:
-            hub.unsubscribe(f"node:{name}", ev)
+    return await long_poll(
+        hub,
+        topics.node(name),
+        wait,
+        lambda: agent_reports.assignments(ctx, name),
+        lambda out: since is None or out.version != since,
+    )
 
 
 @router.post("/nodes/{name}/reports", summary="Process states of this node's jobs (node credential)")

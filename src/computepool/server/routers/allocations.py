@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.policy import Action
+from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.allocations import (
     AllocationCreate,
     AllocationOut,
@@ -26,7 +25,6 @@ from computepool.server.services import allocations
 
 router = APIRouter(tags=["allocations"])
 MAX_WAIT_S = 30.0
-RECHECK_S = 1.0  # long-polls re-read at least this often (changes made by other replicas)
 IdempotencyKey = Annotated[
     str | None,
     Header(
@@ -87,20 +85,17 @@ async def get_allocation(
         Query(description="With wait: answer once the state differs from this (default: the current one)."),
     ] = None,
 ) -> AllocationOut:
-    deadline = time.monotonic() + wait
-    while True:
-        ev = hub.subscribe(f"alloc:{alloc_id}")
-        try:
-            out = await run_in_threadpool(allocations.get, ctx, alloc_id)
-            if state is None:
-                state = out.state
-            left = deadline - time.monotonic()
-            if out.state != state or left <= 0:
-                return out
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
-        finally:
-            hub.unsubscribe(f"alloc:{alloc_id}", ev)
+    first = await run_in_threadpool(allocations.get, ctx, alloc_id)
+    waited = first.state if state is None else state
+    if first.state != waited or wait <= 0:
+        return first
+    return await long_poll(
+        hub,
+        topics.alloc(alloc_id),
+        wait,
+        lambda: allocations.get(ctx, alloc_id),
+        lambda out: out.state != waited,
+    )
 
 
 @router.get("/allocations/{alloc_id}/explain", summary="Why it is pending, where it runs, or why it ended")
@@ -141,16 +136,11 @@ async def read_logs(
     ] = 0,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for new output.")] = 0,
 ) -> LogsOut:
-    deadline = time.monotonic() + wait
     offsets = {"stdout": stdout, "stderr": stderr}
-    while True:
-        ev = hub.subscribe(f"logs:{alloc_id}")
-        try:
-            out = await run_in_threadpool(allocations.read_log, ctx, alloc_id, rank, offsets)
-            left = deadline - time.monotonic()
-            if out.stdout.data or out.stderr.data or out.ended or left <= 0:
-                return out
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
-        finally:
-            hub.unsubscribe(f"logs:{alloc_id}", ev)
+    return await long_poll(
+        hub,
+        topics.logs(alloc_id),
+        wait,
+        lambda: allocations.read_log(ctx, alloc_id, rank, offsets),
+        lambda out: bool(out.stdout.data or out.stderr.data or out.ended),
+    )

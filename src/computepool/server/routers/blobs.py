@@ -6,22 +6,20 @@ disk; the app's body-size cap lets them through up to the blob cap (see `RAW_UPL
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.errors import NotFound
 from computepool.server.hub import Hub
 from computepool.server.policy import Action
-from computepool.server.routers.allocations import MAX_WAIT_S, RECHECK_S, get_hub
+from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
+from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.blobs import BlobOut, FileFailure, FileRequestCreate, FileRequestOut
 from computepool.server.services import blobs
 
@@ -90,18 +88,13 @@ async def get_file_request(
     hub: Annotated[Hub, Depends(get_hub)],
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait while pending.")] = 0,
 ) -> FileRequestOut:
-    deadline = time.monotonic() + wait
-    while True:
-        ev = hub.subscribe(f"files:{rid}")
-        try:
-            out = await run_in_threadpool(blobs.get_file_request, ctx, alloc_id, rid)
-            left = deadline - time.monotonic()
-            if out.state != "pending" or left <= 0:
-                return out
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
-        finally:
-            hub.unsubscribe(f"files:{rid}", ev)
+    return await long_poll(
+        hub,
+        topics.files(rid),
+        wait,
+        lambda: blobs.get_file_request(ctx, alloc_id, rid),
+        lambda out: out.state != "pending",
+    )
 
 
 @router.put("/nodes/{name}/files/{rid}", summary="The packed files of a request (node credential)")

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
-import time
-from collections.abc import Callable
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.policy import Action
+from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.functions import (
     CallIds,
@@ -33,46 +31,16 @@ from computepool.server.schemas.functions import (
 from computepool.server.services import function_workers, functions
 
 router = APIRouter(tags=["functions"])
-RECHECK_S = 1.0  # long-polls re-read at least this often (changes made by other replicas)
 # Bodies that carry pickled arguments or results may pass the server's general body cap, up to this;
 # each argument and result has its own cap in the schema.
 LARGE_BODIES = re.compile(r"^/api/v1/(functions/[0-9]+/calls|worker/next)$")
 LARGE_BODY_BYTES = 96 << 20
 SETTLE_S = 0.02  # a results poll over several calls, once woken, gathers for this long
-T = TypeVar("T")
 
 
 def get_hub(request: Request) -> Hub:
     hub: Hub = request.app.state.hub
     return hub
-
-
-async def _poll(
-    hub: Hub,
-    key: str,
-    wait_s: float,
-    read: Callable[[], T],
-    ready: Callable[[T], bool],
-    settle_s: float = 0.0,
-) -> T:
-    """`read()` until `ready` says so or `wait_s` passes, woken by `key` (subscribed before reading).
-
-    `settle_s`: once woken, wait this long before reading, so that a poll over many calls takes
-    the results that come close together in one answer instead of one answer each."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        ev = hub.subscribe(key)
-        try:
-            out = await run_in_threadpool(read)
-            left = deadline - time.monotonic()
-            if ready(out) or left <= 0:
-                return out
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), min(left, RECHECK_S))
-            if ev.is_set() and settle_s:
-                await asyncio.sleep(min(settle_s, max(0.0, deadline - time.monotonic())))
-        finally:
-            hub.unsubscribe(key, ev)
 
 
 @router.post(
@@ -128,9 +96,9 @@ async def results(
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_RESULTS))],
     hub: Annotated[Hub, Depends(get_hub)],
 ) -> ResultsOut:
-    return await _poll(
+    return await long_poll(
         hub,
-        function_workers.results_key(fid),
+        topics.fn_results(fid),
         body.wait_s,
         lambda: functions.results(ctx, fid, body),
         lambda out: bool(out.calls),
@@ -158,9 +126,9 @@ async def worker_next(
     if first.call is not None or first.stop or body.wait_s <= 0:
         return first
     fid = ctx.caller().function
-    return await _poll(
+    return await long_poll(
         hub,
-        function_workers.fn_key(int(fid or 0)),
+        topics.fn_calls(int(fid or 0)),
         body.wait_s,
         lambda: function_workers.claim(ctx, hub),
         lambda out: out.call is not None or out.stop,

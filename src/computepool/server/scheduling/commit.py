@@ -8,6 +8,7 @@ from computepool.core.allocation import HOLDING
 from computepool.server.scheduling.decide import Plan
 from computepool.server.services import gangs
 from computepool.store import allocations as store
+from computepool.store import lease
 from computepool.store import scheduling as sql
 from computepool.store.db import Database, db_now
 
@@ -36,7 +37,7 @@ def commit(
     """
     res = CommitResult()
     with db.write() as s:
-        if not store.holds_lease(s, holder, term):
+        if not lease.holds_lease(s, holder, term):
             raise LostLease(f"scheduler term {term} is no longer current")
         now = db_now(s)
         rows = sql.lock_allocations(s, [x.id for x in plan.stops])

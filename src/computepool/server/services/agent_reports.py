@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Forbidden, NotFound
 from computepool.server.hub import Hub
@@ -32,6 +33,7 @@ from computepool.server.services import blobs as blob_service
 from computepool.server.services import gangs
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
+from computepool.store import lease, logs
 from computepool.store import nodes as node_store
 from computepool.store.db import db_now
 
@@ -76,7 +78,7 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
             for a in store.holding_on(s, name)
             if a.command is not None
         ]
-        term = store.current_term(s)
+        term = lease.current_term(s)
         files = blob_service.pending_for(s, name)
     seen = [i.model_dump(mode="json") for i in items] + [f.model_dump(mode="json") for f in files]
     digest = hashlib.sha256(json.dumps(seen, sort_keys=True).encode())
@@ -141,8 +143,7 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
         if changes:
             record(s, ctx, f"node:{name}", detail={"changes": changes})
     if changes:
-        hub.notify(*(f"node:{n}" for n in touched), *(f"logs:{c['allocation']}" for c in changes))
-        hub.notify(*(f"alloc:{c['allocation']}" for c in changes))
+        hub.notify(*topics.nodes(touched), *topics.ended(c["allocation"] for c in changes))
         hub.wake_scheduler()
     return ReportsOut(accepted=accepted, stale=stale)
 
@@ -157,13 +158,13 @@ def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended
         if body.attempt != a.attempt:
             raise Conflict(f"attempt {body.attempt} is not current (now {a.attempt})", "attempt")
         rank = list(dict.fromkeys(a.nodes)).index(principal.node)  # members in rank order (rank 0 first)
-        end = store.stream_length(s, alloc_id, body.attempt, body.stream, rank)
+        end = logs.stream_length(s, alloc_id, body.attempt, body.stream, rank)
         if body.offset > end:
             raise Conflict(f"offset {body.offset} is past the end of {body.stream} ({end})", "offset")
         raw = body.data.encode()
         data = raw[end - body.offset :].decode(errors="ignore") if end > body.offset else body.data
         if data:
-            store.append_log(s, alloc_id, body.attempt, body.stream, end, data, rank)
+            logs.append_log(s, alloc_id, body.attempt, body.stream, end, data, rank)
     if data:
-        hub.notify(f"logs:{alloc_id}")
+        hub.notify(topics.logs(alloc_id))
     return LogAppended(next_offset=end + len(data.encode()))

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from computepool.core import InvalidInput, Isolation, Request, Sharing
 from computepool.core.quantities import parse_duration_s
-from computepool.server import reclaim, scheduling
+from computepool.server import reclaim, scheduling, topics
 from computepool.server.caches import Shape, ShapeCache
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
@@ -45,6 +45,7 @@ from computepool.server.services import blobs as blob_service
 from computepool.server.services import gangs
 from computepool.server.services.audit import record
 from computepool.store import allocations as store
+from computepool.store import logs
 from computepool.store.db import db_now
 from computepool.store.models import Allocation, AllocationEvent, Tenant
 
@@ -455,7 +456,7 @@ def _end(ctx: Ctx, alloc_id: int, hub: Hub, *, state: str, allowed: tuple[str, .
         now = db_now(s)
         store.end(s, head, state, reason, now)
         record(s, ctx, f"allocation:{alloc_id}", tenant=head.tenant, detail={"nodes": head.nodes}, now=now)
-    hub.notify(*(f"node:{n}" for n in head.nodes), f"logs:{alloc_id}", f"alloc:{alloc_id}")
+    hub.notify(*topics.nodes(head.nodes), *topics.ended([alloc_id]))
     hub.wake_scheduler()
     return get(ctx, alloc_id)
 
@@ -482,10 +483,10 @@ def read_log(ctx: Ctx, alloc_id: int, rank: int, offsets: dict[str, int]) -> Log
         streams: dict[str, StreamOut] = {}
         drained = True
         for stream, offset in offsets.items():
-            data, nxt = store.read_log(s, alloc_id, rank, stream, offset, MAX_LOG_READ)
+            data, nxt = logs.read_log(s, alloc_id, rank, stream, offset, MAX_LOG_READ)
             nxt = max(nxt, offset)
             streams[stream] = StreamOut(data=data, next=nxt)
-            drained = drained and nxt >= store.log_length(s, alloc_id, rank, stream)
+            drained = drained and nxt >= logs.log_length(s, alloc_id, rank, stream)
         return LogsOut(
             stdout=streams["stdout"],
             stderr=streams["stderr"],

@@ -27,6 +27,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from computepool.core.tarsafe import is_sha256
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
@@ -301,7 +302,7 @@ def request_files(ctx: Ctx, alloc_id: int, body: FileRequestCreate, hub: Hub) ->
         s.flush()
         record(s, ctx, f"allocation:{alloc_id}", tenant=a.tenant.name, detail={"files": path}, now=now)
         out = _file_out(row)
-    hub.notify(f"node:{out.node}")
+    hub.notify(topics.node(out.node))
     return out
 
 
@@ -391,12 +392,12 @@ async def answer(
             tmp.discard()
     if why:
         out = await run_in_threadpool(_end_request, ctx, rid, sha=None, size=None, error=why)
-    hub.notify(f"files:{rid}")
+    hub.notify(topics.files(rid))
     return out
 
 
 def fail(ctx: Ctx, name: str, rid: int, error: str, hub: Hub) -> FileRequestOut:
     _pending_row(ctx, name, rid)
     out = _end_request(ctx, rid, sha=None, size=None, error=error)
-    hub.notify(f"files:{rid}")
+    hub.notify(topics.files(rid))
     return out

@@ -17,10 +17,7 @@ so later calls try a fresh worker.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -28,10 +25,12 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from computepool.core.allocation import HOLDING, LIVE
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret
 from computepool.server.errors import Conflict, Forbidden, Invalid
 from computepool.server.hub import Hub
+from computepool.server.loops import Periodic
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.functions import Done, NextCall, NextOut, OutputIn, OutputOut
 from computepool.server.services import blobs as blob_service
@@ -163,7 +162,7 @@ def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
             got = store.claim_next(s, fid, worker, now)
             stop = False
     if done is not None:
-        hub.notify(results_key(fid))
+        hub.notify(topics.fn_results(fid))
     if started:
         hub.wake_scheduler()
     return NextOut(call=None if got is None else NextCall(id=got[0], args=got[1]), stop=stop)
@@ -189,7 +188,7 @@ def output(ctx: Ctx, body: OutputIn, hub: Hub) -> OutputOut:
         if not accepted:
             _not_claimed(s, body.id, worker, "id")
     if body.data and accepted:
-        hub.notify(results_key(fid))
+        hub.notify(topics.fn_results(fid))
     return OutputOut(accepted=accepted)
 
 
@@ -242,34 +241,21 @@ def forget(db: Database) -> int:
 
 
 class Sweeper:
-    """Runs `sweep` once a second on the app's loop (in a thread), and wakes whom it concerns."""
+    """Ends the calls and workers whose time ran out, once a second, and wakes whom it concerns;
+    forgets ended calls past their retention now and then."""
 
     def __init__(self, db: Database, hub: Hub) -> None:
         self.db = db
         self.hub = hub
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="cpool-function-sweep")
+    def periodic(self) -> list[Periodic]:
+        return [
+            Periodic("function-sweep", SWEEP_EVERY_S, self.sweep, quiet=True),
+            Periodic("function-forget", FORGET_EVERY_S, lambda: forget(self.db), quiet=True),
+        ]
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        forgot = time.monotonic()
-        while True:
-            await asyncio.sleep(SWEEP_EVERY_S)
-            try:
-                touched = await asyncio.to_thread(sweep, self.db)
-                if time.monotonic() - forgot >= FORGET_EVERY_S:
-                    forgot = time.monotonic()
-                    await asyncio.to_thread(forget, self.db)
-            except Exception as e:  # the database away: the next round tries again
-                log.debug("function sweep skipped: %s", e)
-                continue
-            if touched:
-                self.hub.notify(*(results_key(f) for f in touched), *(fn_key(f) for f in touched))
-                self.hub.wake_scheduler()
+    def sweep(self) -> None:
+        touched = sweep(self.db)
+        if touched:
+            self.hub.notify(*(t for f in touched for t in (topics.fn_results(f), topics.fn_calls(f))))
+            self.hub.wake_scheduler()

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
@@ -30,7 +31,6 @@ from computepool.server.schemas.functions import (
 from computepool.server.services import allocations, function_workers
 from computepool.server.services import blobs as blob_service
 from computepool.server.services.audit import record
-from computepool.server.services.function_workers import fn_key, results_key
 from computepool.store import functions as store
 from computepool.store.db import db_now
 
@@ -161,7 +161,7 @@ def delete(ctx: Ctx, fid: int, hub: Hub) -> FunctionOut:
         store.cancel_running(s, fid, "function deleted", now)
         nodes = function_workers.cancel_workers(s, store.live_worker_ids(s, fid), "function deleted", now)
         record(s, ctx, f"function:{fid}", tenant=fn.tenant, now=now)
-    hub.notify(fn_key(fid), results_key(fid), *(f"node:{n}" for n in nodes))
+    hub.notify(topics.fn_calls(fid), topics.fn_results(fid), *topics.nodes(nodes))
     hub.wake_scheduler()
     return _out(fn, 0, 0)
 
@@ -173,7 +173,7 @@ def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub) -> CallIds:
         now = db_now(s)
         ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now)
         started = function_workers.ensure_workers(s, fn, now)
-    hub.notify(fn_key(fid))
+    hub.notify(topics.fn_calls(fid))
     if started:
         hub.wake_scheduler()
     return CallIds(ids=ids)
@@ -236,7 +236,7 @@ def cancel_call(ctx: Ctx, fid: int, cid: int, hub: Hub) -> CallOut:
         nodes = function_workers.cancel_workers(s, [worker] if worker else [], why, now)
         record(s, ctx, f"function:{fid}", tenant=fn.tenant, detail={"call": cid, "was": state}, now=now)
         [row] = store.results(s, fid, [cid])
-    hub.notify(results_key(fid), *(f"node:{n}" for n in nodes))
+    hub.notify(topics.fn_results(fid), *topics.nodes(nodes))
     if nodes:
         hub.wake_scheduler()
     return _relevant([row], {}, {})[0]

@@ -30,7 +30,6 @@ afresh, which only ever delays a removal.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -42,9 +41,11 @@ from sqlalchemy.orm import Session
 
 from computepool.core.allocation import LIVE
 from computepool.core.quantities import format_duration
+from computepool.server import topics
 from computepool.server.errors import Invalid
 from computepool.server.hub import Hub
-from computepool.server.scheduling import Controller
+from computepool.server.leadership import Leadership
+from computepool.server.loops import Periodic
 from computepool.server.schemas.services import ServiceSpec
 from computepool.server.services import blobs as blob_service
 from computepool.server.services import replica_health
@@ -118,8 +119,8 @@ def _ready(r: store.ReplicaRow) -> bool:
 class ServiceController:
     """Runs `run_once` every second on the app's loop; tests set `auto = False` and call it."""
 
-    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, controller: Controller) -> None:
-        self.db, self.settings, self.hub, self.controller = db, settings, hub, controller
+    def __init__(self, db: Database, settings: ServerSettings, hub: Hub, leadership: Leadership) -> None:
+        self.db, self.settings, self.hub, self.leadership = db, settings, hub, leadership
         self.auto = True
         self._fails: dict[int, int] = {}  # allocation → failed health checks in a row
         self._below: dict[int, datetime] = {}  # service → since when fewer replicas would do
@@ -128,11 +129,10 @@ class ServiceController:
         self._seen_failed: set[int] = set()  # replicas that ended failed, already counted
         self._next_port: int | None = None  # where the search for a free port starts (round-robin)
         self._squatted: dict[int, datetime] = {}  # port → when another process was found holding it
-        self._task: asyncio.Task[None] | None = None
 
     # --- one pass -----------------------------------------------------------------------------
     async def run_once(self) -> PassReport:
-        term = self.controller.term
+        term = self.leadership.term
         if term is None:
             self._fails.clear()
             self._below.clear()
@@ -413,7 +413,7 @@ class ServiceController:
             return report
         nodes: set[str] = set()
         with self.db.write() as s:
-            if not alloc_store.holds_lease(s, self.controller.holder, term):
+            if not self.leadership.holds(s, term):
                 return PassReport(leader=False)
             now = db_now(s)
             for alloc_id, attempt, state in plan.states:
@@ -440,9 +440,9 @@ class ServiceController:
             if alloc_id in report.ended:
                 log.info("service replica %d: %s", alloc_id, why)
         if nodes:
-            self.hub.notify(*(f"node:{n}" for n in nodes))
+            self.hub.notify(*topics.nodes(nodes))
         if report.ended:
-            self.hub.notify(*(f"alloc:{i}" for i in report.ended))
+            self.hub.notify(*topics.ended(report.ended))
         if report.started or report.ended:
             self.hub.wake_scheduler()
         return report
@@ -509,25 +509,8 @@ class ServiceController:
             plan.decisions.pop(svc.id, None)
 
     # --- the loop -----------------------------------------------------------------------------
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(PASS_EVERY_S)
-            if not self.auto:
-                continue
-            try:
-                await self.run_once()
-            except Exception:  # the loop must survive a bad pass (database away): log, go on
-                log.exception("service controller: pass failed")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpool-services")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def periodic(self) -> Periodic:
+        return Periodic("services", PASS_EVERY_S, self.run_once, enabled=lambda: self.auto)
 
 
 def _with(r: store.ReplicaRow, replica_state: str) -> store.ReplicaRow:

@@ -18,6 +18,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from computepool.core.allocation import LIVE
+from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Invalid, NotFound
 from computepool.server.hub import Hub
@@ -161,7 +162,7 @@ def put(ctx: Ctx, name: str, body: ServiceIn, hub: Hub) -> tuple[ServiceOut, boo
                 record(s, ctx, f"service:{sid}", tenant=tenant, detail=detail, now=now)
         svc = store.by_ids(s, [sid])[sid]
         out = _outs(s, [svc])[0]
-    hub.notify(f"service:{sid}")
+    hub.notify(topics.service(sid))
     return out, created
 
 
@@ -215,7 +216,7 @@ def delete(ctx: Ctx, name: str, tenant: str | None, hub: Hub) -> ServiceOut:
         nodes = drain_or_cancel(s, store.replicas(s, [svc.id]), "service deleted", now)
         record(s, ctx, f"service:{svc.id}", tenant=svc.tenant, detail={"name": name}, now=now)
         out = _outs(s, [store.by_ids(s, [svc.id])[svc.id]])[0]
-    hub.notify(f"service:{svc.id}", *(f"node:{n}" for n in nodes))
+    hub.notify(topics.service(svc.id), *topics.nodes(nodes))
     hub.wake_scheduler()
     return out
 

@@ -1,0 +1,57 @@
+"""The scheduling lease: one row naming the replica that leads and its term (a fencing token).
+
+Whoever holds it runs the scheduler and the other leader-only loops; every write they make is
+fenced by checking, in the same transaction, that the term is still theirs.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from computepool.store.models import SchedulerLease
+
+LEASE_ID = 1
+
+
+def _lease_row(session: Session) -> SchedulerLease | None:
+    stmt = select(SchedulerLease).where(SchedulerLease.id == LEASE_ID).with_for_update()
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def acquire_lease(session: Session, holder: str, now: datetime, ttl_s: float) -> int | None:
+    """Hold (or renew) the lease; the term when this holder schedules, None when another does.
+
+    Taking the lease over from an expired holder bumps the term, which fences its commits out.
+    """
+    row = _lease_row(session)
+    expires = now + timedelta(seconds=ttl_s)
+    if row is None:
+        session.add(SchedulerLease(id=LEASE_ID, holder=holder, term=1, expires_at=expires))
+        session.flush()
+        return 1
+    if row.holder == holder:
+        row.expires_at = expires
+    elif row.expires_at <= now:
+        row.holder, row.term, row.expires_at = holder, row.term + 1, expires
+    else:
+        return None
+    session.flush()
+    return row.term
+
+
+_LEASE_T = SchedulerLease.__table__
+_HOLDS = select(_LEASE_T.c.holder, _LEASE_T.c.term).where(_LEASE_T.c.id == LEASE_ID).with_for_update()
+
+
+def holds_lease(session: Session, holder: str, term: int) -> bool:
+    """Inside a commit: does `holder` still hold the lease in `term`? (Locks the row on PostgreSQL.)"""
+    row = session.connection().execute(_HOLDS).one_or_none()
+    return row is not None and row[0] == holder and row[1] == term
+
+
+def current_term(session: Session) -> int:
+    row = session.execute(select(SchedulerLease.term).where(SchedulerLease.id == LEASE_ID)).scalar()
+    return int(row or 0)
