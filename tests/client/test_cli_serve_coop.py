@@ -35,7 +35,7 @@ def test_serve_cooperative_then_explain(cli: Cli) -> None:
         "ctx": 256, "max_nodes": 2, "min_gain": 1.5, "force_split": 2, "probe_tokens": 32,
     }  # fmt: skip
     assert spec["min_replicas"] == spec["max_replicas"] == 1
-    assert spec["health_path"] == "/v1/models"
+    assert spec["health_path"] == "/health"
     assert spec["request"]["cpu_milli"] == 1000 and spec["request"].get("command") is None
     shown = cli("services", "explain", "coopbig", "--json")
     assert shown.exit_code == 0, shown.output

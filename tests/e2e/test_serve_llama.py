@@ -165,7 +165,8 @@ def test_llama_cpp_service_behind_the_gateway(pool: Pool, llama_python: str) -> 
 
     # the engine is started by a shell in the replica, which gives it the port the pool chose and
     # the replica's key: the engine then answers only the gateway (and the controller's checks)
-    engine = f"{llama_python} -m llama_cpp.server --model {model} --host 127.0.0.1 --n_ctx 256 --n_threads 1"
+    engine = (f"{llama_python} -m llama_cpp.server --model {model} --host 127.0.0.1 --n_ctx 256 --n_threads 1"
+              " --interrupt_requests False")  # fmt: skip
     command = f"exec {engine} --port $PORT --api_key $CPOOL_SERVICE_KEY"
     made = cli(pool, token, "serve", "tiny", "--command", command,
                "--port-env", "PORT", "--cpus", "0.5", "--min", "1", "--max", "1", "--no-code",

@@ -17,7 +17,7 @@ def coop_spec(**over: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "request": {"cpu_milli": 1000},
         "cooperative": {"model": "/var/tmp/models/tiny.gguf"},
-        "health_path": "/v1/models",
+        "health_path": "/health",
     }
     body.update(over)
     return body

@@ -466,6 +466,10 @@ class Agent:
             self._wake.set()
 
 
+class _StoppedEarly(Exception):
+    """SIGTERM or SIGINT before the agent ran: it exits as cleanly as a running one would."""
+
+
 def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
     """Discover, join (or reuse the credential), run until SIGTERM/SIGINT. Raises AgentFatal.
 
@@ -487,21 +491,34 @@ def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
         api = AgentApi(config.server, verify=verify)
     previous: dict[signal.Signals, Any] = {}
     link: DiscoveryLink | None = None
+    joining = [True]
+    stopped: list[Agent] = []  # the agent, once made; stopped by a signal whenever that comes
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s: stopping the agent; workloads keep running", signal.Signals(signum).name)
+        if joining[0]:  # nothing of ours runs yet: leave the join at once
+            raise _StoppedEarly
+        joining.append(False)  # a stop asked for while the agent is being made
+        for a in stopped:
+            a.stop()
+
     try:
+        # before the first request: a stop that comes while the agent joins is a clean stop too
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
         cred = check_credential(config, inventory, api, connect(config, inventory, api))
+        joining[0] = False
         agent = Agent(config, inventory, api, cred)
+        stopped.append(agent)
+        if len(joining) > 1:
+            agent.stop()
         link = start_discovery(
             api, cred.name, inventory, config.discovery, agent_address=config.address, server=config.server
         )
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            log.info("%s: stopping the agent; workloads keep running", signal.Signals(signum).name)
-            agent.stop()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, on_signal)
         log.info("agent of node '%s' talking to %s; data in %s", cred.name, config.server, config.data_dir)
         agent.run()
+    except _StoppedEarly:
+        return
     finally:
         if link is not None:
             link.close()

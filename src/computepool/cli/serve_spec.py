@@ -332,7 +332,7 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
             fields[spec_key] = _seconds(src, key, zero_ok)
     if coop is not None:
         fields.update(cooperative=coop, min_replicas=1, max_replicas=1)
-        fields.setdefault("health_path", "/v1/models")  # llama_cpp.server's
+        fields.setdefault("health_path", "/health")  # the head's own, which waits for no generation
     return ServiceDraft(
         name=name,
         tenant=_text(src, "tenant"),

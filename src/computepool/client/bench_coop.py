@@ -103,7 +103,7 @@ def _spec(s: CoopBenchSettings, model: Path, force_split: int | None) -> dict[st
         "port_env": "PORT",
         "min_replicas": 1,
         "max_replicas": 1,
-        "health_path": "/v1/models",
+        "health_path": "/health",
         "startup_grace_s": 300,
         "drain_s": 0,
         "cooperative": coop,

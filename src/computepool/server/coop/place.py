@@ -209,8 +209,6 @@ def head_spec(
     request["env"] = {**(request.get("env") or {}), SPEC_SECRET_ENV: secret}
     request["node_selector"] = {**(request.get("node_selector") or {}), NODE_LABEL: head}
     dumped["request"] = {k: v for k, v in request.items() if v is not None}
-    if spec.health_path == "/health":
-        dumped["health_path"] = "/v1/models"  # llama_cpp.server's
     return dumped
 
 

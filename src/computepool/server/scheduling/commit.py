@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from computepool.core.allocation import HOLDING
+from computepool.server.scheduling import gang_ports as gangs
 from computepool.server.scheduling.decide import Plan
-from computepool.server.services import gangs
 from computepool.store import allocations as store
 from computepool.store import lease
 from computepool.store import scheduling as sql

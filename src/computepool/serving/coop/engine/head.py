@@ -6,7 +6,7 @@ the llama venv's python (stdlib and llama_cpp only). The RPC servers become the 
 offloads to: llama.cpp counts the output layer as layer n_layer and gives the last K = --n-gpu-layers of those
 n_layer+1 layers to the RPC servers, in --rpc order, divided by --tensor-split (planner.layer_params
 writes both); the first layers and the input embeddings stay on the local CPU. The API key is read from
-CPOOL_SERVICE_KEY. Health path: /v1/models.
+CPOOL_SERVICE_KEY. Health path: /health (answered without waiting for the model).
 
 Each RPC server is reached through a relay of this process (relay.py): llama.cpp is given
 127.0.0.1 listeners that accept only this process's own connections, each carried over a connection
@@ -141,12 +141,15 @@ def main() -> None:
     )  # fmt: skip
     key = os.environ.get("CPOOL_SERVICE_KEY") or None
     try:  # loads the model, placing its layers on the RPC devices
-        app = server.create_app(
-            server_settings=settings.ServerSettings(host=a.host, port=a.port, api_key=key),
-            model_settings=[model],
-        )
+        # interrupt_requests off: by default llama_cpp.server ends a stream with [DONE] as soon as
+        # another request waits for the model, and a health check would cut answers short
+        serving = settings.ServerSettings(host=a.host, port=a.port, api_key=key, interrupt_requests=False)
+        app = server.create_app(server_settings=serving, model_settings=[model])
     except (ValueError, RuntimeError, OSError) as e:
         fail(f"cannot load {a.model}: {e}", LOST if eps else 2)
+    # the health path: the model is loaded once the app exists, and this answer waits for no lock
+    # (llama_cpp.server's own routes, /v1/models too, queue behind a generation in progress)
+    app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 
