@@ -12,7 +12,13 @@ PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 # Simulated devices unless this machine has NVIDIA GPUs (then NVML finds the real ones).
 SIMULATE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 2xA100-80GB,1xT4-16GB)
 
-.PHONY: setup up dev-tools test test-fast lint report
+# The tests run in TEST_WORKERS processes (pytest-xdist), a test file per process at a time: most of
+# them wait on servers, agents and jobs rather than compute. Each test file starts what it needs on
+# ports, users and folders of its own, so files never meet.
+TEST_WORKERS ?= 2
+PYTEST = $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+.PHONY: setup up dev-tools test test-fast test-all-databases lint report
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV) || { \
@@ -27,14 +33,21 @@ up: setup
 	$(VENV)/bin/cpool up $(if $(SIMULATE),--simulate $(SIMULATE))
 
 dev-tools:
-	@$(PYTHON) -m pytest --version >/dev/null 2>&1 || { \
+	@$(PYTHON) -c 'import pytest, xdist' >/dev/null 2>&1 || { \
 	  echo "installing the test tools ('.[dev]') for $(PYTHON)"; $(PYTHON) -m pip install -q -e '.[dev]'; }
 
 test: dev-tools
-	$(PYTHON) -m pytest -q
+	$(PYTEST)
 
 test-fast: dev-tools
-	$(PYTHON) -m pytest -q -m 'not slow'
+	$(PYTEST) -m 'not slow'
+
+# Every server test on SQLite and PostgreSQL (by default only the modules where the database matters
+# run on both); on success it records the store's digest, so that CI runs the whole matrix only when
+# src/computepool/store changed since.
+test-all-databases: dev-tools
+	CPOOL_TEST_ALL_DATABASES=1 $(PYTEST) tests/server
+	scripts/store-digest.sh > .ci/store-digest
 
 # The same three checks as CI (.ci/run): lint, formatting, types of the control plane.
 lint: dev-tools
