@@ -23,7 +23,7 @@ from test_functions_api import register, report, submit, worker_tokens
 from test_server_process import start_server_process, stop_server_process
 
 from computepool.server import ServerSettings, create_app
-from computepool.server.services.function_workers import sweep as sweep_workers
+from computepool.server.logic.function_workers import sweep as sweep_workers
 from computepool.store import blobs as store
 from computepool.store.db import db_now
 from computepool.store.models import FileRequest
@@ -408,7 +408,7 @@ def test_file_requests_are_for_writers_and_capped_per_tenant(api: Api) -> None:
     F = f"{A}/{job['id']}/files"
     r = api.post(F, json={"path": "out"}, headers=viewer)
     assert r.status_code == 403, r.text
-    from computepool.server.services.blobs import MAX_PENDING_FILES
+    from computepool.server.logic.blobs import MAX_PENDING_FILES
 
     asked = [api.ok("POST", F, json={"path": f"out{i}"}, headers=a)["id"] for i in range(MAX_PENDING_FILES)]
     r = api.post(F, json={"path": "one-more"}, headers=a)

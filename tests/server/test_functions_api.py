@@ -15,7 +15,7 @@ from typing import Any
 from harness import Api, H
 from test_allocations import cycle, manual
 
-from computepool.server.services.function_workers import sweep
+from computepool.server.logic.function_workers import sweep
 from computepool.store import functions as fn_store
 
 F = "/api/v1/functions"

@@ -17,7 +17,7 @@ import pytest
 from conftest import Api
 from gateway_kit import Registry, engine, wait_until
 
-from computepool.server.services.service_load import Load, fresh_load, write_load
+from computepool.server.logic.service_load import Load, fresh_load, write_load
 from computepool.store.models import Service
 
 H = dict[str, str]

@@ -13,7 +13,7 @@ from sqlalchemy import event, update
 from test_allocations import alloc, cycle, get, join, manual
 
 from computepool.server.ledger import LedgerReport
-from computepool.server.services import usage as usage_service
+from computepool.server.logic import usage as usage_service
 from computepool.store import usage as sql
 from computepool.store.models import Allocation
 

@@ -20,9 +20,9 @@ from test_allocations import cycle, get, manual
 from test_allocations_agent import report
 
 from computepool.server.hub import Hub
+from computepool.server.logic.service_controller import DRAIN_SETTLE_S, PassReport, ServiceController
+from computepool.server.logic.service_load import Load, write_load
 from computepool.server.scheduling import Controller
-from computepool.server.services.service_controller import DRAIN_SETTLE_S, PassReport, ServiceController
-from computepool.server.services.service_load import Load, write_load
 from computepool.store.db import db_now
 from computepool.store.models import Service
 

@@ -22,9 +22,9 @@ from sqlalchemy import update
 from test_allocations import get
 from test_service_controller import Pool, S
 
-from computepool.server.services import replica_health
-from computepool.server.services import service_controller as sc
-from computepool.server.services.replica_health import HEALTH_TIMEOUT_S
+from computepool.server.logic import replica_health
+from computepool.server.logic import service_controller as sc
+from computepool.server.logic.replica_health import HEALTH_TIMEOUT_S
 from computepool.store import services as store
 from computepool.store.db import db_now
 from computepool.store.models import Allocation, Node

@@ -37,7 +37,6 @@ from computepool.core.quantities import (
 )
 
 POLL_S = 0.5
-EXPLAIN_EVERY_S = 2.0
 
 
 def state_text(a: dict[str, Any]) -> str:
@@ -252,19 +251,15 @@ def _explain_quietly(pool: PoolClient, alloc_id: object) -> dict[str, Any] | Non
         return None
 
 
-def _pending_line(alloc_id: object, explain: dict[str, Any] | None) -> str:
-    # An explanation read just after binding speaks of the binding: no "pending: bound on …" line.
-    if not explain or explain.get("state") != PENDING:
-        return f"allocation {alloc_id} pending"
-    pos = explain.get("queue_position")
-    where = f" (queue position {pos})" if pos is not None else ""
-    return f"allocation {alloc_id} pending{where}: {explain.get('summary') or 'waiting for the scheduler'}"
+def _pending_line(alloc: dict[str, Any]) -> str:
+    """The reason the scheduler's last cycle stored on the allocation (no snapshot recomputed)."""
+    return f"allocation {alloc['id']} pending: {alloc.get('reason') or 'waiting for the scheduler'}"
 
 
 def wait_for_binding(
     pool: PoolClient, alloc: dict[str, Any], timeout: float | None, quiet: bool
 ) -> dict[str, Any]:
-    """Poll until bound or ended, showing the explain summary (a spinner on a terminal).
+    """Poll until bound or ended, showing why it waits (a spinner on a terminal).
 
     On a timeout the request is withdrawn (cancelled) so nothing keeps waiting unseen.
     """
@@ -273,8 +268,8 @@ def wait_for_binding(
     spinner: AbstractContextManager[Any] = nullcontext()
     live = not quiet and err_console.is_terminal
     if live:
-        spinner = err_console.status(Text(_pending_line(alloc_id, None)))
-    last_line, next_explain = "", 0.0
+        spinner = err_console.status(Text(_pending_line(alloc)))
+    last_line = ""
     with spinner as status:
         while alloc.get("state") == PENDING:
             now = time.monotonic()
@@ -286,14 +281,12 @@ def wait_for_binding(
                     f"{explain.get('summary') or 'no reason given'}",
                     code=1,
                 )
-            if now >= next_explain:
-                line = _pending_line(alloc_id, _explain_quietly(pool, alloc_id))
-                next_explain = now + EXPLAIN_EVERY_S
-                if live:
-                    status.update(Text(line))  # the server's words as is, not markup
-                elif not quiet and line != last_line:
-                    err_console.print(line, highlight=False, markup=False, soft_wrap=True)
-                last_line = line
+            line = _pending_line(alloc)
+            if live:
+                status.update(Text(line))  # the server's words as is, not markup
+            elif not quiet and line != last_line:
+                err_console.print(line, highlight=False, markup=False, soft_wrap=True)
+            last_line = line
             pause = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             alloc = pool.get_allocation(alloc_id, wait=pause, state=PENDING)  # answers on binding
     return alloc

@@ -37,6 +37,21 @@ class Scorer(Protocol):
     node_local: bool  # the score is a function of the node's state and the request alone
     cheap: bool  # scored straight over all nodes; otherwise per node class, cached
 
+    @property
+    def random_node(self) -> bool:
+        """A random feasible node instead of the best score (`random`)."""
+        ...
+
+    @property
+    def device_choice(self) -> str:
+        """How `pick_on_node` chooses devices on the chosen node: "best", "first" or "random"."""
+        ...
+
+    @property
+    def rng(self) -> np.random.Generator | None:
+        """The generator of the random choices (random scorers only)."""
+        ...
+
     def epoch(self) -> int:
         """Changes whenever cached scores become stale (e.g. a learned distribution moved)."""
         ...
@@ -97,7 +112,7 @@ class Scheduler:
     def __init__(self, scorer: Scorer, *, cache: bool = True, max_cached_kinds: int = 4096) -> None:
         self.scorer = scorer
         self.direct = scorer.cheap
-        self._argmax = not getattr(scorer, "random_node", False)  # `_choose` takes the best score
+        self._argmax = not scorer.random_node  # `_choose` takes the best score
         self.use_cache = cache and scorer.node_local
         self.max_cached_kinds = max_cached_kinds
         self._cache: dict[tuple, _KindCache] = {}
@@ -119,8 +134,7 @@ class Scheduler:
         scores, _ = self.scorer.score(state, view, req, None)
         scores = prefer_linked(state, req, np.where(ok, scores, -np.inf), self._argmax)
         j = self._choose(scores)
-        how = getattr(self.scorer, "device_choice", "best")
-        mask = pick_on_node(state, j, req, how, getattr(self.scorer, "rng", None))
+        mask = pick_on_node(state, j, req, self.scorer.device_choice, self.scorer.rng)
         return j, float(scores[j]), mask
 
     def _best_cached(
@@ -279,10 +293,10 @@ class Scheduler:
 
     def _choose(self, vals: np.ndarray) -> int:
         """Highest score, lowest index on ties; a random feasible node for `random`."""
-        if getattr(self.scorer, "random_node", False):
+        rng = self.scorer.rng
+        if self.scorer.random_node and rng is not None:
             ok = np.flatnonzero(np.isfinite(vals))
             if len(ok):
-                rng: np.random.Generator = self.scorer.rng  # type: ignore[attr-defined]
                 return int(ok[rng.integers(len(ok))])
         return int(np.argmax(vals))
 

@@ -43,6 +43,9 @@ class _Static:
 
     node_local = True
     cheap = True
+    random_node = False
+    device_choice = "best"
+    rng: np.random.Generator | None = None
 
     def epoch(self) -> int:
         return 0
@@ -287,6 +290,9 @@ class DefaultScorer:
     name = "default"
     node_local = True
     cheap = False
+    random_node = False
+    device_choice = "best"
+    rng: np.random.Generator | None = None
     temperature = 4000.0
     whole_temperature = 1000.0
 

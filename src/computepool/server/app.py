@@ -36,6 +36,11 @@ from computepool.server.hub import Hub
 from computepool.server.leadership import Leadership
 from computepool.server.ledger import Accountant
 from computepool.server.limits import capped_receive, too_large
+from computepool.server.logic import audit as audit_checks
+from computepool.server.logic.audit import record_refusal
+from computepool.server.logic.bootstrap import ensure_admin
+from computepool.server.logic.function_workers import Sweeper
+from computepool.server.logic.service_controller import ServiceController
 from computepool.server.loops import Loops, Periodic
 from computepool.server.policy import Action
 from computepool.server.reclaim import Reclaimer
@@ -43,11 +48,6 @@ from computepool.server.routers import api_routers, health
 from computepool.server.routers.blobs import RAW_UPLOADS
 from computepool.server.routers.functions import LARGE_BODIES, LARGE_BODY_BYTES
 from computepool.server.scheduling import Controller
-from computepool.server.services import audit as audit_checks
-from computepool.server.services.audit import record_refusal
-from computepool.server.services.bootstrap import ensure_admin
-from computepool.server.services.function_workers import Sweeper
-from computepool.server.services.service_controller import ServiceController
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
 from computepool.store.migrate import upgrade

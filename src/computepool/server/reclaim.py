@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from computepool.core.allocation import HOLDING
+from computepool.core.allocation import HOLDING, AllocationState
 from computepool.core.quantities import format_duration
 from computepool.server import topics
 from computepool.server.hub import Hub
@@ -77,7 +77,7 @@ def holding_notes(
 class _End:
     id: int
     attempt: int
-    state: str
+    state: AllocationState
     reason: str
     action: str
     tenant: str
@@ -131,7 +131,8 @@ class Reclaimer:
             registry=registry,
         )
 
-    def run_once(self) -> ReclaimReport:
+    def run_once(self, now: datetime | None = None) -> ReclaimReport:
+        """One pass at `now` (default: the database's clock; tests pass their own)."""
         with self._lock:
             term = self.leadership.term  # the scheduling loop holds and renews the lease
             if term is None:
@@ -139,14 +140,14 @@ class Reclaimer:
                 self._warned.clear()
                 return ReclaimReport(leader=False)
             with self.db.read() as s:
-                now = db_now(s)
+                now = now or db_now(s)
                 held = sql.held(s)
                 policies = sql.policies(s)
                 devices = sql.device_usage(s) if policies else {}
             ends, notes = self._decide(now, held, policies, devices)
             if not ends and not notes:
                 return ReclaimReport(leader=True)
-            return self._commit(term, ends, notes)
+            return self._commit(term, ends, notes, now)
 
     def _decide(
         self,
@@ -233,13 +234,13 @@ class Reclaimer:
             return _End(h.id, h.attempt, "released", reason, "allocation.reclaim", h.tenant), None
         return None, None
 
-    def _commit(self, term: int, ends: list[_End], notes: list[_Note]) -> ReclaimReport:
+    def _commit(self, term: int, ends: list[_End], notes: list[_Note], judged_at: datetime) -> ReclaimReport:
         report = ReclaimReport(leader=True)
         touched: set[str] = set()
         with self.db.write() as s:
             if not self.leadership.holds(s, term):
                 return ReclaimReport(leader=False)
-            now = db_now(s)
+            now = max(db_now(s), judged_at)  # a test's clock may run ahead of the database's
             for e in ends:
                 a = alloc_store.get(s, e.id, for_update=True)
                 if a is None or a.attempt != e.attempt or a.state not in HOLDING:

@@ -15,7 +15,12 @@ from typing import Any
 from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from computepool.core.allocation import ENDED, HOLDING, LIVE  # also read as store.HOLDING etc.
+from computepool.core.allocation import (  # also read as store.HOLDING etc.
+    ENDED,
+    HOLDING,
+    LIVE,
+    AllocationState,
+)
 from computepool.store.models import (
     Allocation,
     AllocationEvent,
@@ -134,7 +139,7 @@ class Head:
     """What ending an allocation needs to know of it, read under its row lock."""
 
     id: int
-    state: str
+    state: AllocationState
     tenant: str
     nodes: list[str]
     attempt: int
@@ -146,7 +151,7 @@ def lock_head(session: Session, alloc_id: int) -> Head | None:
     return None if row is None else Head(row[0], row[1], row[2], list(row[3]), row[4], row[5])
 
 
-def end(session: Session, head: Head, state: str, reason: str, now: datetime) -> None:
+def end(session: Session, head: Head, state: AllocationState, reason: str, now: datetime) -> None:
     """End a live allocation (released, cancelled …): row, node index and event, in three statements."""
     conn = session.connection()
     env = conn.execute(
@@ -195,7 +200,13 @@ def events_of(session: Session, ids: Iterable[int]) -> dict[int, list[Allocation
 
 
 def transition(
-    session: Session, alloc: Allocation, state: str, reason: str, now: datetime, *, term: int | None = None
+    session: Session,
+    alloc: Allocation,
+    state: AllocationState,
+    reason: str,
+    now: datetime,
+    *,
+    term: int | None = None,
 ) -> None:
     """Move to `state` with its reason; stamp the time; keep `allocation_nodes` in step."""
     was_holding = alloc.state in HOLDING

@@ -8,7 +8,7 @@ concurrent writers — threads or server replicas — extend one chain instead o
 A chain alone cannot show records cut from its end, or a tail rewritten along with the head: the
 result is again a valid chain. So the head is also sealed — `mac`, an HMAC-SHA256 of (seq, hash)
 under the server's audit key, which the database does not hold — and the server keeps an anchor
-of the last head it saw outside the database (see `server.services.audit`). The key reaches
+of the last head it saw outside the database (see `server.logic.audit`). The key reaches
 `append_many` through the session's `info` (`Database.set_audit_key`).
 """
 

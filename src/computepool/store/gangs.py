@@ -1,6 +1,6 @@
 """The SQL of gangs at run time: node addresses, the master ports held, a bound gang's members.
 
-The decisions (which port, what a member's report means) live in `server.services.gangs`.
+The decisions (which port, what a member's report means) live in `server.logic.gangs`.
 """
 
 from __future__ import annotations

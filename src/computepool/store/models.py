@@ -24,6 +24,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from computepool.core.allocation import AllocationState
 from computepool.store.types import UTCDateTime
 
 NAME_LEN = 63
@@ -219,7 +220,7 @@ class Allocation(Base):
     command: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     restartable: Mapped[bool] = mapped_column(Boolean)
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[AllocationState] = mapped_column(String(16), index=True)
     reason: Mapped[str] = mapped_column(String(1024))
     attempt: Mapped[int] = mapped_column(Integer)
     term: Mapped[int] = mapped_column(BigInteger)
@@ -258,7 +259,7 @@ class AllocationEvent(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime())
-    state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[AllocationState] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(String(1024))
     attempt: Mapped[int] = mapped_column(Integer)
     term: Mapped[int] = mapped_column(BigInteger)

@@ -1,7 +1,7 @@
 """The SQL of LAN discovery: each node's latest view of its peers (one row per observer × peer).
 
 A report replaces the observer's rows as a whole, so a peer its discovery dropped goes with it.
-The decisions (who may report, what is valid) live in `server.services.peers`.
+The decisions (who may report, what is valid) live in `server.logic.peers`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from computepool.server.alerts.redact import url_origin
 from computepool.server.alerts.signing import load_or_create_key, new_salt, webhook_secret
 from computepool.server.context import Ctx
 from computepool.server.errors import NotFound
+from computepool.server.logic.audit import record
+from computepool.server.logic.usage import parse_when
 from computepool.server.policy import authorize
 from computepool.server.schemas.alerts import (
     AlertOut,
@@ -22,8 +24,6 @@ from computepool.server.schemas.alerts import (
     WebhookOut,
 )
 from computepool.server.schemas.common import MAX_ID, Items
-from computepool.server.services.audit import record
-from computepool.server.services.usage import parse_when
 from computepool.store import alerts as store
 from computepool.store.alerts import RuleSetting
 from computepool.store.db import db_now

@@ -91,12 +91,13 @@ class CoopController:
         self.auto = True
         self._checks: dict[int, asyncio.Task[None]] = {}  # service id → its running speed check
 
-    async def run_once(self) -> bool:
-        """One pass; False when this replica does not lead."""
+    async def run_once(self, now: datetime | None = None) -> bool:
+        """One pass at `now` (default: the database's clock; tests pass their own); False when this
+        replica does not lead."""
         term = self.leadership.term
         if term is None:
             return False
-        done = await asyncio.to_thread(self._pass, term)
+        done = await asyncio.to_thread(self._pass, term, now)
         if done is None:
             return False
         self._wake(done)
@@ -115,11 +116,11 @@ class CoopController:
             log.exception("coop controller: speed check of service %d failed", check.service_id)
 
     # --- the pass -----------------------------------------------------------------------------------
-    def _pass(self, term: int) -> _Pass | None:
+    def _pass(self, term: int, now: datetime | None = None) -> _Pass | None:
         with self.db.write() as s:
             if not self.leadership.holds(s, term):
                 return None
-            now = db_now(s)
+            now = now or db_now(s)
             nodes = coop_store.nodes(s)
             fresh = self.settings.suspect_after_s
             ready = {

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
+from computepool.server.logic.allocations import _normalise
 from computepool.server.schemas.allocations import AllocationCreate
 from computepool.server.schemas.coop import CoopSpec
-from computepool.server.services.allocations import _normalise
 from computepool.serving.coop import planner, scripts
 from computepool.store.coop import Measurement
 

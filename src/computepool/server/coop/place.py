@@ -21,10 +21,10 @@ from typing import Any
 
 from computepool.scheduler.constraints import tolerates
 from computepool.server.coop.measure import NODE_LABEL
+from computepool.server.logic.allocations import _normalise
 from computepool.server.schemas.allocations import AllocationCreate
 from computepool.server.schemas.coop import CoopSpec
 from computepool.server.schemas.services import ServiceSpec
-from computepool.server.services.allocations import _normalise
 from computepool.serving.coop import planner, scripts
 from computepool.store.coop import Measurement, NodeRow, PeerRow
 

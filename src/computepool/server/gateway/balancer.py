@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from computepool.server.services.service_load import Load
+from computepool.server.logic.service_load import Load
 
 BAD_REPLICA_S = 5.0  # a replica that refused a connection gets no request for this long
 MAX_WAITERS = 1_000  # requests one service's queue holds; more answer 503 at once

@@ -34,9 +34,9 @@ from computepool.server.gateway.relay import (
     read_capped,
 )
 from computepool.server.gateway.usage import Tokens, UsageBook, tokens_in_body
+from computepool.server.logic.service_load import Load, write_load
 from computepool.server.loops import Periodic
 from computepool.server.policy import Principal
-from computepool.server.services.service_load import Load, write_load
 from computepool.store import gateway as store
 from computepool.store.db import Database, db_now
 

@@ -10,11 +10,11 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
+from computepool.server.logic import agent_reports
 from computepool.server.policy import Action
 from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
 from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.allocations import Assignments, LogAppended, LogChunk, Reports, ReportsOut
-from computepool.server.services import agent_reports
 
 router = APIRouter(tags=["agent"])
 

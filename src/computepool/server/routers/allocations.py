@@ -11,6 +11,7 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
+from computepool.server.logic import allocations
 from computepool.server.policy import Action
 from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.allocations import (
@@ -21,7 +22,6 @@ from computepool.server.schemas.allocations import (
     LogsOut,
 )
 from computepool.server.schemas.common import MAX_ID, Items
-from computepool.server.services import allocations
 
 router = APIRouter(tags=["allocations"])
 MAX_WAIT_S = 30.0

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Depends, Query
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import audit
 from computepool.server.policy import Action
 from computepool.server.schemas.audit import AuditOut, AuditVerifyOut
 from computepool.server.schemas.common import Items
-from computepool.server.services import audit
 
 router = APIRouter(tags=["audit"])
 

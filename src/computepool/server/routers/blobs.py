@@ -17,11 +17,11 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.errors import NotFound
 from computepool.server.hub import Hub
+from computepool.server.logic import blobs
 from computepool.server.policy import Action
 from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
 from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.blobs import BlobOut, FileFailure, FileRequestCreate, FileRequestOut
-from computepool.server.services import blobs
 
 router = APIRouter(tags=["blobs"])
 # Routes whose raw bodies the blob caps govern instead of --max-body-bytes (method, path pattern).

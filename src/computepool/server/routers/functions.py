@@ -12,6 +12,7 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
+from computepool.server.logic import function_workers, functions
 from computepool.server.policy import Action
 from computepool.server.routers.polling import long_poll
 from computepool.server.schemas.common import Items
@@ -28,7 +29,6 @@ from computepool.server.schemas.functions import (
     ResultsIn,
     ResultsOut,
 )
-from computepool.server.services import function_workers, functions
 
 router = APIRouter(tags=["functions"])
 # Bodies that carry pickled arguments or results may pass the server's general body cap, up to this;

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import gateway
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.services import GatewayLimitIn, GatewayLimitOut, UsageRow
-from computepool.server.services import gateway
 
 router = APIRouter(tags=["gateway"])
 

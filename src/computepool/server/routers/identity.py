@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import tokens, users
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.identity import (
@@ -18,7 +19,6 @@ from computepool.server.schemas.identity import (
     UserOut,
     WhoAmI,
 )
-from computepool.server.services import tokens, users
 
 router = APIRouter(tags=["identity"])
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires, unauthenticated
+from computepool.server.logic import nodes
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.nodes import (
@@ -21,7 +22,6 @@ from computepool.server.schemas.nodes import (
     NodePatch,
     NodeSettings,
 )
-from computepool.server.services import nodes
 
 router = APIRouter(tags=["nodes"])
 

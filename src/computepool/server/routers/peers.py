@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends, Query
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import peers
 from computepool.server.policy import Action
 from computepool.server.schemas.peers import DiscoveryKeyOut, NodePeersIn, PeersOut
-from computepool.server.services import peers
 
 router = APIRouter(tags=["peers"])
 

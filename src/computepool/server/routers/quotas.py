@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import tenants
 from computepool.server.policy import Action
 from computepool.server.schemas.quotas import Quota
-from computepool.server.services import tenants
 
 router = APIRouter(tags=["quotas"])
 

@@ -8,11 +8,11 @@ from fastapi import APIRouter, Depends
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import reclaim, tenants
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.identity import TenantCreate, TenantOut
 from computepool.server.schemas.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
-from computepool.server.services import reclaim, tenants
 
 router = APIRouter(tags=["tenants"])
 

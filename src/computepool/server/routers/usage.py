@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Path, Query
 from computepool.core.usage import UsageBy
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
+from computepool.server.logic import usage
 from computepool.server.policy import Action
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.usage import (
@@ -18,7 +19,6 @@ from computepool.server.schemas.usage import (
     StaticEquivalentOut,
     UsageOut,
 )
-from computepool.server.services import usage
 
 router = APIRouter(tags=["usage"])
 

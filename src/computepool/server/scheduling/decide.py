@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from computepool.core import Request
+from computepool.core.allocation import AllocationState
 from computepool.scheduler.filters import Reasons
 from computepool.scheduler.placement import Decision, Scheduler
 from computepool.scheduler.policies import make_scorer
@@ -59,7 +60,7 @@ class Stop:
     attempt: int
     tenant: str
     nodes: list[str]
-    state: str  # preempted | failed
+    state: AllocationState  # preempted | failed
     reason: str
     requeue: bool
 

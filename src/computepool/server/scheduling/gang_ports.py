@@ -1,7 +1,7 @@
 """Gang master ports, given when the scheduler binds a gang (in its binding transaction).
 
 Each attempt of a gang gets a master port from a configured range that no other holding gang with
-the same rank-0 node holds, and a member record per node; `server.services.gangs` moves members
+the same rank-0 node holds, and a member record per node; `server.logic.gangs` moves members
 and gangs from the agents' reports after that.
 """
 

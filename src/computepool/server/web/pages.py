@@ -18,9 +18,9 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
+from computepool.server.logic import allocations
 from computepool.server.policy import Action, authorize
 from computepool.server.schemas.common import MAX_ID
-from computepool.server.services import allocations
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,

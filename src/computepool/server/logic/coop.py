@@ -6,8 +6,8 @@ from __future__ import annotations
 from computepool.server.context import Ctx
 from computepool.server.coop.state import plan_out
 from computepool.server.errors import NotFound
+from computepool.server.logic.services import _visible
 from computepool.server.schemas.coop import CoopPlanOut
-from computepool.server.services.services import _visible
 from computepool.store import coop as coop_store
 from computepool.store.db import db_now
 

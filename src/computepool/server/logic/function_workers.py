@@ -30,10 +30,10 @@ from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret
 from computepool.server.errors import Conflict, Forbidden, Invalid
 from computepool.server.hub import Hub
+from computepool.server.logic import blobs as blob_service
 from computepool.server.loops import Periodic
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.functions import Done, NextCall, NextOut, OutputIn, OutputOut
-from computepool.server.services import blobs as blob_service
 from computepool.store import allocations as alloc_store
 from computepool.store import functions as store
 from computepool.store.db import Database, db_now

@@ -22,13 +22,13 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Invalid, NotFound
 from computepool.server.hub import Hub
+from computepool.server.logic import allocations
+from computepool.server.logic import blobs as blob_service
+from computepool.server.logic.audit import record
+from computepool.server.logic.service_load import Load, fresh_load
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.services import ReplicaOut, ServiceIn, ServiceOut, ServiceSpec
-from computepool.server.services import allocations
-from computepool.server.services import blobs as blob_service
-from computepool.server.services.audit import record
-from computepool.server.services.service_load import Load, fresh_load
 from computepool.store import allocations as alloc_store
 from computepool.store import services as store
 from computepool.store import tenants as tenant_store

@@ -147,7 +147,7 @@ def read_anchor(path: Path, key: bytes) -> audit.Anchor | None:
 
 
 def write_anchor(path: Path, key: bytes, anchor: audit.Anchor) -> None:
-    from computepool.server.services.bootstrap import write_secret_file
+    from computepool.server.logic.bootstrap import write_secret_file
 
     doc = {"seq": anchor.seq, "hash": anchor.hash, "mac": _anchor_mac(key, anchor)}
     write_secret_file(path, json.dumps(doc) + "\n")

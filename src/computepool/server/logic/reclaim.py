@@ -7,9 +7,9 @@ from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_duration_s
 from computepool.server.context import Ctx
 from computepool.server.errors import Invalid
+from computepool.server.logic.audit import record
+from computepool.server.logic.tenants import visible
 from computepool.server.schemas.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
-from computepool.server.services.audit import record
-from computepool.server.services.tenants import visible
 from computepool.store import reclaim
 from computepool.store.db import db_now
 

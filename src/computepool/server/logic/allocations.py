@@ -21,12 +21,16 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from computepool.core import InvalidInput, Isolation, Request, Sharing
+from computepool.core.allocation import AllocationState
 from computepool.core.quantities import parse_duration_s
 from computepool.server import reclaim, scheduling, topics
 from computepool.server.caches import Shape, ShapeCache
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
+from computepool.server.logic import blobs as blob_service
+from computepool.server.logic import gangs
+from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
 from computepool.server.scheduling.backfill import about_reservation
 from computepool.server.schemas.allocations import (
@@ -41,9 +45,6 @@ from computepool.server.schemas.allocations import (
     StreamOut,
 )
 from computepool.server.schemas.common import Items
-from computepool.server.services import blobs as blob_service
-from computepool.server.services import gangs
-from computepool.server.services.audit import record
 from computepool.store import allocations as store
 from computepool.store import logs
 from computepool.store.db import db_now
@@ -63,7 +64,7 @@ def _out(a: Allocation, events: Sequence[AllocationEvent], tenant: str | None = 
         command=a.command,
         env=_hide_secrets(a.env),
         restartable=a.restartable,
-        state=a.state,  # type: ignore[arg-type]
+        state=a.state,
         reason=a.reason,
         attempt=a.attempt,
         term=a.term,
@@ -364,7 +365,7 @@ def get(ctx: Ctx, alloc_id: int) -> AllocationOut:
 @dataclass(frozen=True)
 class _Seen:
     id: int
-    state: str
+    state: AllocationState
     reason: str
     tenant: str
     request: dict[str, Any]
@@ -431,7 +432,7 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
     else:
         summary = f"{a.state}: {a.reason}"
     return ExplainOut(
-        state=a.state,  # type: ignore[arg-type]
+        state=a.state,
         summary=summary,
         reasons=ReasonsOut(counts=counts, notes=notes),
         quota=quota_doc,
@@ -440,7 +441,9 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
 
 
 # --- release / cancel ---------------------------------------------------------------------------
-def _end(ctx: Ctx, alloc_id: int, hub: Hub, *, state: str, allowed: tuple[str, ...]) -> AllocationOut:
+def _end(
+    ctx: Ctx, alloc_id: int, hub: Hub, *, state: AllocationState, allowed: tuple[str, ...]
+) -> AllocationOut:
     caller = ctx.caller()
     reason = f"{state} by {caller.actor}"
     with ctx.db.write() as s:  # a few statements under the write lock; the answer is read after
@@ -493,7 +496,7 @@ def read_log(ctx: Ctx, alloc_id: int, rank: int, offsets: dict[str, int]) -> Log
             rank=rank,
             ranks=ranks,
             attempt=a.attempt,
-            state=a.state,  # type: ignore[arg-type]
+            state=a.state,
             exit_code=a.exit_code,
             reason=a.reason,
             ended=a.state in store.ENDED and drained,

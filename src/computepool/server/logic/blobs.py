@@ -31,9 +31,9 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
+from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
 from computepool.server.schemas.blobs import BlobOut, FileRequestCreate, FileRequestOut, PendingFile
-from computepool.server.services.audit import record
 from computepool.store import allocations as alloc_store
 from computepool.store import blobs as store
 from computepool.store import nodes as node_store

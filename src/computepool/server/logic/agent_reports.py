@@ -18,6 +18,9 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Forbidden, NotFound
 from computepool.server.hub import Hub
+from computepool.server.logic import blobs as blob_service
+from computepool.server.logic import gangs
+from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.allocations import (
     Assignment,
@@ -29,9 +32,6 @@ from computepool.server.schemas.allocations import (
     SliceOut,
     StaleOut,
 )
-from computepool.server.services import blobs as blob_service
-from computepool.server.services import gangs
-from computepool.server.services.audit import record
 from computepool.store import allocations as store
 from computepool.store import lease, logs
 from computepool.store import nodes as node_store

@@ -11,6 +11,7 @@ from computepool.core.tls import file_fingerprint, split_pin, with_pin
 from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret, secret_matches, split_token
 from computepool.server.errors import Conflict, Invalid, NotFound, Unauthorized
+from computepool.server.logic.audit import record
 from computepool.server.policy import Principal, Role, Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.nodes import (
@@ -28,7 +29,6 @@ from computepool.server.schemas.nodes import (
     NodeSettings,
     NodeState,
 )
-from computepool.server.services.audit import record
 from computepool.server.settings import ServerSettings
 from computepool.store import functions as fn_store
 from computepool.store import gangs as gang_store

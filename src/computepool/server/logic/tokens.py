@@ -7,10 +7,10 @@ from datetime import timedelta
 from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret
 from computepool.server.errors import NotFound
+from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.identity import TokenCreate, TokenCreated, TokenOut
-from computepool.server.services.audit import record
 from computepool.store import tokens, users
 from computepool.store.db import db_now
 from computepool.store.models import ApiToken

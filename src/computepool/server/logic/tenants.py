@@ -6,11 +6,11 @@ from sqlalchemy.orm import Session
 
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
+from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.identity import TenantCreate, TenantOut
 from computepool.server.schemas.quotas import MODEL_RESOURCES, POOL_RESOURCES, Quota
-from computepool.server.services.audit import record
 from computepool.store import quotas, tenants
 from computepool.store.db import db_now
 from computepool.store.models import Tenant

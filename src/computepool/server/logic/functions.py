@@ -17,6 +17,9 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
+from computepool.server.logic import allocations, function_workers
+from computepool.server.logic import blobs as blob_service
+from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.functions import (
@@ -28,9 +31,6 @@ from computepool.server.schemas.functions import (
     ResultsIn,
     ResultsOut,
 )
-from computepool.server.services import allocations, function_workers
-from computepool.server.services import blobs as blob_service
-from computepool.server.services.audit import record
 from computepool.store import functions as store
 from computepool.store.db import db_now
 

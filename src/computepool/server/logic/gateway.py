@@ -8,11 +8,11 @@ from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_duration_s
 from computepool.server.context import Ctx
 from computepool.server.errors import Invalid, NotFound
+from computepool.server.logic.audit import record
+from computepool.server.logic.tenants import visible
 from computepool.server.policy import authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.services import GatewayLimitIn, GatewayLimitOut, UsageRow
-from computepool.server.services.audit import record
-from computepool.server.services.tenants import visible
 from computepool.store import gateway as store
 from computepool.store.db import db_now
 

@@ -16,6 +16,7 @@ from computepool.core.usage import ENERGY_ITEM, POOL_TENANT, UsageBy
 from computepool.server.context import Ctx
 from computepool.server.errors import Invalid, NotFound
 from computepool.server.ledger import static_equivalent as se
+from computepool.server.logic.audit import record
 from computepool.server.policy import authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.usage import (
@@ -27,7 +28,6 @@ from computepool.server.schemas.usage import (
     UsageItem,
     UsageOut,
 )
-from computepool.server.services.audit import record
 from computepool.store import usage as sql
 from computepool.store.db import db_now
 from computepool.store.models import Price

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict
+from computepool.server.logic import tenants as tenant_service
+from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
 from computepool.server.schemas.common import Items
 from computepool.server.schemas.identity import UserCreate, UserOut
-from computepool.server.services import tenants as tenant_service
-from computepool.server.services.audit import record
 from computepool.store import users
 from computepool.store.db import db_now
 from computepool.store.models import User
