@@ -18,10 +18,11 @@ ALLOWED = {
     "scheduler": {"core"},
     "store": {"core"},
     "sim": {"core", "scheduler"},
-    "server": {"core", "scheduler", "store", "discovery", "serving"},
-    "agent": {"core", "discovery"},
-    "client": {"core", "serving", "discovery"},
-    "sdk": {"core", "client"},
+    "wire": {"core"},  # the API's messages: server, client, SDK and agent share one definition
+    "server": {"core", "wire", "scheduler", "store", "discovery", "serving"},
+    "agent": {"core", "wire", "discovery"},
+    "client": {"core", "wire", "serving", "discovery"},
+    "sdk": {"core", "wire", "client"},
     "serving": set(),  # engines and traces that run as a tenant's job: nothing of the pool's
     "discovery": set(),  # signed LAN announcements: shared by the agent, the server and benchmarks
 }

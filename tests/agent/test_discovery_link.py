@@ -21,7 +21,7 @@ from computepool.agent.devices import discover_all
 from computepool.agent.discovery_link import DiscoveryLink, device_summaries, peer_reports, route_address
 from computepool.discovery.announce import derive_key, fingerprint
 from computepool.discovery.registry import PeerView
-from computepool.server.schemas.peers import NodePeersIn
+from computepool.wire.peers import NodePeersIn
 
 KEY = derive_key(b"the test pool's discovery secret")
 

@@ -22,7 +22,7 @@ from computepool.discovery.links import answer_ping, measure_bandwidth, measure_
 from computepool.discovery.mdns import MdnsTransport
 from computepool.discovery.registry import Registry
 from computepool.discovery.runner import Discovery, DiscoveryConfig, PeerView
-from computepool.server.schemas.peers import NodePeersIn, PeerReport
+from computepool.wire.peers import NodePeersIn, PeerReport
 
 KEY = derive_key(b"robustness test secret")
 WRONG = derive_key(b"a stranger's secret")

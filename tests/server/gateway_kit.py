@@ -27,9 +27,9 @@ from harness import free_port
 from sqlalchemy import select, update
 
 import computepool
-from computepool.server.schemas.services import ServiceSpec
 from computepool.store.db import Database
 from computepool.store.models import Allocation, AllocationNode, GatewayLoad, Node, Service, Tenant
+from computepool.wire.services import ServiceSpec
 
 SIMENGINE = Path(computepool.__file__).parent / "serving" / "simengine.py"
 ENGINE_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # python-zeroconf loads only in agents that run discovery
 
 log = logging.getLogger("computepool.agent")
 
-MAX_PEERS_PER_REPORT = 256  # server/schemas/peers.py's bound
+MAX_PEERS_PER_REPORT = 256  # wire/peers.py's bound
 _MODEL_BAD = re.compile(r"[^A-Za-z0-9 _.:/()+-]")
 
 
@@ -78,7 +78,7 @@ def device_summaries(inventory: NodeInventory) -> tuple[DeviceSummary, ...]:
 
 
 def peer_reports(views: Sequence[PeerView]) -> list[dict[str, Any]]:
-    """PeerView → the wire's PeerReport (server/schemas/peers.py, as JSON: the agent does not load
+    """PeerView → the wire's PeerReport (wire/peers.py, as JSON: the agent does not load
     the server's modules); verified peers first when there are too many to send."""
     out = []
     for v in sorted(views, key=lambda v: (v.status != "ok", v.peer_key))[:MAX_PEERS_PER_REPORT]:

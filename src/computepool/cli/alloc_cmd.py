@@ -25,7 +25,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
-from computepool.client import AllocationRequest, PoolClient, PoolError
+from computepool.client import AllocationCreate, PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
 from computepool.client.options import build_request
 from computepool.core.allocation import HOLDING, LIVE, PENDING
@@ -151,7 +151,7 @@ def request_from_options(
     time_limit: str | None = None,
     tolerations: list[str] | None = None,
     **extra: Any,
-) -> AllocationRequest:
+) -> AllocationCreate:
     """The request body from the options `cpool alloc` and `cpool run` share (client/options.py)."""
     return build_request(
         gpus=gpus, gpu_mem=gpu_mem, cpus=cpus, mem=mem, exclusive=exclusive, model=model,

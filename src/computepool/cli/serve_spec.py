@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from computepool.client import AllocationRequest
+from computepool.client import AllocationCreate
 from computepool.client.options import build_request
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_duration_s
@@ -175,13 +175,13 @@ class ServiceDraft:
 
     name: str
     tenant: str | None
-    request: AllocationRequest
+    request: AllocationCreate
     fields: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     no_code: bool = False
 
-    def spec(self, request: AllocationRequest) -> dict[str, Any]:
+    def spec(self, request: AllocationCreate) -> dict[str, Any]:
         """The ServiceSpec body, with `request` as shipped (code and env added)."""
         return {"request": request.body(), **self.fields}
 
@@ -266,7 +266,7 @@ def command_of(src: Sources, extra: list[str]) -> list[str]:
     raise InvalidInput(src.where("command"), f"expected a command line or a list of words, got {value!r}")
 
 
-def _file_named(src: Sources, build: Callable[[], AllocationRequest]) -> AllocationRequest:
+def _file_named(src: Sources, build: Callable[[], AllocationCreate]) -> AllocationCreate:
     """Run `build`; a refusal of a value that came from the file names the file's line instead."""
     try:
         return build()

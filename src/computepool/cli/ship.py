@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from computepool.cli.common import err_console
-from computepool.client import AllocationRequest, PoolClient, PoolError
+from computepool.client import AllocationCreate, PoolClient, PoolError
 from computepool.client.archive import pack_with_stats, scan
 from computepool.core.errors import InvalidInput
 
@@ -96,13 +95,13 @@ def check_outputs(outputs: list[str] | None) -> list[str]:
 
 def ship(
     pool: PoolClient,
-    req: AllocationRequest,
+    req: AllocationCreate,
     *,
     workdir: Path | None,
     no_code: bool,
     env: dict[str, str] | None,
     stdin: bytes | None,
-) -> AllocationRequest:
+) -> AllocationCreate:
     """Upload the code directory and stdin (unless the pool holds them) and name them in the request."""
     changes: dict[str, object] = {}
     if env:
@@ -137,7 +136,7 @@ def ship(
             changes["stdin"] = pool.put_blob(stdin)
         except PoolError as e:
             raise PoolError(e.status, f"stdin: {e.message}", e.field) from None
-    return replace(req, **changes) if changes else req  # type: ignore[arg-type]
+    return req.changed(**changes) if changes else req
 
 
 def fetch_outputs(pool: PoolClient, job_id: str, outputs: list[str], base: Path) -> list[str]:

@@ -1,18 +1,19 @@
 """The pool's HTTP client: `PoolClient` for every API call, config resolution, the API benchmark.
 
 Typical use: `with PoolClient.from_config(resolve_config()) as pool:` then
-`pool.create_allocation(AllocationRequest(gpus=1, gpu_milli=500))`.
+`pool.create_allocation(AllocationCreate.unchecked(gpus=1, gpu_milli=500))`.
 """
 
 from __future__ import annotations
 
 from computepool.client.config import DEFAULT_SERVER, ClientConfig, config_path, resolve_config, save_config
 from computepool.client.errors import PoolError, ServerUnreachable
-from computepool.client.http import AllocationRequest, PoolClient
+from computepool.client.http import PoolClient
+from computepool.wire.allocations import AllocationCreate
 
 __all__ = [
     "DEFAULT_SERVER",
-    "AllocationRequest",
+    "AllocationCreate",
     "ClientConfig",
     "PoolClient",
     "PoolError",

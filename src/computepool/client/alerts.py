@@ -1,7 +1,7 @@
 """`PoolClient`'s alert calls: alerts, alert rules and webhooks.
 
 A mixin so that http.py keeps the plumbing; answers are the server's JSON (AlertOut, AlertRuleOut,
-WebhookOut in server/schemas/alerts.py), never client-side copies of those models.
+WebhookOut in wire/alerts.py), never client-side copies of those models.
 """
 
 from __future__ import annotations

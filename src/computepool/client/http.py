@@ -12,7 +12,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -28,8 +27,9 @@ from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.client.peers import PeerMethods
 from computepool.client.services import ServiceMethods
 from computepool.client.usage import UsageMethods
-from computepool.core.allocation import ENDED, PENDING, IsolationName
+from computepool.core.allocation import ENDED, PENDING
 from computepool.core.tls import client_context, describe_tls_failure
+from computepool.wire.allocations import AllocationCreate
 
 API = "/api/v1"
 JSON = dict[str, Any]
@@ -45,45 +45,6 @@ def _version() -> str:
         return version("computepool")
     except Exception:  # not installed (running from a source tree)
         return "0+unknown"
-
-
-@dataclass(frozen=True)
-class AllocationRequest:
-    """The body of `POST /allocations`; quantities already in pool units (milli, MiB)."""
-
-    gpus: int = 0
-    gpu_milli: int = 1000
-    gpu_memory_mib: int | None = None
-    cpu_milli: int = 0
-    memory_mib: int = 0
-    models: Sequence[str] | None = None
-    exclusive: bool = False
-    isolation: IsolationName | None = None
-    gang_nodes: int = 1
-    priority: int = 0
-    name: str | None = None
-    tenant: str | None = None
-    command: Sequence[str] | None = None
-    env: Mapping[str, str] | None = None
-    restartable: bool = False
-    image: str | None = None
-    ports: Sequence[int] | None = None
-    mig: str | None = None
-    node_selector: Mapping[str, str] | None = None
-    tolerations: Sequence[str] | None = None
-    time_limit: int | str | None = None
-    colocate: str | None = None
-    code: str | None = None  # sha256 of a tar.gz blob unpacked into the job's work dir (put_blob)
-    stdin: str | None = None  # sha256 of a blob fed to the job's stdin
-
-    def body(self) -> JSON:
-        """Only the fields that are set: unset optionals keep the server's defaults."""
-        out: JSON = {}
-        for k, v in asdict(self).items():
-            if v is None:
-                continue
-            out[k] = list(v) if isinstance(v, tuple) else v
-        return out
 
 
 def error_from_response(r: httpx.Response) -> PoolError:
@@ -372,7 +333,7 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
 
     # -- allocations ----------------------------------------------------------------------
 
-    def create_allocation(self, req: AllocationRequest, idempotency_key: str | None = None) -> JSON:
+    def create_allocation(self, req: AllocationCreate, idempotency_key: str | None = None) -> JSON:
         """Submit a request. The idempotency key (made up if not given) is reused by the 503
         retries, so a retried submit never queues the request twice."""
         key = idempotency_key or uuid.uuid4().hex

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from computepool.client.http import AllocationRequest
 from computepool.core.allocation import ISOLATIONS
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_cpu_milli, parse_duration_s, parse_gpu_milli, parse_memory_mib
+from computepool.wire.allocations import AllocationCreate
 
 Quantity = str | int | float
 
@@ -36,7 +36,7 @@ def build_request(
     colocate: str | None = None,
     flag: str = "--",
     **extra: Any,
-) -> AllocationRequest:
+) -> AllocationCreate:
     """The request body from human-unit options. `flag` prefixes the option names in errors
     (`--gpus` for the CLI, `gpus` for the SDK). Quantities are per node; `nodes` > 1 is a gang."""
 
@@ -59,7 +59,7 @@ def build_request(
         if isinstance(node_selector, Mapping)
         else parse_selector(node_selector, name("node-selector"))
     )
-    return AllocationRequest(
+    return AllocationCreate.unchecked(
         gpus=count,
         gpu_milli=milli or 1000,
         gpu_memory_mib=parse_memory_mib(gpu_mem, name("gpu-mem")) if gpu_mem else None,

@@ -1,7 +1,7 @@
 """`PoolClient`'s model-service and gateway calls: services, their usage, per-tenant rate limits.
 
 A mixin so that http.py keeps the plumbing; answers are the server's JSON (ServiceOut, UsageRow,
-GatewayLimitOut in server/schemas/services.py), never client-side copies of those models.
+GatewayLimitOut in wire/services.py), never client-side copies of those models.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`PoolClient`'s usage-ledger calls: usage grouped and priced, the static equivalent, prices and
-device history. Answers are the server's JSON (server/schemas/usage.py), never client-side copies."""
+device history. Answers are the server's JSON (wire/usage.py), never client-side copies."""
 
 from __future__ import annotations
 

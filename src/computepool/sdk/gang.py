@@ -20,16 +20,15 @@ import sys
 import tarfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
 from io import BytesIO
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 
 from computepool.client.errors import PoolError
-from computepool.client.http import AllocationRequest
 from computepool.sdk import pool as pool_mod
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
+from computepool.wire.allocations import AllocationCreate
 
 if TYPE_CHECKING:
     from computepool.sdk.pool import RemoteFunction
@@ -43,7 +42,7 @@ FETCH_TIMEOUT_S = 120.0
 ENDED = frozenset({"released", "failed", "cancelled"})
 
 
-def prepare(fn: RemoteFunction[Any, Any]) -> AllocationRequest:
+def prepare(fn: RemoteFunction[Any, Any]) -> AllocationCreate:
     """Ship the code once and build the request every call's gang is made of. The caller's Python
     must be one the ready nodes provide (checked here, as the functions API checks its own)."""
     python, request = fn.shipped("--once")
@@ -52,7 +51,7 @@ def prepare(fn: RemoteFunction[Any, Any]) -> AllocationRequest:
         _check_python(fn, python)
         selector[PYTHON_LABEL.format(python)] = "yes"
     name = "fn-" + (fn.spec.name or pool_mod.default_name(fn.fn))
-    return replace(request, name=name[:63], node_selector=selector or None, restartable=False)
+    return request.changed(name=name[:63], node_selector=selector or None, restartable=False)
 
 
 def _check_python(fn: RemoteFunction[Any, Any], python: str) -> None:
@@ -72,7 +71,7 @@ def start(fn: RemoteFunction[Any, R], args: tuple[Any, ...], kwargs: dict[str, A
     """One call: its arguments as a blob, then its gang allocation."""
     request = fn.gang_request()
     stdin = fn.pool.client.put_blob(pool_mod.pack_call(args, kwargs))
-    alloc = fn.pool.client.create_allocation(replace(request, stdin=stdin))
+    alloc = fn.pool.client.create_allocation(request.changed(stdin=stdin))
     return GangHandle(fn, int(alloc["id"]), request.gang_nodes)
 
 

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -30,11 +30,12 @@ import cloudpickle
 
 from computepool.client.config import resolve_config
 from computepool.client.errors import PoolError
-from computepool.client.http import AllocationRequest, PoolClient
+from computepool.client.http import PoolClient
 from computepool.client.options import build_request
 from computepool.core.errors import InvalidInput
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
 from computepool.sdk.packing import pack_call, pack_shipment, shipment
+from computepool.wire.allocations import AllocationCreate
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,9 +50,7 @@ _BUILD_OPTIONS = frozenset(
     | {"node_selector", "tolerations", "time_limit", "nodes"}
 )
 _SET_BY_BUILD = frozenset({"gang_nodes", "gpu_milli", "gpu_memory_mib", "cpu_milli", "memory_mib", "models"})
-_OPTION_NAMES = _BUILD_OPTIONS | (
-    {f.name for f in fields(AllocationRequest)} - _SET_BY_BUILD - {"command", "name"}
-)
+_OPTION_NAMES = _BUILD_OPTIONS | (set(AllocationCreate.model_fields) - _SET_BY_BUILD - {"command", "name"})
 _NAME_BAD = re.compile(r"[^a-z0-9_.-]+")
 
 
@@ -159,7 +158,7 @@ class Pool:
 
 @dataclass(frozen=True)
 class FunctionSpec:
-    request: AllocationRequest
+    request: AllocationCreate
     pip: tuple[str, ...]
     keep_warm_s: int
     max_workers: int
@@ -184,7 +183,7 @@ class RemoteFunction(Generic[P, R]):
         self.name = str(getattr(fn, "__name__", "function"))
         self.spec = spec
         self.function_id: int | None = None
-        self._gang_request: AllocationRequest | None = None
+        self._gang_request: AllocationCreate | None = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -203,7 +202,7 @@ class RemoteFunction(Generic[P, R]):
                 self.function_id = self._register()
             return self.function_id
 
-    def shipped(self, *worker_args: str) -> tuple[str, AllocationRequest]:
+    def shipped(self, *worker_args: str) -> tuple[str, AllocationCreate]:
         """Upload the code archive; (the caller's Python, the request that runs the worker on it)."""
         s = self.spec
         ship = shipment(self.fn, Path.cwd())
@@ -214,11 +213,9 @@ class RemoteFunction(Generic[P, R]):
             env["CPOOL_PIP"] = json.dumps(sorted(s.pip))
         exe = "python3" if s.request.image else f"python{python}"
         command = [exe, "-u", "__cpool__/worker.py", *worker_args]
-        return python, replace(
-            s.request, command=command, env={**dict(s.request.env or {}), **env}, code=code
-        )
+        return python, s.request.changed(command=command, env={**dict(s.request.env or {}), **env}, code=code)
 
-    def gang_request(self) -> AllocationRequest:
+    def gang_request(self) -> AllocationCreate:
         """The request of every call's gang (the code shipped once; see gang.py)."""
         from computepool.sdk import gang  # noqa: PLC0415 - gang.py builds on this module
 

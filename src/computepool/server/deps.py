@@ -26,7 +26,7 @@ from computepool.server.context import Ctx
 from computepool.server.credentials import secret_matches, split_token
 from computepool.server.errors import ApiError, NotFound, Unauthorized
 from computepool.server.policy import HUMAN_ROLES, Action, Principal, authorize
-from computepool.server.schemas.common import MAX_ID
+from computepool.wire.common import MAX_ID
 
 ACTION_ATTR = "__cpool_action__"
 # Integer ids in paths, by parameter name: the kind of object they name, for the 404.

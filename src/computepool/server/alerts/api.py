@@ -15,7 +15,10 @@ from computepool.server.errors import NotFound
 from computepool.server.logic.audit import record
 from computepool.server.logic.usage import parse_when
 from computepool.server.policy import authorize
-from computepool.server.schemas.alerts import (
+from computepool.store import alerts as store
+from computepool.store.alerts import RuleSetting
+from computepool.store.db import db_now
+from computepool.wire.alerts import (
     AlertOut,
     AlertRuleIn,
     AlertRuleOut,
@@ -23,10 +26,7 @@ from computepool.server.schemas.alerts import (
     WebhookIn,
     WebhookOut,
 )
-from computepool.server.schemas.common import MAX_ID, Items
-from computepool.store import alerts as store
-from computepool.store.alerts import RuleSetting
-from computepool.store.db import db_now
+from computepool.wire.common import MAX_ID, Items
 
 MAX_ALERTS = 1000
 

@@ -28,11 +28,11 @@ import httpx
 from computepool.server.alerts.redact import hook_name, scrub
 from computepool.server.alerts.signing import load_or_create_key, signed_headers, webhook_secret
 from computepool.server.loops import Periodic
-from computepool.server.schemas.alerts import AlertOut, WebhookBody
 from computepool.server.settings import ServerSettings
 from computepool.store import alerts as store
 from computepool.store.db import Database, db_now
 from computepool.store.models import Alert
+from computepool.wire.alerts import AlertOut, WebhookBody
 
 log = logging.getLogger("computepool.server")
 BATCH = 64  # deliveries one replica has in flight at most

@@ -67,13 +67,13 @@ from computepool.server.coop.state import (
 from computepool.server.hub import Hub
 from computepool.server.leadership import Leadership
 from computepool.server.loops import Periodic
-from computepool.server.schemas.services import ServiceSpec
 from computepool.server.settings import ServerSettings
 from computepool.serving.coop import planner
 from computepool.store import allocations as alloc_store
 from computepool.store import coop as coop_store
 from computepool.store import services as svc_store
 from computepool.store.db import Database, db_now
+from computepool.wire.services import ServiceSpec
 
 log = logging.getLogger("computepool.server")
 PORT_COOLDOWN_S = 300.0  # an RPC port whose server ended is not given again for this long

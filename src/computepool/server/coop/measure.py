@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 
 from computepool.server.logic.allocations import _normalise
-from computepool.server.schemas.allocations import AllocationCreate
-from computepool.server.schemas.coop import CoopSpec
 from computepool.serving.coop import planner, scripts
 from computepool.store.coop import Measurement
+from computepool.wire.allocations import AllocationCreate
+from computepool.wire.coop import CoopSpec
 
 PROBE_LINE = "CPOOL-PROBE "
 RPC_READY_LINE = "CPOOL-RPC ready "

@@ -22,11 +22,11 @@ from typing import Any
 from computepool.scheduler.constraints import tolerates
 from computepool.server.coop.measure import NODE_LABEL
 from computepool.server.logic.allocations import _normalise
-from computepool.server.schemas.allocations import AllocationCreate
-from computepool.server.schemas.coop import CoopSpec
-from computepool.server.schemas.services import ServiceSpec
 from computepool.serving.coop import planner, scripts
 from computepool.store.coop import Measurement, NodeRow, PeerRow
+from computepool.wire.allocations import AllocationCreate
+from computepool.wire.coop import CoopSpec
+from computepool.wire.services import ServiceSpec
 
 RPC_CPU_MILLI = 1000
 RPC_MEMORY_MIB = 256  # beyond the shard's own memory

@@ -15,8 +15,8 @@ from datetime import datetime
 from typing import Any
 
 from computepool.server.coop.measure import identity
-from computepool.server.schemas.coop import CoopPlanOut, CoopSpec
 from computepool.store.coop import CoopAlloc, Measurement, NodeRow, PlanRow
+from computepool.wire.coop import CoopPlanOut, CoopSpec
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,11 @@ from computepool.server.logic import blobs as blob_service
 from computepool.server.logic import gangs
 from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
-from computepool.server.schemas.allocations import (
+from computepool.store import allocations as store
+from computepool.store import lease, logs
+from computepool.store import nodes as node_store
+from computepool.store.db import db_now
+from computepool.wire.allocations import (
     Assignment,
     Assignments,
     LogAppended,
@@ -32,10 +36,6 @@ from computepool.server.schemas.allocations import (
     SliceOut,
     StaleOut,
 )
-from computepool.store import allocations as store
-from computepool.store import lease, logs
-from computepool.store import nodes as node_store
-from computepool.store.db import db_now
 
 
 def _utc(t: datetime | None) -> datetime | None:

@@ -33,7 +33,11 @@ from computepool.server.logic import gangs
 from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
 from computepool.server.scheduling.backfill import about_reservation
-from computepool.server.schemas.allocations import (
+from computepool.store import allocations as store
+from computepool.store import logs
+from computepool.store.db import db_now
+from computepool.store.models import Allocation, AllocationEvent, Tenant
+from computepool.wire.allocations import (
     AllocationCreate,
     AllocationOut,
     EventOut,
@@ -44,11 +48,7 @@ from computepool.server.schemas.allocations import (
     SliceOut,
     StreamOut,
 )
-from computepool.server.schemas.common import Items
-from computepool.store import allocations as store
-from computepool.store import logs
-from computepool.store.db import db_now
-from computepool.store.models import Allocation, AllocationEvent, Tenant
+from computepool.wire.common import Items
 
 MAX_LOG_READ = 1 << 20
 

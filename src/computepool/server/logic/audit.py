@@ -24,10 +24,10 @@ from computepool.server import keyfile
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError
 from computepool.server.policy import Action, Principal, authorize
-from computepool.server.schemas.audit import AuditOut, AuditVerifyOut
-from computepool.server.schemas.common import Items
 from computepool.store import audit
 from computepool.store.db import Database, db_now
+from computepool.wire.audit import AuditOut, AuditVerifyOut
+from computepool.wire.common import Items
 
 log = logging.getLogger("computepool.server")
 

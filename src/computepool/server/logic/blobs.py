@@ -33,13 +33,13 @@ from computepool.server.errors import ApiError, Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
-from computepool.server.schemas.blobs import BlobOut, FileRequestCreate, FileRequestOut, PendingFile
 from computepool.store import allocations as alloc_store
 from computepool.store import blobs as store
 from computepool.store import nodes as node_store
 from computepool.store import tenants as tenant_store
 from computepool.store.db import db_now
 from computepool.store.models import FileRequest, Tenant
+from computepool.wire.blobs import BlobOut, FileRequestCreate, FileRequestOut, PendingFile
 
 MIB = 1 << 20
 KEEP_UNUSED = timedelta(days=1)

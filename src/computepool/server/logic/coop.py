@@ -7,9 +7,9 @@ from computepool.server.context import Ctx
 from computepool.server.coop.state import plan_out
 from computepool.server.errors import NotFound
 from computepool.server.logic.services import _visible
-from computepool.server.schemas.coop import CoopPlanOut
 from computepool.store import coop as coop_store
 from computepool.store.db import db_now
+from computepool.wire.coop import CoopPlanOut
 
 
 def plan(ctx: Ctx, name: str, tenant: str | None) -> CoopPlanOut:

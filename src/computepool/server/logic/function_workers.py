@@ -33,10 +33,10 @@ from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
 from computepool.server.loops import Periodic
 from computepool.server.policy import Target, authorize
-from computepool.server.schemas.functions import Done, NextCall, NextOut, OutputIn, OutputOut
 from computepool.store import allocations as alloc_store
 from computepool.store import functions as store
 from computepool.store.db import Database, db_now
+from computepool.wire.functions import Done, NextCall, NextOut, OutputIn, OutputOut
 
 log = logging.getLogger("computepool.server")
 FAILURES_BEFORE_GIVING_UP = 2

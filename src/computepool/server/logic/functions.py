@@ -21,8 +21,10 @@ from computepool.server.logic import allocations, function_workers
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.functions import (
+from computepool.store import functions as store
+from computepool.store.db import db_now
+from computepool.wire.common import Items
+from computepool.wire.functions import (
     CallIds,
     CallOut,
     CallsIn,
@@ -31,8 +33,6 @@ from computepool.server.schemas.functions import (
     ResultsIn,
     ResultsOut,
 )
-from computepool.store import functions as store
-from computepool.store.db import db_now
 
 # Results, tracebacks and output one answer carries at most (base64 characters): the rest waits
 # for the next poll, so neither the server nor the caller holds a thousand large results at once.

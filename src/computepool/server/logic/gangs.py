@@ -21,9 +21,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from computepool.server.schemas.allocations import GangOut, MemberOut, Report
 from computepool.store import allocations as store
 from computepool.store.models import Allocation
+from computepool.wire.allocations import GangOut, MemberOut, Report
 
 log = logging.getLogger("computepool.server")
 

@@ -11,10 +11,10 @@ from computepool.server.errors import Invalid, NotFound
 from computepool.server.logic.audit import record
 from computepool.server.logic.tenants import visible
 from computepool.server.policy import authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.services import GatewayLimitIn, GatewayLimitOut, UsageRow
 from computepool.store import gateway as store
 from computepool.store.db import db_now
+from computepool.wire.common import Items
+from computepool.wire.services import GatewayLimitIn, GatewayLimitOut, UsageRow
 
 DEFAULT_SINCE = "7d"
 USAGE_LIMIT = 10_000  # rows one listing returns unless asked for more

@@ -13,8 +13,15 @@ from computepool.server.credentials import new_secret, secret_matches, split_tok
 from computepool.server.errors import Conflict, Invalid, NotFound, Unauthorized
 from computepool.server.logic.audit import record
 from computepool.server.policy import Principal, Role, Target, authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.nodes import (
+from computepool.server.settings import ServerSettings
+from computepool.store import functions as fn_store
+from computepool.store import gangs as gang_store
+from computepool.store import nodes, peers, tenants, tokens
+from computepool.store.db import db_now
+from computepool.store.models import ApiToken, JoinToken, Node
+from computepool.store.nodes import DeviceSpec, DeviceUsage
+from computepool.wire.common import Items
+from computepool.wire.nodes import (
     MAX_LABELS,
     MAX_TAINTS,
     DeviceOut,
@@ -29,13 +36,6 @@ from computepool.server.schemas.nodes import (
     NodeSettings,
     NodeState,
 )
-from computepool.server.settings import ServerSettings
-from computepool.store import functions as fn_store
-from computepool.store import gangs as gang_store
-from computepool.store import nodes, peers, tenants, tokens
-from computepool.store.db import db_now
-from computepool.store.models import ApiToken, JoinToken, Node
-from computepool.store.nodes import DeviceSpec, DeviceUsage
 
 log = logging.getLogger("computepool.server")
 

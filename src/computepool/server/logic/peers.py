@@ -14,16 +14,16 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Forbidden, Invalid, NotFound
 from computepool.server.keyfile import load_or_create_key
 from computepool.server.policy import Target, authorize
-from computepool.server.schemas.peers import (
+from computepool.store import peers as sql
+from computepool.store.db import db_now
+from computepool.store.models import NodePeer
+from computepool.wire.peers import (
     DiscoveryKeyOut,
     NodePeersIn,
     PeerDevice,
     PeerOut,
     PeersOut,
 )
-from computepool.store import peers as sql
-from computepool.store.db import db_now
-from computepool.store.models import NodePeer
 
 
 def discovery_key(ctx: Ctx) -> DiscoveryKeyOut:

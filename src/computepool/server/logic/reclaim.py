@@ -9,9 +9,9 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Invalid
 from computepool.server.logic.audit import record
 from computepool.server.logic.tenants import visible
-from computepool.server.schemas.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
 from computepool.store import reclaim
 from computepool.store.db import db_now
+from computepool.wire.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
 
 
 def _duration(value: int | str, field: str, *, zero_ok: bool = False) -> int:

@@ -51,11 +51,11 @@ from computepool.server.logic.replica_health import Probe
 from computepool.server.logic.service_load import Load, fresh_load
 from computepool.server.logic.services import replica_request
 from computepool.server.loops import Periodic
-from computepool.server.schemas.services import ServiceSpec
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as alloc_store
 from computepool.store import services as store
 from computepool.store.db import Database, db_now
+from computepool.wire.services import ServiceSpec
 
 log = logging.getLogger("computepool.server")
 PASS_EVERY_S = 1.0

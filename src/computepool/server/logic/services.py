@@ -27,13 +27,13 @@ from computepool.server.logic import blobs as blob_service
 from computepool.server.logic.audit import record
 from computepool.server.logic.service_load import Load, fresh_load
 from computepool.server.policy import Target, authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.services import ReplicaOut, ServiceIn, ServiceOut, ServiceSpec
 from computepool.store import allocations as alloc_store
 from computepool.store import services as store
 from computepool.store import tenants as tenant_store
 from computepool.store.db import db_now
 from computepool.store.models import Allocation
+from computepool.wire.common import Items
+from computepool.wire.services import ReplicaOut, ServiceIn, ServiceOut, ServiceSpec
 
 # spec fields that a running replica embodies: changing one of them replaces the replicas
 REPLICA_FIELDS = ("request", "port_env", "health_path")

@@ -8,12 +8,12 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.logic.audit import record
 from computepool.server.policy import Target, authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.identity import TenantCreate, TenantOut
-from computepool.server.schemas.quotas import MODEL_RESOURCES, POOL_RESOURCES, Quota
 from computepool.store import quotas, tenants
 from computepool.store.db import db_now
 from computepool.store.models import Tenant
+from computepool.wire.common import Items
+from computepool.wire.identity import TenantCreate, TenantOut
+from computepool.wire.quotas import MODEL_RESOURCES, POOL_RESOURCES, Quota
 
 
 def _out(t: Tenant) -> TenantOut:

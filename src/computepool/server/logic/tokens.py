@@ -9,11 +9,11 @@ from computepool.server.credentials import new_secret
 from computepool.server.errors import NotFound
 from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.identity import TokenCreate, TokenCreated, TokenOut
 from computepool.store import tokens, users
 from computepool.store.db import db_now
 from computepool.store.models import ApiToken
+from computepool.wire.common import Items
+from computepool.wire.identity import TokenCreate, TokenCreated, TokenOut
 
 
 def _out(t: ApiToken) -> TokenOut:

@@ -18,8 +18,11 @@ from computepool.server.errors import Invalid, NotFound
 from computepool.server.ledger import static_equivalent as se
 from computepool.server.logic.audit import record
 from computepool.server.policy import authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.usage import (
+from computepool.store import usage as sql
+from computepool.store.db import db_now
+from computepool.store.models import Price
+from computepool.wire.common import Items
+from computepool.wire.usage import (
     DeviceSampleOut,
     PartitionOut,
     PriceIn,
@@ -28,9 +31,6 @@ from computepool.server.schemas.usage import (
     UsageItem,
     UsageOut,
 )
-from computepool.store import usage as sql
-from computepool.store.db import db_now
-from computepool.store.models import Price
 
 J_PER_KWH = 3.6e6
 MAX_HISTORY_POINTS = 720  # per device: a longer window is thinned to this many evenly spaced points

@@ -7,11 +7,11 @@ from computepool.server.errors import Conflict
 from computepool.server.logic import tenants as tenant_service
 from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.identity import UserCreate, UserOut
 from computepool.store import users
 from computepool.store.db import db_now
 from computepool.store.models import User
+from computepool.wire.common import Items
+from computepool.wire.identity import UserCreate, UserOut
 
 
 def out(u: User) -> UserOut:

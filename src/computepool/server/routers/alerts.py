@@ -10,7 +10,7 @@ from computepool.server.alerts import api
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.policy import Action
-from computepool.server.schemas.alerts import (
+from computepool.wire.alerts import (
     AlertOut,
     AlertRuleIn,
     AlertRuleOut,
@@ -18,7 +18,7 @@ from computepool.server.schemas.alerts import (
     WebhookIn,
     WebhookOut,
 )
-from computepool.server.schemas.common import Items
+from computepool.wire.common import Items
 
 router = APIRouter(tags=["alerts"])
 

@@ -14,14 +14,14 @@ from computepool.server.hub import Hub
 from computepool.server.logic import allocations
 from computepool.server.policy import Action
 from computepool.server.routers.polling import long_poll
-from computepool.server.schemas.allocations import (
+from computepool.wire.allocations import (
     AllocationCreate,
     AllocationOut,
     AllocationState,
     ExplainOut,
     LogsOut,
 )
-from computepool.server.schemas.common import MAX_ID, Items
+from computepool.wire.common import MAX_ID, Items
 
 router = APIRouter(tags=["allocations"])
 MAX_WAIT_S = 30.0

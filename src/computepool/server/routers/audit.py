@@ -11,8 +11,8 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import audit
 from computepool.server.policy import Action
-from computepool.server.schemas.audit import AuditOut, AuditVerifyOut
-from computepool.server.schemas.common import Items
+from computepool.wire.audit import AuditOut, AuditVerifyOut
+from computepool.wire.common import Items
 
 router = APIRouter(tags=["audit"])
 

@@ -21,7 +21,7 @@ from computepool.server.logic import blobs
 from computepool.server.policy import Action
 from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
 from computepool.server.routers.polling import long_poll
-from computepool.server.schemas.blobs import BlobOut, FileFailure, FileRequestCreate, FileRequestOut
+from computepool.wire.blobs import BlobOut, FileFailure, FileRequestCreate, FileRequestOut
 
 router = APIRouter(tags=["blobs"])
 # Routes whose raw bodies the blob caps govern instead of --max-body-bytes (method, path pattern).

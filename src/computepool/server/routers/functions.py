@@ -15,8 +15,8 @@ from computepool.server.hub import Hub
 from computepool.server.logic import function_workers, functions
 from computepool.server.policy import Action
 from computepool.server.routers.polling import long_poll
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.functions import (
+from computepool.wire.common import Items
+from computepool.wire.functions import (
     CallIds,
     CallOut,
     CallsIn,

@@ -10,8 +10,8 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import gateway
 from computepool.server.policy import Action
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.services import GatewayLimitIn, GatewayLimitOut, UsageRow
+from computepool.wire.common import Items
+from computepool.wire.services import GatewayLimitIn, GatewayLimitOut, UsageRow
 
 router = APIRouter(tags=["gateway"])
 

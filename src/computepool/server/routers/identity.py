@@ -10,8 +10,8 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import tokens, users
 from computepool.server.policy import Action
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.identity import (
+from computepool.wire.common import Items
+from computepool.wire.identity import (
     TokenCreate,
     TokenCreated,
     TokenOut,

@@ -10,8 +10,8 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires, unauthenticated
 from computepool.server.logic import nodes
 from computepool.server.policy import Action
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.nodes import (
+from computepool.wire.common import Items
+from computepool.wire.nodes import (
     Heartbeat,
     HeartbeatOut,
     JoinTokenCreate,

@@ -10,7 +10,7 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import peers
 from computepool.server.policy import Action
-from computepool.server.schemas.peers import DiscoveryKeyOut, NodePeersIn, PeersOut
+from computepool.wire.peers import DiscoveryKeyOut, NodePeersIn, PeersOut
 
 router = APIRouter(tags=["peers"])
 

@@ -10,7 +10,7 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import tenants
 from computepool.server.policy import Action
-from computepool.server.schemas.quotas import Quota
+from computepool.wire.quotas import Quota
 
 router = APIRouter(tags=["quotas"])
 

@@ -11,9 +11,9 @@ from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.logic import coop, services
 from computepool.server.policy import Action
-from computepool.server.schemas.common import Items, Name
-from computepool.server.schemas.coop import CoopPlanOut
-from computepool.server.schemas.services import ServiceIn, ServiceOut
+from computepool.wire.common import Items, Name
+from computepool.wire.coop import CoopPlanOut
+from computepool.wire.services import ServiceIn, ServiceOut
 
 router = APIRouter(tags=["services"])
 TenantParam = Annotated[Name | None, Query(description="Admins: another tenant's service.")]

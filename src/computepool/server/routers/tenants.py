@@ -10,9 +10,9 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import reclaim, tenants
 from computepool.server.policy import Action
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.identity import TenantCreate, TenantOut
-from computepool.server.schemas.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
+from computepool.wire.common import Items
+from computepool.wire.identity import TenantCreate, TenantOut
+from computepool.wire.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
 
 router = APIRouter(tags=["tenants"])
 

@@ -11,8 +11,8 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.logic import usage
 from computepool.server.policy import Action
-from computepool.server.schemas.common import Items
-from computepool.server.schemas.usage import (
+from computepool.wire.common import Items
+from computepool.wire.usage import (
     DeviceSampleOut,
     PriceIn,
     PriceOut,

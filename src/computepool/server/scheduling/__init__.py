@@ -44,10 +44,9 @@ from computepool.server.scheduling.quota import (
     over_limit,
     reclaimable,
     slices_usage,
-    stored_core,
-    to_core,
     within_guarantee,
 )
+from computepool.server.scheduling.requests import stored_core, to_core
 from computepool.server.scheduling.snapshot import (
     DevSnap,
     Live,

@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from computepool.core import Request
-from computepool.server.scheduling.quota import QuotaMap, Usage, estimate, stored_core
+from computepool.server.scheduling.quota import QuotaMap, Usage, estimate
+from computepool.server.scheduling.requests import stored_core
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as store
 from computepool.store import scheduling as sql

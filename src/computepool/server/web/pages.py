@@ -20,7 +20,6 @@ from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
 from computepool.server.logic import allocations
 from computepool.server.policy import Action, authorize
-from computepool.server.schemas.common import MAX_ID
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,
@@ -32,6 +31,7 @@ from computepool.server.web.session import (
     open_session,
     same_origin,
 )
+from computepool.wire.common import MAX_ID
 
 router = APIRouter(include_in_schema=False)
 # name → (title, heading shown in the nav); the order is the nav's

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from computepool.server.schemas.common import In, Out
+from computepool.wire.common import In, Out
 
 Sha256 = Annotated[
     str,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from computepool.server.schemas.common import MAX_EXPIRES_S, In, Name, Out
+from computepool.wire.common import MAX_EXPIRES_S, In, Name, Out
 
 UserRole = Literal["admin", "tenant-admin", "member", "viewer", "scraper"]
 

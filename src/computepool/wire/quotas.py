@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from computepool.server.schemas.common import MAX_CPU_MILLI, MAX_GPU_MILLI, MAX_MEMORY_MIB, In, ModelName
+from computepool.wire.common import MAX_CPU_MILLI, MAX_GPU_MILLI, MAX_MEMORY_MIB, In, ModelName
 
 MAX_MODELS = 256
 

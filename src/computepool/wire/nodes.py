@@ -9,7 +9,7 @@ from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from computepool.core.address import MAX_ADDRESS_LEN, check_address
 from computepool.core.request import MAX_DEVICES_PER_NODE
-from computepool.server.schemas.common import (
+from computepool.wire.common import (
     MAX_CPU_MILLI,
     MAX_EXPIRES_S,
     MAX_MEMORY_MIB,

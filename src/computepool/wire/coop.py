@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from computepool.server.schemas.common import In, Out
+from computepool.wire.common import In, Out
 
 CoopStatus = Literal["measuring", "planned", "starting", "running", "replanning", "failed"]
 ShardRole = Literal["head", "rpc"]

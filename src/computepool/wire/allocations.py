@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -9,8 +10,8 @@ from pydantic import Field, StrictInt, StringConstraints, field_validator
 
 from computepool.core.allocation import AllocationState, IsolationName
 from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
-from computepool.server.schemas.blobs import PendingFile, Sha256
-from computepool.server.schemas.common import (
+from computepool.wire.blobs import PendingFile, Sha256
+from computepool.wire.common import (
     MAX_CPU_MILLI,
     MAX_ID,
     MAX_MEMORY_MIB,
@@ -20,7 +21,7 @@ from computepool.server.schemas.common import (
     Name,
     Out,
 )
-from computepool.server.schemas.nodes import MAX_TAINTS, Toleration
+from computepool.wire.nodes import MAX_TAINTS, Toleration
 
 MAX_COMMAND_ARGS = 1024
 MAX_ARG_LEN = 8192
@@ -145,6 +146,28 @@ class AllocationCreate(In):
         default=None, description="A tar.gz blob of the tenant's, unpacked into the job's work dir first."
     )
     stdin: Sha256 | None = Field(default=None, description="A blob of the tenant's, fed to the job's stdin.")
+
+    @classmethod
+    def unchecked(cls, **fields: Any) -> AllocationCreate:
+        """As a client builds one: not checked here, since the server checks every field and answers
+        422 naming it (sequences and mappings become the lists and dicts JSON has)."""
+        return cls.model_construct(**{k: _plain(v) for k, v in fields.items()})
+
+    def changed(self, **fields: Any) -> AllocationCreate:
+        """A copy with some fields changed, as unchecked as `unchecked` (the server checks)."""
+        return self.model_copy(update={k: _plain(v) for k, v in fields.items()})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: only the fields that are set, so unset optionals keep the server's defaults."""
+        return {k: _plain(v) for k, v in self.__dict__.items() if v is not None}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, list | tuple):
+        return list(value)
+    return value
 
 
 class RequestOut(Out):

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import Field, StrictInt
 
-from computepool.server.schemas.common import In, Out
+from computepool.wire.common import In, Out
 
 
 class ReclaimPolicyIn(In):

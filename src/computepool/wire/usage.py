@@ -8,7 +8,7 @@ from datetime import datetime
 from pydantic import Field
 
 from computepool.core.usage import ENERGY_ITEM
-from computepool.server.schemas.common import In, Out
+from computepool.wire.common import In, Out
 
 MAX_PRICE = 1e9
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from computepool.server.schemas.common import In, Items, Name, Out
+from computepool.wire.common import In, Items, Name, Out
 
 PeerStatus = Literal["ok", "rejected"]
 PeerSource = Literal["mdns", "unicast"]

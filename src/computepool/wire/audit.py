@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from computepool.server.schemas.common import Out
+from computepool.wire.common import Out
 
 
 class AuditOut(Out):

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from computepool.server.schemas.common import In, Out
+from computepool.wire.common import In, Out
 
 AlertState = Literal["firing", "resolved"]
 Severity = Literal["warning", "critical"]

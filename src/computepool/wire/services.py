@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from computepool.server.schemas.allocations import AllocationCreate, check_env_name
-from computepool.server.schemas.common import In, Name, Out
-from computepool.server.schemas.coop import CoopSpec
+from computepool.wire.allocations import AllocationCreate, check_env_name
+from computepool.wire.common import In, Name, Out
+from computepool.wire.coop import CoopSpec
 
 ReplicaState = Literal["starting", "ready", "unhealthy", "draining"]
 MAX_REPLICAS = 64

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from computepool.server.schemas.allocations import AllocationCreate
-from computepool.server.schemas.common import MAX_ID, Id, In, Name, Out
-from computepool.server.schemas.nodes import PythonVersion
+from computepool.wire.allocations import AllocationCreate
+from computepool.wire.common import MAX_ID, Id, In, Name, Out
+from computepool.wire.nodes import PythonVersion
 
 MAX_ARGS_BYTES = 16 << 20  # one call's pickled arguments
 MAX_CALLS = 1000  # calls in one submission

@@ -1,1 +1,0 @@
-"""Pydantic models of the HTTP API: what goes in (extra fields refused) and what comes out."""
