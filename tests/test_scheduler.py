@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from computepool.core import Device, Node, Request, Sharing
-from computepool.scheduler.filters import explain
+from computepool.scheduler.filters import explain, feasibility, feasible, node_feasible
 from computepool.scheduler.fragmentation import TypicalPods
 from computepool.scheduler.placement import Decision, Scheduler
 from computepool.scheduler.policies import POLICIES, make_scorer
@@ -556,3 +556,28 @@ def test_best_fit_device_inside_the_node(policy):
     # two whole devices: the idle ones, lowest index first
     d2 = sched.schedule(state, Request(gpu_count=2, gpu_milli=1000))
     assert d2.placements[0].devices == [0, 2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(nodes=nodes_st(), ops=ops_st, probes=st.lists(requests_st, min_size=1, max_size=6))
+def test_the_hot_path_the_node_path_and_explain_agree_on_feasibility(nodes, ops, probes):
+    """The filters are written three ways for speed (classes on the hot path, nodes straight, and
+    with reasons for explain): whatever the pool holds, all three keep the same nodes."""
+    state = ClusterState.from_nodes(nodes)
+    sched = Scheduler(make_scorer("default"))
+    live: list[Decision] = []
+    for op, arg in ops:
+        if op == "release" and live:
+            sched.release(state, live.pop(arg % len(live)))
+        elif op == "place" and (d := sched.place(state, arg)).ok:
+            sched.commit(state, d)
+            live.append(d)
+    view = state.node_view()
+    # and requests that fit some device exactly, where a bound written one way and not another shows
+    free = sorted({int(v) for v in np.asarray(state.gpu_free).ravel() if 0 < v < 1000})
+    exact = [Request(gpu_count=1, gpu_milli=v, cpu_milli=0, memory_mib=0) for v in free[:6]]
+    for req in [*probes, *exact]:
+        hot, _need = feasible(state, view, req)
+        with_reasons = feasibility(state, view, req)
+        assert (with_reasons.ok == hot).all(), req
+        assert (node_feasible(state, req) == (hot & state.eligible(req))).all(), req
