@@ -41,6 +41,7 @@ from computepool.server.coop import measure
 from computepool.server.coop.measure import Speed
 from computepool.server.coop.place import (
     SECRET_ENV,
+    Choice,
     choose,
     fits,
     free_port,
@@ -185,7 +186,7 @@ class CoopController:
                         f"gave up after {st.failures} failed plans (last: {reason}); change the spec to retry"
                     )
         if status in ("starting", "running"):
-            status, reason, attempt = self._follow(s, p, svc, spec, st, pub, status, reason, attempt)
+            status, reason, attempt = self._follow(s, p, svc, spec, st, pub, status, attempt)
         self._save(s, p, svc.id, row, status, reason, attempt, pub, st)
 
     # --- measuring and planning ------------------------------------------------------------------
@@ -201,49 +202,12 @@ class CoopController:
         coop = spec.cooperative
         assert coop is not None
         key = model_key(coop, svc.tenant_id)
-        known = same_file({m.node: m for m in coop_store.measurements(s, key) if m.device == "cpu"}, st)
         usable = sorted(
             n
             for n in p.ready
             if n not in st.excluded and n not in st.unusable and fits(p.nodes[n], spec.request)
         )
-        size = next((int(m.detail.get("model_bytes") or 0) for m in known.values()), 0)
-        probes = coop_store.allocs_by_id(s, list(st.probes.values()))
-        pending: list[str] = []
-        for n in usable:
-            if n in known:
-                continue
-            pid = st.probes.get(n)
-            a = probes.get(pid) if pid is not None else None
-            if a is None:
-                mib = measure.probe_memory_mib(size, p.nodes[n].memory_mib)
-                req = measure.probe_request(coop, spec.request, n, mib, svc.tenant, svc.name)
-                st.probes[n] = self._insert(s, svc, "probe", req, None, p)
-                pending.append(n)
-                continue
-            if a.state in ("pending", "bound") and waited(p.now, a) > measure.PENDING_DEADLINE_S:
-                self._end(s, p, a.id, f"not started within {measure.PENDING_DEADLINE_S:g} s")
-                st.unusable[n] = f"its probe was not started within {measure.PENDING_DEADLINE_S:g} s"
-                st.probes.pop(n, None)
-                continue
-            if a.state in LIVE:
-                pending.append(n)
-                continue
-            result = measure.probe_result(coop_store.stdout_of(s, a.id))
-            late = a.ended_at is not None and (p.now - a.ended_at).total_seconds() < measure.LOG_GRACE_S
-            if result is not None:
-                m = measure.measurement(n, p.nodes[n].memory_mib, result, p.now)
-                coop_store.put_measurement(s, key, m)
-                known[n] = m
-                st.probes.pop(n, None)
-            elif a.state == "released" and late:
-                pending.append(n)  # its last output may still be on its way
-            else:
-                st.unusable[n] = measure.failure(a.state, a.reason, coop_store.stderr_tail(s, a.id))
-                st.probes.pop(n, None)
-        checked = same_file(known, st)  # a file differing from one measured in this pass: probed again
-        pending += [n for n in usable if n in known and n not in checked and n not in st.unusable]
-        known = checked
+        known, pending = self._measure(s, p, svc, spec, st, key, usable)
         if pending:
             return "measuring", f"measuring the model on {', '.join(pending)}", pub
         measured = {n: m for n, m in known.items() if n in usable}
@@ -255,15 +219,7 @@ class CoopController:
             why = "; ".join(f"{n}: {w}" for n, w in sorted(notes.items())) or "no ready node"
             return "failed", f"no node can run the model ({why})"[:1000], pub
         model = shape(next(iter(measured.values())).detail)
-        fresh = p.now - timedelta(seconds=PEER_FRESH_S)
-        peers: list[coop_store.PeerRow] = []
-        refused: list[str] = []
-        for pr in coop_store.verified_peers(s, list(measured), fresh):
-            refusal = peer_refusal(pr, p.nodes)
-            if refusal is None:
-                peers.append(pr)
-            elif pr.node_id in measured:
-                refused.append(refusal)
+        peers, refused = self._peers(s, p, measured)
         choice = choose(coop, model, measured, peers, single_only=st.single_only is not None)
         new = public_plan(choice, measured, p.nodes, notes, model)
         chosen = choice.plan.chosen
@@ -278,30 +234,133 @@ class CoopController:
         st.best_single_tps = (
             choice.plan.best_single.predicted_tokens_per_s if choice.plan.best_single else None
         )
+        failure = self._place_rpc_servers(s, p, svc, spec, st, choice, peers, new)
+        if failure is not None:
+            return "failed", failure, new
+        st.split = bool(st.rpc)
+        waiting = f"starting RPC servers on {', '.join(r.node for r in st.rpc)}" if st.rpc else "starting"
+        return "starting", f"{waiting}: {st.plan_reason}", new
+
+    def _measure(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        spec: ServiceSpec,
+        st: State,
+        key: str,
+        usable: list[str],
+    ) -> tuple[dict[str, coop_store.Measurement], list[str]]:
+        """The model's measurements on the usable nodes, probing those not measured yet: (what is
+        known, the nodes still being measured)."""
+        coop = spec.cooperative
+        assert coop is not None
+        known = same_file({m.node: m for m in coop_store.measurements(s, key) if m.device == "cpu"}, st)
+        size = next((int(m.detail.get("model_bytes") or 0) for m in known.values()), 0)
+        probes = coop_store.allocs_by_id(s, list(st.probes.values()))
+        pending: list[str] = []
+        for n in usable:
+            if n in known:
+                continue
+            pid = st.probes.get(n)
+            a = probes.get(pid) if pid is not None else None
+            if a is None:
+                mib = measure.probe_memory_mib(size, p.nodes[n].memory_mib)
+                req = measure.probe_request(coop, spec.request, n, mib, svc.tenant, svc.name)
+                st.probes[n] = self._insert(s, svc, "probe", req, None, p)
+                pending.append(n)
+            elif self._probe_outcome(s, p, st, key, n, a, known):
+                pending.append(n)
+        checked = same_file(known, st)  # a file differing from one measured in this pass: probed again
+        pending += [n for n in usable if n in known and n not in checked and n not in st.unusable]
+        return checked, pending
+
+    def _probe_outcome(
+        self,
+        s: Session,
+        p: _Pass,
+        st: State,
+        key: str,
+        n: str,
+        a: coop_store.CoopAlloc,
+        known: dict[str, coop_store.Measurement],
+    ) -> bool:
+        """What node `n`'s probe `a` says: a measurement (into `known`), a reason the node is
+        unusable, or nothing yet (True: still measuring)."""
+        if a.state in ("pending", "bound") and waited(p.now, a) > measure.PENDING_DEADLINE_S:
+            self._end(s, p, a.id, f"not started within {measure.PENDING_DEADLINE_S:g} s")
+            st.unusable[n] = f"its probe was not started within {measure.PENDING_DEADLINE_S:g} s"
+            st.probes.pop(n, None)
+            return False
+        if a.state in LIVE:
+            return True
+        result = measure.probe_result(coop_store.stdout_of(s, a.id))
+        late = a.ended_at is not None and (p.now - a.ended_at).total_seconds() < measure.LOG_GRACE_S
+        if result is not None:
+            m = measure.measurement(n, p.nodes[n].memory_mib, result, p.now)
+            coop_store.put_measurement(s, key, m)
+            known[n] = m
+            st.probes.pop(n, None)
+            return False
+        if a.state == "released" and late:
+            return True  # its last output may still be on its way
+        st.unusable[n] = measure.failure(a.state, a.reason, coop_store.stderr_tail(s, a.id))
+        st.probes.pop(n, None)
+        return False
+
+    @staticmethod
+    def _peers(
+        s: Session, p: _Pass, measured: dict[str, coop_store.Measurement]
+    ) -> tuple[list[coop_store.PeerRow], list[str]]:
+        """The verified, fresh peer links between measured nodes; and why others are not used."""
+        fresh = p.now - timedelta(seconds=PEER_FRESH_S)
+        peers: list[coop_store.PeerRow] = []
+        refused: list[str] = []
+        for pr in coop_store.verified_peers(s, list(measured), fresh):
+            refusal = peer_refusal(pr, p.nodes)
+            if refusal is None:
+                peers.append(pr)
+            elif pr.node_id in measured:
+                refused.append(refusal)
+        return peers, refused
+
+    def _place_rpc_servers(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        spec: ServiceSpec,
+        st: State,
+        choice: Choice,
+        peers: list[coop_store.PeerRow],
+        new: dict[str, object],
+    ) -> str | None:
+        """An RPC server allocation per RPC shard of the chosen plan, each on a free port at the
+        address the head saw it at; the reason when there is no port left."""
+        coop = spec.cooperative
+        assert coop is not None and choice.plan.chosen is not None
         by_node = {pr.node_id: pr for pr in peers if pr.observer == choice.head}
         used = coop_store.used_rpc_ports(s, p.now - timedelta(seconds=PORT_COOLDOWN_S))
         lo, hi = self.settings.rpc_port_min, self.settings.rpc_port_max
-        shards = list(new["shards"])
-        for sh, planned in zip(shards, chosen.shards, strict=True):
+        shards = list(new["shards"])  # type: ignore[call-overload]
+        for sh, planned in zip(shards, choice.plan.chosen.shards, strict=True):
             if planned.role != "rpc":
                 continue
             port = free_port(used, lo, hi)
             if port is None:
                 self._end_all(s, p, st, "no RPC port free")
-                return "failed", f"every RPC port {lo}-{hi} is taken", new
+                return f"every RPC port {lo}-{hi} is taken"
             used.add(port)
             address = by_node[planned.node].address
             req = rpc_request(coop, spec.request, planned.node, address, port, planned.memory_mib,
                               svc.tenant, svc.name)  # fmt: skip
-            env = {coop_store.RPC_PORT_ENV: str(port), SECRET_ENV: st.secret}
+            env = {coop_store.RPC_PORT_ENV: str(port), SECRET_ENV: st.secret or ""}
             alloc = self._insert(s, svc, "rpc", req, env, p)
             endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
             st.rpc.append(RpcShard(alloc, planned.node, endpoint))
             sh["endpoint"] = endpoint
         new["shards"] = shards
-        st.split = bool(st.rpc)
-        waiting = f"starting RPC servers on {', '.join(r.node for r in st.rpc)}" if st.rpc else "starting"
-        return "starting", f"{waiting}: {st.plan_reason}", new
+        return None
 
     # --- placing and following ---------------------------------------------------------------------
     def _follow(
@@ -313,48 +372,76 @@ class CoopController:
         st: State,
         pub: dict[str, object],
         status: str,
-        reason: str,
         attempt: int,
     ) -> tuple[str, str, int]:
+        """A placed plan: re-planned when one of its parts failed, else its head started or followed."""
+        trouble = self._rpc_trouble(s, p, st)
+        if trouble is not None:
+            why, exclude = trouble
+            return self._replan(s, p, svc, st, why, exclude, attempt)
+        if st.head_generation is None:
+            return "starting", self._start_head(s, p, svc, spec, st, pub), attempt
+        return self._follow_head(s, p, svc, spec, st, status, attempt)
+
+    @staticmethod
+    def _rpc_trouble(s: Session, p: _Pass, st: State) -> tuple[str, dict[str, str]] | None:
+        """Why the plan must be made again (a node lost, an RPC server ended or never started),
+        with the nodes to leave out of the next one; None while its RPC servers are well."""
         lost = sorted(n for n in {st.head, *(r.node for r in st.rpc)} if n is not None and n not in p.alive)
         if lost:
-            why = f"node {', '.join(lost)} lost"
-            return self._replan(s, p, svc, st, why, {n: "node lost" for n in lost}, attempt)
+            return f"node {', '.join(lost)} lost", {n: "node lost" for n in lost}
         allocs = coop_store.allocs_by_id(s, [r.alloc for r in st.rpc])
         for r in st.rpc:
             a = allocs.get(r.alloc)
             if a is None or a.state not in LIVE:
                 state, why = (a.state, a.reason) if a else ("gone", "")
                 text = f"RPC server on {r.node} {state}" + (f" ({why})" if why else "")
-                return self._replan(s, p, svc, st, text, {r.node: text}, attempt)
+                return text, {r.node: text}
             if not r.ready and a.state == "active":
                 r.ready = measure.RPC_READY_LINE in coop_store.stdout_of(s, a.id)
             if a.state in ("pending", "bound") and waited(p.now, a) > measure.PENDING_DEADLINE_S:
                 text = f"RPC server on {r.node} not started within {measure.PENDING_DEADLINE_S:g} s"
-                return self._replan(s, p, svc, st, text, {r.node: text}, attempt)
-        if st.head_generation is None:
-            waiting = [r.node for r in st.rpc if not r.ready]
-            if waiting:
-                return (
-                    "starting",
-                    f"waiting for RPC servers on {', '.join(waiting)}: {st.plan_reason}",
-                    attempt,
-                )
-            assert st.head is not None
-            if st.secret is None:  # a plan stored before plans had secrets
-                st.secret = secrets.token_hex(32)
-            shards = [_shard(sh) for sh in pub["shards"]]  # type: ignore[attr-defined]
-            address = p.nodes[st.head].address or "127.0.0.1"
-            endpoints = [r.endpoint for r in st.rpc]
-            new = head_spec(spec, svc.name, st.head, address, shards, endpoints, st.secret)
-            svc_store.set_spec(s, svc.id, new, svc.generation + 1, p.now)
-            st.written, st.head_generation, st.head_written_at = (
-                canon(new),
-                svc.generation + 1,
-                p.now.isoformat(),
-            )
-            p.services.append(svc.id)
-            return "starting", f"head replica starting on {st.head}: {st.plan_reason}", attempt
+                return text, {r.node: text}
+        return None
+
+    def _start_head(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        spec: ServiceSpec,
+        st: State,
+        pub: dict[str, object],
+    ) -> str:
+        """Once every RPC server is ready: the service's spec becomes the head's (a new generation),
+        which the service controller then runs as its replica. The plan's reason."""
+        waiting = [r.node for r in st.rpc if not r.ready]
+        if waiting:
+            return f"waiting for RPC servers on {', '.join(waiting)}: {st.plan_reason}"
+        assert st.head is not None
+        if st.secret is None:  # a plan stored before plans had secrets
+            st.secret = secrets.token_hex(32)
+        shards = [_shard(sh) for sh in pub["shards"]]  # type: ignore[attr-defined]
+        address = p.nodes[st.head].address or "127.0.0.1"
+        endpoints = [r.endpoint for r in st.rpc]
+        new = head_spec(spec, svc.name, st.head, address, shards, endpoints, st.secret)
+        svc_store.set_spec(s, svc.id, new, svc.generation + 1, p.now)
+        st.written, st.head_generation, st.head_written_at = canon(new), svc.generation + 1, p.now.isoformat()
+        p.services.append(svc.id)
+        return f"head replica starting on {st.head}: {st.plan_reason}"
+
+    def _follow_head(
+        self,
+        s: Session,
+        p: _Pass,
+        svc: svc_store.ServiceRow,
+        spec: ServiceSpec,
+        st: State,
+        status: str,
+        attempt: int,
+    ) -> tuple[str, str, int]:
+        """The head replica: failed (re-plan), not ready yet, or running (its speed checked once)."""
+        assert st.head_generation is not None
         since = datetime.fromisoformat(st.head_written_at) if st.head_written_at else p.now
         failed = [f for f in svc_store.failed_since(s, since) if f[1] == svc.id]
         if failed:

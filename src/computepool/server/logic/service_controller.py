@@ -206,69 +206,21 @@ class ServiceController:
         spec = ServiceSpec.model_validate(svc.spec)
         load = view.loads.get(svc.id)
         per = load.per_replica if load else {}
-        deleted = svc.deleted_at is not None
-        current: list[store.ReplicaRow] = []
-        for r in reps:
-            if r.replica_state == "draining":
-                self._drain(plan, svc, spec, r, per, view.reports.get(svc.id), now)
-                continue
-            if deleted:
-                self._retire(plan, r, "service deleted")
-                continue
-            kept = self._health(plan, svc, spec, r, health.get(r.id), now)
-            if kept is not None:
-                current.append(kept)
-        if deleted:
+        current = self._current(plan, view, svc, spec, reps, health, per)
+        if svc.deleted_at is not None:
             return
         if spec.cooperative is not None and not spec.request.command:
-            # the coop controller has not placed the plan yet (or is re-planning): no replica
-            for r in current:
-                self._retire(plan, r, "cooperative service re-planning")
-            why = "cooperative: waiting for the coop controller's plan (cpool services explain)"
-            if (0, why) != (svc.desired, svc.reason):
-                plan.decisions[svc.id] = (0, why)
-            return
+            return self._await_coop_plan(plan, svc, current)
         # replicas of an older generation that serve nothing are simply cancelled
         why_old = f"replaced by generation {svc.generation}"
         for r in [r for r in current if r.generation < svc.generation and not _ready(r)]:
             plan.ends.append((r.id, r.attempt, "cancelled", why_old))
             current.remove(r)
-        old = [r for r in current if r.generation < svc.generation]
-        n = len(current)
         total = (load.inflight + load.queued) if load else 0
-        need = math.ceil(total / spec.target_inflight)
         idle_for = (now - (svc.last_request_at or svc.created_at)).total_seconds()
         idle = spec.min_replicas == 0 and total == 0 and idle_for >= spec.idle_s
-        floor = spec.min_replicas
-        if spec.min_replicas == 0 and total == 0 and not idle:
-            floor = min(n, 1)  # not idle long enough to go to zero (and nothing to wake it)
-        desired = max(spec.min_replicas, min(spec.max_replicas, max(need, floor)))
-        start = max(0, desired - n)
-        notes: list[str] = []
-        if old:
-            self._below.pop(svc.id, None)
-            unready_new = [r for r in current if r.generation >= svc.generation and not _ready(r)]
-            if not unready_new and start == 0:
-                if n > desired:
-                    victim = min(old, key=lambda r: (per.get(r.id, 0), r.id))
-                    plan.states.append((victim.id, victim.attempt, "draining"))
-                else:
-                    start = 1  # surge: one new replica beyond the desired count
-            notes.append(f"rolling update to generation {svc.generation}: {len(old)} old replicas left")
-        elif desired < n:
-            since = self._below.setdefault(svc.id, now)
-            if idle:
-                for r in current:
-                    self._retire(plan, r, "drained: scaled to zero")
-            elif (now - since).total_seconds() >= spec.scale_down_delay_s:
-                victim = min(current, key=lambda r: (_ready(r), per.get(r.id, 0), r.id))
-                self._retire(plan, victim, "drained: scaled down")
-                self._below[svc.id] = now
-            else:
-                left = spec.scale_down_delay_s - (now - since).total_seconds()
-                notes.append(f"one fewer in {human(left)} unless the load comes back")
-        else:
-            self._below.pop(svc.id, None)
+        desired = _desired(spec, len(current), total, idle)
+        start, notes = self._resize(plan, svc, spec, current, per, desired, idle, now)
         wait = self._backoff(svc.id, now)
         if start and wait is not None:
             notes.append(
@@ -285,6 +237,78 @@ class ServiceController:
         text = "; ".join([reason, *notes])
         if (desired, text) != (svc.desired, svc.reason):
             plan.decisions[svc.id] = (desired, text)
+
+    def _current(
+        self,
+        plan: _Plan,
+        view: _View,
+        svc: store.ServiceRow,
+        spec: ServiceSpec,
+        reps: list[store.ReplicaRow],
+        health: dict[int, Probe],
+        per: dict[int, int],
+    ) -> list[store.ReplicaRow]:
+        """The replicas that count toward the service's size, after this pass's health results;
+        draining ones are followed to their end, and a deleted service's retired."""
+        current: list[store.ReplicaRow] = []
+        for r in reps:
+            if r.replica_state == "draining":
+                self._drain(plan, svc, spec, r, per, view.reports.get(svc.id), view.now)
+            elif svc.deleted_at is not None:
+                self._retire(plan, r, "service deleted")
+            elif (kept := self._health(plan, svc, spec, r, health.get(r.id), view.now)) is not None:
+                current.append(kept)
+        return current
+
+    def _await_coop_plan(self, plan: _Plan, svc: store.ServiceRow, current: list[store.ReplicaRow]) -> None:
+        """The coop controller has not placed the plan yet (or is re-planning): no replica."""
+        for r in current:
+            self._retire(plan, r, "cooperative service re-planning")
+        why = "cooperative: waiting for the coop controller's plan (cpool services explain)"
+        if (0, why) != (svc.desired, svc.reason):
+            plan.decisions[svc.id] = (0, why)
+
+    def _resize(
+        self,
+        plan: _Plan,
+        svc: store.ServiceRow,
+        spec: ServiceSpec,
+        current: list[store.ReplicaRow],
+        per: dict[int, int],
+        desired: int,
+        idle: bool,
+        now: datetime,
+    ) -> tuple[int, list[str]]:
+        """Toward `desired` replicas: a rolling update first, else down after the delay (or to zero
+        when idle), else up. (Replicas to start, notes for the reason.)"""
+        n = len(current)
+        start = max(0, desired - n)
+        old = [r for r in current if r.generation < svc.generation]
+        if old:
+            self._below.pop(svc.id, None)
+            unready_new = [r for r in current if r.generation >= svc.generation and not _ready(r)]
+            if not unready_new and start == 0:
+                if n > desired:
+                    victim = min(old, key=lambda r: (per.get(r.id, 0), r.id))
+                    plan.states.append((victim.id, victim.attempt, "draining"))
+                else:
+                    start = 1  # surge: one new replica beyond the desired count
+            return start, [f"rolling update to generation {svc.generation}: {len(old)} old replicas left"]
+        if desired >= n:
+            self._below.pop(svc.id, None)
+            return start, []
+        since = self._below.setdefault(svc.id, now)
+        if idle:
+            for r in current:
+                self._retire(plan, r, "drained: scaled to zero")
+        elif (now - since).total_seconds() >= spec.scale_down_delay_s:
+            victim = min(current, key=lambda r: (_ready(r), per.get(r.id, 0), r.id))
+            self._retire(plan, victim, "drained: scaled down")
+            self._below[svc.id] = now
+        else:
+            left = spec.scale_down_delay_s - (now - since).total_seconds()
+            return start, [f"one fewer in {human(left)} unless the load comes back"]
+        return start, []
 
     @staticmethod
     def _reason(spec: ServiceSpec, desired: int, total: int, idle: bool, idle_for: float) -> str:
@@ -514,6 +538,16 @@ class ServiceController:
     # --- the loop -----------------------------------------------------------------------------
     def periodic(self) -> Periodic:
         return Periodic("services", PASS_EVERY_S, self.run_once, enabled=lambda: self.auto)
+
+
+def _desired(spec: ServiceSpec, n: int, total: int, idle: bool) -> int:
+    """Replicas for `total` requests in flight and queued, within the spec's bounds; a service
+    with no load that is not idle long enough keeps one (nothing else would wake it)."""
+    need = math.ceil(total / spec.target_inflight)
+    floor = spec.min_replicas
+    if spec.min_replicas == 0 and total == 0 and not idle:
+        floor = min(n, 1)  # not idle long enough to go to zero (and nothing to wake it)
+    return max(spec.min_replicas, min(spec.max_replicas, max(need, floor)))
 
 
 def _with(r: store.ReplicaRow, replica_state: str) -> store.ReplicaRow:
