@@ -188,7 +188,8 @@ def test_a_model_split_over_two_nodes_then_replanned_when_one_fails(pool: Pool, 
         rpc = next(s for s in first["shards"] if s["role"] == "rpc")
         assert rpc["endpoint"] and rpc["endpoint"].startswith("127.0.0.1:")
         assert sum(s["layers"] for s in first["shards"]) == 2  # the tiny model's two layers
-        assert first["attempt"] == 1
+        # attempt 1 on a quiet machine; a later one where a start was too slow for its deadline
+        assert first["attempt"] >= 1
         assert {c["node"] for c in first["candidates"] if c["tokens_per_s"]} == set(NODES)  # both probed
 
         direct = subprocess.run([llama_python, "-c", DIRECT, str(model), PROMPT, str(MAX_TOKENS), str(CTX)],
@@ -206,7 +207,7 @@ def test_a_model_split_over_two_nodes_then_replanned_when_one_fails(pool: Pool, 
         assert "running" in shown.stdout and "rpc" in shown.stdout and rpc["endpoint"] in shown.stdout
         assert all(n in shown.stdout for n in NODES)
         as_json = json.loads(cli(pool, token, "services", "explain", "big", "--json").stdout)
-        assert as_json["shards"] == first["shards"] or as_json["attempt"] == 1
+        assert as_json["shards"] == first["shards"] or as_json["attempt"] == first["attempt"]
 
         # the RPC server dies while a long completion streams: that request fails, and soon
         outcome: dict[str, Any] = {}
@@ -244,7 +245,7 @@ def test_a_model_split_over_two_nodes_then_replanned_when_one_fails(pool: Pool, 
 
         again = wait_for(
             "the re-planned service running on the other node",
-            lambda: (p := plan())["status"] == "running" and p["attempt"] >= 2 and p,
+            lambda: (p := plan())["status"] == "running" and p["attempt"] > first["attempt"] and p,
             300,
             detail,
         )

@@ -10,6 +10,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,16 @@ class Api:
         }
         cred = self.ok("POST", "/api/v1/nodes/join", json=body, headers={})["credential"]
         return {"Authorization": f"Bearer {cred}"}
+
+
+def heartbeat_ago(api: Api, node: str, seconds: float) -> None:
+    """As if `node`'s last heartbeat came `seconds` ago by the database's clock: tests move time
+    this way instead of sleeping through it (a busy machine stretches any sleep)."""
+    from sqlalchemy import update
+
+    from computepool.store.db import db_now
+    from computepool.store.models import Node
+
+    with api.app.state.db.write() as s:
+        at = db_now(s) - timedelta(seconds=seconds)
+        s.execute(update(Node).where(Node.name == node).values(last_heartbeat_at=at))
