@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -25,7 +25,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
-from computepool.client import AllocationCreate, PoolClient, PoolError
+from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
 from computepool.client.options import build_request
 from computepool.core.allocation import HOLDING, LIVE, PENDING
@@ -35,6 +35,9 @@ from computepool.core.quantities import (
     format_mib,
     resource_name,
 )
+
+if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
+    from computepool.wire.allocations import AllocationCreate
 
 POLL_S = 0.5
 

@@ -12,12 +12,14 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from computepool.client import AllocationCreate
 from computepool.client.options import build_request
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_duration_s
+
+if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
+    from computepool.wire.allocations import AllocationCreate
 
 # File key → the option's parameter name in `cpool serve` (Python cannot name a parameter `min`).
 FILE_KEYS: dict[str, str] = {

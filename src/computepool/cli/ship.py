@@ -12,11 +12,15 @@ import os
 import stat
 import sys
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from computepool.cli.common import err_console
-from computepool.client import AllocationCreate, PoolClient, PoolError
+from computepool.client import PoolClient, PoolError
 from computepool.client.archive import pack_with_stats, scan
 from computepool.core.errors import InvalidInput
+
+if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
+    from computepool.wire.allocations import AllocationCreate
 
 MIB = 1 << 20
 MAX_CODE_BYTES = 1 << 30  # what a directory may hold before packing it is refused outright

@@ -9,7 +9,6 @@ from __future__ import annotations
 from computepool.client.config import DEFAULT_SERVER, ClientConfig, config_path, resolve_config, save_config
 from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.client.http import PoolClient
-from computepool.wire.allocations import AllocationCreate
 
 __all__ = [
     "DEFAULT_SERVER",
@@ -22,3 +21,12 @@ __all__ = [
     "resolve_config",
     "save_config",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`AllocationCreate` (the wire's model) on first use: the CLI's start-up never loads pydantic."""
+    if name == "AllocationCreate":
+        from computepool.wire.allocations import AllocationCreate  # noqa: PLC0415
+
+        return AllocationCreate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -29,7 +29,9 @@ from computepool.client.services import ServiceMethods
 from computepool.client.usage import UsageMethods
 from computepool.core.allocation import ENDED, PENDING
 from computepool.core.tls import client_context, describe_tls_failure
-from computepool.wire.allocations import AllocationCreate
+
+if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
+    from computepool.wire.allocations import AllocationCreate
 
 API = "/api/v1"
 JSON = dict[str, Any]

@@ -7,12 +7,14 @@ option means the same thing, and is refused with the same message, wherever it i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from computepool.core.allocation import ISOLATIONS
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_cpu_milli, parse_duration_s, parse_gpu_milli, parse_memory_mib
-from computepool.wire.allocations import AllocationCreate
+
+if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
+    from computepool.wire.allocations import AllocationCreate
 
 Quantity = str | int | float
 
@@ -59,6 +61,8 @@ def build_request(
         if isinstance(node_selector, Mapping)
         else parse_selector(node_selector, name("node-selector"))
     )
+    from computepool.wire.allocations import AllocationCreate  # noqa: PLC0415 (pydantic, on first use)
+
     return AllocationCreate.unchecked(
         gpus=count,
         gpu_milli=milli or 1000,
