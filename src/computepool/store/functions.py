@@ -15,6 +15,7 @@ from sqlalchemy import and_, bindparam, exists, func, select
 from sqlalchemy.orm import Session
 
 from computepool.core.allocation import HOLDING, LIVE
+from computepool.core.states import CallState
 from computepool.store.models import Allocation, Function, FunctionCall, FunctionWorker, Node, Tenant
 
 _F = Function.__table__
@@ -457,7 +458,7 @@ def cancel_running(s: Session, fid: int, why: str, now: datetime) -> int:
 @dataclass(frozen=True)
 class CallRow:
     id: int
-    state: str
+    state: CallState
     ok: bool | None
     result: str | None
     traceback: str | None

@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from computepool.core.allocation import AllocationState
+from computepool.core.states import AlertState, CallState, DeliveryState, FileState, ReplicaState
 from computepool.store.types import UTCDateTime
 
 NAME_LEN = 63
@@ -239,7 +240,7 @@ class Allocation(Base):
     service_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
     service_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
     service_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    replica_state: Mapped[str | None] = mapped_column(String(16), nullable=True)  # ReplicaState
+    replica_state: Mapped[ReplicaState | None] = mapped_column(String(16), nullable=True)
     replica_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # who listens on service_port, as the node's agent found it: "own", "other" or "none"
     replica_listener: Mapped[str | None] = mapped_column(String(8), nullable=True)
@@ -332,7 +333,7 @@ class FileRequest(Base):
     node: Mapped[str] = mapped_column(String(NAME_LEN), index=True)
     rank: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(String(1024))
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[FileState] = mapped_column(String(16), index=True)
     blob_sha256: Mapped[str | None] = mapped_column(String(HASH_LEN), nullable=True)
     size: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     error: Mapped[str] = mapped_column(String(1024), default="")
@@ -393,7 +394,7 @@ class FunctionCall(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     function_id: Mapped[int] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"))
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"))
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[CallState] = mapped_column(String(16), index=True)
     args: Mapped[str] = mapped_column(Text)
     ok: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     result: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -558,7 +559,7 @@ class Alert(Base):
     rule: Mapped[str] = mapped_column(String(64))
     subject: Mapped[str] = mapped_column(String(256))
     tenant: Mapped[str | None] = mapped_column(String(NAME_LEN), nullable=True, index=True)
-    state: Mapped[str] = mapped_column(String(16), index=True)  # firing | resolved
+    state: Mapped[AlertState] = mapped_column(String(16), index=True)
     severity: Mapped[str] = mapped_column(String(16))  # warning | critical
     summary: Mapped[str] = mapped_column(String(1024))
     detail: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -593,7 +594,7 @@ class AlertDelivery(Base):
     webhook_id: Mapped[int | None] = mapped_column(
         ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=True, index=True
     )
-    state: Mapped[str] = mapped_column(String(16), index=True)  # pending | sent | failed
+    state: Mapped[DeliveryState] = mapped_column(String(16), index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_error: Mapped[str] = mapped_column(String(1024), default="", server_default="")

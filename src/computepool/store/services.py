@@ -15,7 +15,8 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from computepool.core.allocation import LIVE
+from computepool.core.allocation import LIVE, AllocationState
+from computepool.core.states import ReplicaState
 from computepool.store import allocations as alloc_store
 from computepool.store.models import Allocation, GatewayLoad, Node, Service, Tenant
 
@@ -54,9 +55,9 @@ class ReplicaRow:
 
     id: int
     service_id: int
-    state: str
+    state: AllocationState
     attempt: int
-    replica_state: str | None
+    replica_state: ReplicaState | None
     generation: int
     port: int | None
     node: str | None
@@ -255,7 +256,7 @@ def oldest_reports(s: Session, service_ids: Sequence[int], since: datetime) -> d
     return {int(sid): at for sid, at in s.execute(stmt) if at is not None}
 
 
-def set_replica_state(s: Session, alloc_id: int, state: str, now: datetime) -> None:
+def set_replica_state(s: Session, alloc_id: int, state: ReplicaState, now: datetime) -> None:
     s.execute(
         update(Allocation).where(Allocation.id == alloc_id).values(replica_state=state, replica_since=now),
         execution_options={"synchronize_session": False},

@@ -8,9 +8,9 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
+from computepool.core.states import AlertState
 from computepool.wire.common import In, Out
 
-AlertState = Literal["firing", "resolved"]
 Severity = Literal["warning", "critical"]
 MAX_RULE_DURATION_S = 30 * 86400
 MAX_THRESHOLD = 1e9

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
+from computepool.core.states import FileState
 from computepool.wire.common import In, Out
 
 Sha256 = Annotated[
@@ -19,7 +20,6 @@ JobPath = Annotated[
     StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00]+$"),
     Field(description="A file or directory relative to the job's work dir, e.g. out/model.pt."),
 ]
-FileState = Literal["pending", "done", "failed"]
 
 
 class BlobOut(Out):

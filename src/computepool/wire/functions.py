@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
+from computepool.core.states import CallState
 from computepool.wire.allocations import AllocationCreate
 from computepool.wire.common import MAX_ID, Id, In, Name, Out
 from computepool.wire.nodes import PythonVersion
@@ -17,7 +18,6 @@ MAX_RESULT_BYTES = 64 << 20
 MAX_OUTPUT_CHUNK = 1 << 20
 MAX_WAIT_S = 60.0
 MAX_TRACEBACK = 1 << 20
-CallState = Literal["pending", "running", "done", "failed", "cancelled"]
 OutputStream = Literal["stdout", "stderr"]
 Offsets = dict[str, Annotated[int, Field(strict=True, ge=0, le=MAX_ID)]]
 

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from computepool.core.states import ReplicaState
 from computepool.wire.allocations import AllocationCreate, check_env_name
 from computepool.wire.common import In, Name, Out
 from computepool.wire.coop import CoopSpec
 
-ReplicaState = Literal["starting", "ready", "unhealthy", "draining"]
 MAX_REPLICAS = 64
 
 

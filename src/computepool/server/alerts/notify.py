@@ -44,7 +44,7 @@ def alert_out(a: Alert) -> AlertOut:
     return AlertOut(
         id=a.id,
         rule=a.rule,
-        state=a.state,  # type: ignore[arg-type]
+        state=a.state,
         severity=a.severity,  # type: ignore[arg-type]
         since=a.since,
         resolved_at=a.resolved_at,

@@ -256,7 +256,7 @@ def _file_out(r: FileRequest) -> FileRequestOut:
         node=r.node,
         rank=r.rank,
         path=r.path,
-        state=r.state,  # type: ignore[arg-type]
+        state=r.state,
         blob=r.blob_sha256,
         size=r.size,
         error=r.error,

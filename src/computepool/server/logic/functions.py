@@ -206,7 +206,7 @@ def _relevant(
         out.append(
             CallOut(
                 id=r.id,
-                state=r.state,  # type: ignore[arg-type]
+                state=r.state,
                 ok=r.ok,
                 result=r.result,
                 traceback=r.traceback,

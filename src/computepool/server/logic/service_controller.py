@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 
 from computepool.core.allocation import LIVE, AllocationState
 from computepool.core.quantities import format_duration
+from computepool.core.states import ReplicaState
 from computepool.server import topics
 from computepool.server.errors import Invalid
 from computepool.server.hub import Hub
@@ -88,7 +89,7 @@ class _View:
 
 @dataclass
 class _Plan:
-    states: list[tuple[int, int, str]] = field(default_factory=list)  # (allocation, attempt, replica_state)
+    states: list[tuple[int, int, ReplicaState]] = field(default_factory=list)  # (allocation, attempt, state)
     ends: list[tuple[int, int, AllocationState, str]] = field(
         default_factory=list
     )  # (allocation, attempt, state, why)
@@ -452,11 +453,11 @@ class ServiceController:
                     report.ready.append(alloc_id)
                 elif state == "draining":
                     report.draining.append(alloc_id)
-            for alloc_id, attempt, state, why in plan.ends:
+            for alloc_id, attempt, ended_as, why in plan.ends:
                 head = alloc_store.lock_head(s, alloc_id)
                 if head is None or head.attempt != attempt or head.state not in LIVE:
                     continue
-                alloc_store.end(s, head, state, why, now)
+                alloc_store.end(s, head, ended_as, why, now)
                 nodes.update(head.nodes)
                 report.ended.append(alloc_id)
             for sid, count in plan.starts.items():
@@ -550,5 +551,5 @@ def _desired(spec: ServiceSpec, n: int, total: int, idle: bool) -> int:
     return max(spec.min_replicas, min(spec.max_replicas, max(need, floor)))
 
 
-def _with(r: store.ReplicaRow, replica_state: str) -> store.ReplicaRow:
+def _with(r: store.ReplicaRow, replica_state: ReplicaState) -> store.ReplicaRow:
     return store.ReplicaRow(**{**r.__dict__, "replica_state": replica_state})

@@ -52,7 +52,7 @@ def _replica_out(r: store.ReplicaRow, load: Load | None) -> ReplicaOut:
     return ReplicaOut(
         allocation_id=r.id,
         state=r.state,
-        replica_state=r.replica_state,  # type: ignore[arg-type]
+        replica_state=r.replica_state,
         generation=r.generation,
         node=r.node,
         endpoint=r.endpoint,
