@@ -10,11 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from computepool.agent.container import Podman
 from computepool.core import Node
 from computepool.sim.alibaba import Pod, load_nodes, load_pods
 from computepool.sim.csvread import traces_dir
+
+# Hypothesis on a machine shared with other work: no per-example deadline and no "too slow" health
+# check, for every property test (a busy core stretches any example; a test that needs a bound on
+# time has it in its own terms). Tests still set how many examples they are worth.
+settings.register_profile("shared-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shared-machine")
 
 NODE_HEADER = "sn,cpu_milli,memory_mib,gpu,model"
 POD_HEADER = (
