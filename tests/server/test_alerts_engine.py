@@ -67,12 +67,13 @@ def test_leader_changes_fire_once_and_resolve_and_the_old_leader_is_fenced_out(a
 
 
 def test_a_new_leader_resolves_what_the_old_one_fired(make_api: object) -> None:
-    api: Api = make_api(heartbeat_interval_s=0.2, suspect_after_s=1.0, lost_after_s=60.0)  # type: ignore[operator]
+    # suspect after 30 s: the passes' clock (40 s ahead) decides, and the real one stays fresh
+    api: Api = make_api(heartbeat_interval_s=0.2, suspect_after_s=30.0, lost_after_s=600.0)  # type: ignore[operator]
     from test_allocations import join
 
     p = Passes(api)
     join(api, "n1", devices=1)
-    assert p.run(ahead_s=2).fired == [("node-suspect", "node/n1")]
+    assert p.run(ahead_s=40).fired == [("node-suspect", "node/n1")]
     expire_lease(api)
     other, engine = second_replica(api, "replica-b")
     other.acquire()

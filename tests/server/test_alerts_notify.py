@@ -151,10 +151,10 @@ def test_bad_webhook_urls_are_refused(api: Api) -> None:
 def test_a_hanging_webhook_never_holds_up_the_rules(make_api: Any) -> None:
     hanging = Receiver(hang=True)
     try:
-        api = make_api(heartbeat_interval_s=0.2, suspect_after_s=1.0, lost_after_s=60.0)
+        api = make_api(heartbeat_interval_s=0.2, suspect_after_s=30.0, lost_after_s=60.0)
         p = Passes(api)
         notifier = p.engine.notifier
-        notifier.deadline_s = 1.5
+        notifier.deadline_s = 15  # far longer than a pass takes, even on a busy machine
         notifier.auto = True  # its own loop, as in a running server
         api.ok("POST", "/api/v1/webhooks", json={"url": hanging.url})
         node = join(api, "n1", devices=2)
@@ -165,10 +165,11 @@ def test_a_hanging_webhook_never_holds_up_the_rules(make_api: Any) -> None:
             time.sleep(0.05)
         assert hanging.got  # the notifier is now waiting on the receiver
         beat(api, "n1", node, {0: SICK, 1: SICK})
-        t0 = time.monotonic()
         assert p.run().fired == [("device-unhealthy", "device/n1/1")]
-        assert time.monotonic() - t0 < 1.0  # the pass did not wait for the webhook
-        deadline = time.monotonic() + 10
+        # the pass did not wait for the webhook: the first delivery is still held by the receiver
+        with api.app.state.db.read() as s:
+            assert [d.attempts for d in store.deliveries(s) if d.attempts > 0] == []
+        deadline = time.monotonic() + 60
         errors: list[str] = []
         while time.monotonic() < deadline:
             with api.app.state.db.read() as s:
