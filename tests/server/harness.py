@@ -16,12 +16,15 @@ from typing import Any
 
 import psycopg
 from fastapi import FastAPI
+from sqlalchemy import update
 
 warnings.filterwarnings("ignore", message=".*install `httpx2` instead")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
 from computepool.server import ServerSettings  # noqa: E402
+from computepool.store.db import db_now  # noqa: E402
+from computepool.store.models import Node  # noqa: E402
 
 PG_USER = "cpool"
 H = dict[str, str]
@@ -161,11 +164,6 @@ class Api:
 def heartbeat_ago(api: Api, node: str, seconds: float) -> None:
     """As if `node`'s last heartbeat came `seconds` ago by the database's clock: tests move time
     this way instead of sleeping through it (a busy machine stretches any sleep)."""
-    from sqlalchemy import update
-
-    from computepool.store.db import db_now
-    from computepool.store.models import Node
-
     with api.app.state.db.write() as s:
         at = db_now(s) - timedelta(seconds=seconds)
         s.execute(update(Node).where(Node.name == node).values(last_heartbeat_at=at))
