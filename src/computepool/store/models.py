@@ -45,6 +45,33 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
     weight: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # What a request that names no CPU or memory gets (None: the pool's default), and the most
+    # processes one job of the tenant may run (None: the pool's default).
+    default_cpu_milli: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    default_memory_mib: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_pids: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Image(Base):
+    """A container image an admin published: its name, pinned to one digest, for all or some tenants."""
+
+    __tablename__ = "images"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), unique=True)
+    digest: Mapped[str] = mapped_column(String(80))
+    all_tenants: Mapped[bool] = mapped_column(Boolean)
+    published_by: Mapped[str] = mapped_column(String(NAME_LEN))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ImageTenant(Base):
+    """One tenant an image was published to (when it is not published to all)."""
+
+    __tablename__ = "image_tenants"
+
+    image_id: Mapped[int] = mapped_column(ForeignKey("images.id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
 
 
 class User(Base):
