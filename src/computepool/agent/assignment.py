@@ -34,6 +34,7 @@ class Assignment:
     memory_mib: int
     restartable: bool = False
     image: str | None = None
+    image_digest: str | None = None  # the image id to run (pinned at admission)
     ports: tuple[int, ...] = ()
     gang: Gang | None = None  # a member of a gang over several nodes (agent/gang.py)
     code: str | None = None  # sha256 of a tar.gz unpacked into the work dir before the start
@@ -59,6 +60,7 @@ class Assignment:
             memory_mib=int(d.get("memory_mib") or 0),
             restartable=bool(d.get("restartable", False)),
             image=str(d["image"]) if d.get("image") else None,
+            image_digest=str(d["image_digest"]) if d.get("image_digest") else None,
             ports=tuple(int(p) for p in d.get("ports") or ()),
             gang=Gang.parse(d.get("gang")),
             code=str(d["code"]) if d.get("code") else None,
@@ -87,6 +89,7 @@ def assignment_json(a: Assignment) -> dict[str, Any]:
         "memory_mib": a.memory_mib,
         "restartable": a.restartable,
         "image": a.image,
+        "image_digest": a.image_digest,
         "ports": list(a.ports),
         "gang": a.gang.to_json() if a.gang is not None else None,
         "code": a.code,

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
+from computepool.core.errors import InvalidInput
+from computepool.core.images import parse_image
 
 if TYPE_CHECKING:
     from computepool.agent.jobspec import JobSpec
@@ -50,7 +52,7 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
 _CAP_MINOR = re.compile(r"DeviceFileMinor:\s*(\d+)")
 _IMAGE_OK_TTL_S = 60.0
-_IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}$")
+_IMAGE_ID = re.compile(r"^sha256:[a-f0-9]{64}$")
 
 # Lower ulimits than podman's defaults (which a container VM's hard limits refuse) and runc: crun
 # refuses cgroup v1 in hybrid mode. Written to the agent's data dir; /etc/containers stays as it is.
@@ -94,7 +96,7 @@ class Podman:
         self.agent_id = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
         self.conf_path = data_dir / CONF_FILE
         self._available: tuple[bool, str] | None = None
-        self._images_ok: dict[str, float] = {}
+        self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -145,22 +147,32 @@ class Podman:
 
     # ---- images -----------------------------------------------------------------------------
 
-    def image_known(self, image: str) -> bool:
+    def image_known(self, image: str, digest: str | None = None) -> bool:
         """The image was seen on the node lately: `ensure_image` returns at once (no podman call)."""
-        seen = self._images_ok.get(image)
-        return seen is not None and time.monotonic() - seen < _IMAGE_OK_TTL_S
+        seen = self._images_ok.get(digest or image)
+        return seen is not None and time.monotonic() - seen[0] < _IMAGE_OK_TTL_S
 
-    def ensure_image(self, image: str) -> None:
-        """The image is on the node, or pulled now; else ContainerError saying which and why."""
-        if self.image_known(image):
-            return
-        if self._podman(["image", "exists", image], timeout=30).returncode == 0:
-            self._images_ok[image] = time.monotonic()
-            return
+    def ensure_image(self, image: str, digest: str | None = None) -> str:
+        """The id of the image the job runs, on the node (pulled now if need be); else ContainerError.
+
+        With `digest` (pinned by the pool) that image id and nothing else: when the node lacks it, the
+        name is pulled from its registry and must give that id. Without (an allowed registry's
+        image), the id the name has on the node, else the one a pull gives. Either way the job runs
+        the id, so retagging the name later changes nothing it runs. Images are pulled as
+        `docker://NAME`: no name is ever read as a file, a directory or another local store.
+        """
+        key = digest or image
+        if self.image_known(image, digest):
+            return self._images_ok[key][1]
+        local = self._image_id(image if digest is None else digest.removeprefix("sha256:"))
+        if local is not None and local == (digest or local):
+            self._images_ok[key] = (time.monotonic(), local)
+            return local
         if not self.pull:
-            raise ContainerError(f"image {image} not found on node {self.node_name} (pulling is off)")
+            shown = f"{image} ({digest[:19]}…)" if digest else image
+            raise ContainerError(f"image {shown} not found on node {self.node_name} (pulling is off)")
         try:
-            done = self._podman(["pull", "-q", image], timeout=self.pull_timeout_s)
+            done = self._podman(["pull", "-q", f"docker://{image}"], timeout=self.pull_timeout_s)
         except subprocess.TimeoutExpired:
             raise ContainerError(
                 f"image {image} not found on node {self.node_name} and could not be pulled: "
@@ -171,7 +183,23 @@ class Podman:
                 f"image {image} not found on node {self.node_name} and could not be pulled: "
                 f"{_last_line(done.stderr)}"
             )
-        self._images_ok[image] = time.monotonic()
+        lines = done.stdout.strip().splitlines()
+        got = "sha256:" + lines[-1].strip().removeprefix("sha256:") if lines else ""
+        if not _IMAGE_ID.match(got):
+            raise ContainerError(f"image {image}: the pull on node {self.node_name} named no image id")
+        if digest is not None and got != digest:
+            raise ContainerError(
+                f"image {image} from its registry is {got[:19]}…, not the {digest[:19]}… published for it "
+                "(an admin publishes it again to run the new one)"
+            )
+        self._images_ok[key] = (time.monotonic(), got)
+        return got
+
+    def _image_id(self, ref: str) -> str | None:
+        """The full id (sha256:…) of the local image `ref` names (an id or a name), or None."""
+        done = self._podman(["image", "inspect", "--format", "{{.Id}}", ref], timeout=30)
+        got = "sha256:" + done.stdout.strip().removeprefix("sha256:") if done.returncode == 0 else ""
+        return got if _IMAGE_ID.match(got) else None
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -183,22 +211,26 @@ class Podman:
         """Check the job and get its image onto the node (a pull may take minutes); ContainerError if not.
 
         The executor calls this before it takes its lock, so that a slow pull holds up nothing else;
-        `run_argv` then finds the image in the cache of recent checks. Returns the image reference.
+        `run_argv` then finds the image in the cache of recent checks. Returns the image id to run.
         """
         image = self._check_spec(spec)
-        self.ensure_image(image)
-        return image
+        return self.ensure_image(image, spec.image_digest)
 
     def _check_spec(self, spec: JobSpec) -> str:
         ok, why = self.available()
         if not ok:
             raise ContainerError(why)
-        if not spec.image or not _IMAGE_REF.match(spec.image):  # never an option to podman
-            raise ContainerError(f"not an image reference: {spec.image!r}")
+        image = spec.image or ""
+        try:  # a registry name, never a transport, a path or an option to podman
+            parse_image(image)
+        except InvalidInput as e:
+            raise ContainerError(e.message) from None
+        if spec.image_digest is not None and not _IMAGE_ID.match(spec.image_digest):
+            raise ContainerError(f"not an image id: {spec.image_digest[:80]!r}")
         bad = [p for p in spec.ports if not 0 < p < 65536]
         if bad:
             raise ContainerError(f"not a port: {bad[0]}")
-        return spec.image
+        return image
 
     def run_argv(self, spec: JobSpec, run_dir: Path, uid: int, gid: int) -> list[str]:
         """A foreground `podman run` for the job; raises ContainerError when it cannot start.
@@ -207,7 +239,7 @@ class Podman:
         long) and makes the job's parent cgroup with its memory limit, so that nothing runs
         unlimited; `remove(key)` drops it.
         """
-        image = self.prepare(spec)
+        image_id = self.prepare(spec)
         key = spec.key
         # no --rm: remove(key) removes it, once the agent has read how it ended
         argv = [
@@ -260,7 +292,7 @@ class Podman:
             argv.append(f"--env-file={write_env_file(run_dir.parent / ENV_FILE, env)}")
         except EnvFileError as e:
             raise ContainerError(str(e)) from None
-        argv += [image, *spec.command]
+        argv += [image_id.removeprefix("sha256:"), *spec.command]  # the id: what a name means may change
         return argv
 
     def _init_path(self) -> str:

@@ -124,6 +124,7 @@ class JobStarter:
                 uses_gpu=bool(resolved),
                 tenant=a.tenant,
                 image=a.image,
+                image_digest=a.image_digest,
                 ports=a.ports,
                 device_uuids=tuple(s.device.uuid for s in resolved),
                 stdin=stdin,

@@ -131,8 +131,8 @@ class Preparer:
         launcher = self._launcher  # a container job's image: as `Launcher.prepare` would get it
         sandboxed = launcher.sandbox is not None and launcher.host is not None
         image = a.image if sandboxed and a.command and a.tenant else None
-        if image and not launcher.container_engine().image_known(image):
-            needs.append((f"image {image}", _puller(launcher, image)))
+        if image and not launcher.container_engine().image_known(image, a.image_digest):
+            needs.append((f"image {image}", _puller(launcher, image, a.image_digest)))
         return needs
 
     def _unpack_next(self, a: Assignment) -> bool:
@@ -192,10 +192,10 @@ def _fetcher(cache: BlobCache, sha: str, what: str) -> Callable[[], None]:
     return fetch
 
 
-def _puller(launcher: Launcher, image: str) -> Callable[[], None]:
+def _puller(launcher: Launcher, image: str, digest: str | None) -> Callable[[], None]:
     def pull() -> None:
         podman = launcher.container_engine()
         if podman.available()[0]:  # else the start says why containers cannot run here
-            podman.ensure_image(image)
+            podman.ensure_image(image, digest)
 
     return pull

@@ -64,6 +64,7 @@ def _register() -> None:
         bench_pool_cmd,
         cp_cmd,
         gateway_cmd,
+        images_cmd,
         nodes_cmd,
         peers_cmd,
         quota_cmd,
@@ -90,6 +91,7 @@ def _register() -> None:
     up_cmd.register(app)
     access_cmd.register_login(app)  # the order of `cpool --help`
     tenants_cmd.register(app)
+    images_cmd.register(app)
     access_cmd.register_tokens(app)
     quota_cmd.register(app)
     access_cmd.register_join_token(app)

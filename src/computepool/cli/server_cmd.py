@@ -105,6 +105,15 @@ def register(app: typer.Typer) -> None:
                 help="FIRST-LAST: the ports a cooperative service's llama.cpp RPC servers may be given.",
             ),
         ] = "32000-32999",
+        allowed_registries: Annotated[
+            str,
+            typer.Option(
+                "--allowed-registries",
+                help="Comma-separated registries (or registry/path prefixes) any tenant may run images "
+                "from, e.g. docker.io,ghcr.io/acme. Default none: tenants run only the images an admin "
+                "published to them (cpool images publish).",
+            ),
+        ] = "",
         max_replicas_per_tenant: Annotated[
             int,
             typer.Option(
@@ -212,6 +221,7 @@ def register(app: typer.Typer) -> None:
                 rpc_port_min=int(rpc_lo),
                 rpc_port_max=int(rpc_hi),
                 max_replicas_per_tenant=max_replicas_per_tenant,
+                allowed_registries=tuple(r.strip() for r in allowed_registries.split(",") if r.strip()),
                 alerts_interval_s=alerts_interval,
                 ledger_interval_s=ledger_interval,
                 webhook_key_file=webhook_key_file.expanduser() if webhook_key_file else None,

@@ -24,6 +24,7 @@ from computepool.client.alerts import AlertMethods
 from computepool.client.blobs import BlobMethods
 from computepool.client.config import ClientConfig, normalise_server
 from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.client.images import ImageMethods
 from computepool.client.peers import PeerMethods
 from computepool.client.services import ServiceMethods
 from computepool.client.usage import UsageMethods
@@ -100,7 +101,7 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMethods):
+class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMethods, ImageMethods):
     """A connection to one pool server with one bearer token.
 
     A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After

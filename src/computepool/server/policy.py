@@ -98,6 +98,9 @@ class Action(StrEnum):
     WEBHOOK_CREATE = "webhook.create"
     WEBHOOK_LIST = "webhook.list"
     WEBHOOK_DELETE = "webhook.delete"
+    IMAGE_PUBLISH = "image.publish"  # pin an image name to a digest for all or named tenants
+    IMAGE_LIST = "image.list"
+    IMAGE_UNPUBLISH = "image.unpublish"
 
     @property
     def mutating(self) -> bool:
@@ -146,6 +149,9 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.NODE_UPDATE: _ADMIN,
     Action.AUDIT_LIST: _ADMINS,
     Action.AUDIT_VERIFY: _ADMIN,
+    Action.IMAGE_PUBLISH: _ADMIN,
+    Action.IMAGE_LIST: _ALL,  # a tenant's users see the images their tenant may run
+    Action.IMAGE_UNPUBLISH: _ADMIN,
     Action.ALLOCATION_CREATE: _WRITERS,
     Action.ALLOCATION_LIST: _ALL,
     Action.ALLOCATION_GET: _ALL,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 DEFAULT_PORT = 8470
 
@@ -78,6 +79,33 @@ class ServerSettings(BaseModel):
     )
     service_port_max: int = Field(
         default=31999, ge=1024, le=65535, description="Highest port a model service's replica may listen on."
+    )
+    allowed_registries: tuple[
+        Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[a-z0-9._-]+)*$")], ...
+    ] = Field(
+        default=(),
+        max_length=64,
+        description="Registries (or registry/path prefixes, e.g. ghcr.io/acme) any tenant may run images "
+        "from; none by default: tenants run only the images an admin published to them.",
+    )
+    default_cpu_milli: int = Field(
+        default=1000,
+        ge=1,
+        le=10**9,
+        description="Host CPU a request that names none gets, booked and enforced (a tenant may have its own).",
+    )
+    default_memory_mib: int = Field(
+        default=1024,
+        ge=1,
+        le=2**31 - 1,
+        description="Host memory a request that names none gets, booked and enforced (a tenant may have its "
+        "own); a job's private /tmp and /dev/shm hold half of its memory each.",
+    )
+    default_pids_max: int = Field(
+        default=1024,
+        ge=8,
+        le=4_194_304,
+        description="Processes and threads one job may run at once (a tenant may have its own).",
     )
     max_replicas_per_tenant: int = Field(
         default=256,

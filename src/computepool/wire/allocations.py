@@ -6,9 +6,11 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, StringConstraints, field_validator
+from pydantic import AfterValidator, Field, StrictInt, StringConstraints, field_validator
 
 from computepool.core.allocation import AllocationState, IsolationName
+from computepool.core.errors import InvalidInput
+from computepool.core.images import parse_image
 from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
 from computepool.wire.blobs import PendingFile, Sha256
 from computepool.wire.common import (
@@ -31,10 +33,24 @@ MAX_LOG_CHUNK = 1 << 20
 EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 EnvValue = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
 Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
+
+
+def _registry_image(ref: str) -> str:
+    """A registry reference, spelled canonically; never a transport or a path (core.images)."""
+    try:
+        return parse_image(ref).canonical
+    except InvalidInput as e:
+        raise ValueError(e.message) from None
+
+
 ImageRef = Annotated[
     str,
-    StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}$"),
-    Field(description="An OCI image reference the node has or can pull, e.g. localhost/pybase:1."),
+    StringConstraints(max_length=255),
+    AfterValidator(_registry_image),
+    Field(
+        description="A registry image reference ([registry/]name[:tag][@digest]) an admin published to "
+        "the tenant or from an allowed registry, e.g. localhost/pybase:1."
+    ),
 ]
 MigProfile = Annotated[
     str,
@@ -187,6 +203,7 @@ class RequestOut(Out):
     env: dict[str, str] | None
     restartable: bool
     image: str | None = None
+    image_digest: str | None = Field(default=None, description="The image the job runs: pinned at admission.")
     ports: list[int] | None = None
     mig: str | None = None
     node_selector: dict[str, str] | None = None
@@ -291,6 +308,7 @@ class Assignment(Out):
     memory_mib: int
     restartable: bool
     image: str | None = None
+    image_digest: str | None = Field(default=None, description="The image id to run, not the name.")
     ports: list[int] | None = None
     gang: GangOut | None = Field(default=None, description="Set for a member of a gang over several nodes.")
     code: str | None = Field(default=None, description="Blob to unpack into the work dir before the start.")

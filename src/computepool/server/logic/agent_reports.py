@@ -69,6 +69,7 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 memory_mib=int(a.request["memory_mib"]),
                 restartable=a.restartable,
                 image=a.request.get("image"),
+                image_digest=a.request.get("image_digest"),
                 ports=a.request.get("ports"),
                 gang=gangs.gang_of(a, name),
                 code=a.request.get("code"),

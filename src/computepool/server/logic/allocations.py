@@ -29,8 +29,9 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
-from computepool.server.logic import gangs
+from computepool.server.logic import gangs, images, request_defaults
 from computepool.server.logic.audit import record
+from computepool.server.logic.request_defaults import RequestDefaults
 from computepool.server.policy import Target, authorize
 from computepool.server.scheduling.backfill import about_reservation
 from computepool.store import allocations as store
@@ -156,11 +157,14 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
     }
 
 
-def _load_shape(ctx: Ctx) -> tuple[scheduling.Snapshot, dict[str, int]]:
+def _load_shape(ctx: Ctx) -> tuple[scheduling.Snapshot, dict[str, int], dict[str, RequestDefaults]]:
+    cols = (Tenant.name, Tenant.id, Tenant.default_cpu_milli, Tenant.default_memory_mib, Tenant.max_pids)
     with ctx.db.read() as s:
         snap = scheduling.load_snapshot(s, ctx.settings, live=False)
-        ids = {name: tid for name, tid in s.execute(select(Tenant.name, Tenant.id)).all()}
-    return snap, ids
+        rows = s.execute(select(*cols)).all()
+    ids = {r.name: r.id for r in rows}
+    defaults = {r.name: request_defaults.resolve(ctx.settings, *r[2:]) for r in rows}
+    return snap, ids, defaults
 
 
 def _fit_key(core: Request) -> tuple[Any, ...]:
@@ -213,24 +217,42 @@ def _refusal(shape: Shape, core: Request, tenant: str) -> tuple[str, str] | None
     return None
 
 
-def _admit(ctx: Ctx, core: Request, tenant: str) -> int:
-    """The tenant's id once the request passes admission; 404/422 otherwise.
+def _defaulted(
+    shape: Shape, req: dict[str, Any], tenant: str
+) -> tuple[dict[str, Any], tuple[str, str] | None]:
+    """The request with its tenant's defaults where it names no CPU or memory, and why it is
+    refused (None: it is not)."""
+    defaults = shape.defaults[tenant]
+    req, filled = request_defaults.fill(req, defaults)
+    try:
+        core = scheduling.to_core(req)
+    except InvalidInput as e:
+        raise Invalid(f"{e.where}: {e.message}", e.where) from e
+    problem = _refusal(shape, core, tenant)
+    if problem is not None and filled:
+        problem = (problem[0] + request_defaults.hint(tenant, defaults, filled), problem[1])
+    return req, problem
 
-    Nodes and quotas come from the process's short-lived shape cache; anything it would refuse
-    is checked again against the database first, so a cache never refuses wrongly.
+
+def _admit(ctx: Ctx, req: dict[str, Any], tenant: str) -> tuple[dict[str, Any], int]:
+    """The request as stored (with the tenant's defaults where it names no CPU or memory: booked
+    and enforced like any request) and the tenant's id, once it passes admission; 404/422 otherwise.
+
+    Nodes, quotas and defaults come from the process's short-lived shape cache; anything it would
+    refuse is checked again against the database first, so a cache never refuses wrongly.
     """
     cache = ctx.caches.shape if ctx.caches is not None else ShapeCache(0.0)
     shape = cache.get(lambda: _load_shape(ctx))
-    problem = _refusal(shape, core, tenant) if tenant in shape.tenant_ids else ("", "")
+    stored, problem = _defaulted(shape, req, tenant) if tenant in shape.tenant_ids else (req, ("", ""))
     if problem is not None:
         cache.invalidate()
         shape = cache.get(lambda: _load_shape(ctx))
         if tenant not in shape.tenant_ids:
             raise NotFound.of("tenant", tenant, "tenant")
-        problem = _refusal(shape, core, tenant)
+        stored, problem = _defaulted(shape, req, tenant)
         if problem is not None:
             raise Invalid(*problem)
-    return shape.tenant_ids[tenant]
+    return stored, shape.tenant_ids[tenant]
 
 
 def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, Any], int]:
@@ -238,10 +260,14 @@ def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, A
     (for requests the control plane makes itself, such as function workers)."""
     req = _normalise(body, tenant)
     try:
-        core = scheduling.to_core(req)
+        scheduling.to_core(req)  # a bad field is named before the tenant is looked up
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
-    return req, _admit(ctx, core, tenant)
+    req, tenant_id = _admit(ctx, req, tenant)
+    if req.get("image") is not None:
+        with ctx.db.read() as s:
+            images.pin(s, ctx.settings, tenant, tenant_id, req)
+    return req, tenant_id
 
 
 SECRET_ENV = store.SECRET_ENV  # given to the job by its env, never shown back
@@ -266,11 +292,11 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
         authorize(caller, ctx.action, Target("tenant", body.tenant, tenant=body.tenant, field="tenant"))
     req = _normalise(body, tenant_name)
     try:
-        core = scheduling.to_core(req)
+        scheduling.to_core(req)  # a bad field is named before the tenant is looked up
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
     try:
-        tenant_id = _admit(ctx, core, tenant_name)
+        req, tenant_id = _admit(ctx, req, tenant_name)
     except (Invalid, NotFound):
         if key is not None:  # a retry answers with the first one, whatever the pool says now
             with ctx.db.read() as s:
@@ -281,6 +307,7 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
     try:
         with ctx.db.write() as s:
             now = db_now(s)
+            images.pin(s, ctx.settings, tenant_name, tenant_id, req)  # the image id the job will run
             blob_service.claim(s, tenant_id, req, now)  # code and stdin: blobs the tenant holds
             alloc_id = store.insert_pending(
                 s,

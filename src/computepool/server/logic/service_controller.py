@@ -47,7 +47,7 @@ from computepool.server.errors import Invalid
 from computepool.server.hub import Hub
 from computepool.server.leadership import Leadership
 from computepool.server.logic import blobs as blob_service
-from computepool.server.logic import replica_health
+from computepool.server.logic import images, replica_health, request_defaults
 from computepool.server.logic.replica_health import Probe
 from computepool.server.logic.service_load import Load, fresh_load
 from computepool.server.logic.services import replica_request
@@ -496,7 +496,8 @@ class ServiceController:
         lo, hi = self.settings.service_port_min, self.settings.service_port_max
         started: list[int] = []
         try:
-            req = replica_request(spec, svc.tenant)
+            req = replica_request(spec, svc.tenant, request_defaults.of_tenant(s, self.settings, svc.tenant))
+            images.pin(s, self.settings, svc.tenant, svc.tenant_id, req)  # as published now
             blob_service.claim(s, svc.tenant_id, req, now)  # the code archive must still be the tenant's
         except Invalid as e:
             self._note(plan, svc, f"replica not started: spec.request.{e.message}")

@@ -1,0 +1,40 @@
+"""`PoolClient`'s image calls: publish an image (pinned to its id), list them, unpublish one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+if TYPE_CHECKING:
+    JSON = dict[str, Any]
+
+
+class ImageMethods:
+    """Mixed into PoolClient, which provides `request` and `_items`."""
+
+    if TYPE_CHECKING:
+
+        def request(
+            self,
+            method: str,
+            path: str,
+            *,
+            json: object = None,
+            params: Mapping[str, Any] | None = None,
+            headers: Mapping[str, str] | None = None,
+            api: bool = True,
+        ) -> Any: ...  # PoolClient's
+
+        def _items(self, path: str, params: Mapping[str, Any] | None = None) -> list[JSON]: ...
+
+    def publish_image(self, name: str, digest: str, tenants: Sequence[str] | None = None) -> JSON:
+        """Pin `name` to the image id `digest` for `tenants` (None: every tenant); admins only."""
+        body = {"name": name, "digest": digest, "tenants": list(tenants) if tenants is not None else None}
+        return dict(self.request("POST", "/images", json=body))
+
+    def list_images(self) -> list[JSON]:
+        return self._items("/images")
+
+    def unpublish_image(self, name: str) -> JSON:
+        return dict(self.request("DELETE", f"/images/{quote(name, safe='')}"))
