@@ -81,22 +81,24 @@ class Shape:
     tenant_ids: dict[str, int]
     until: float
     fits: dict[tuple[Any, ...], str | None]  # request key → why it never fits (None: it can)
+    defaults: dict[str, Any]  # tenant → what its requests get when they name no CPU or memory
 
 
 class ShapeCache:
-    """The pool's nodes, tenants and quotas as last read, refreshed after `ttl_s` or a change here."""
+    """The pool's nodes, tenants (with their request defaults) and quotas as last read, refreshed
+    after `ttl_s` or a change here."""
 
     def __init__(self, ttl_s: float = SHAPE_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._shape: Shape | None = None
         self._lock = threading.Lock()
 
-    def get(self, load: Callable[[], tuple[Any, dict[str, int]]]) -> Shape:
+    def get(self, load: Callable[[], tuple[Any, dict[str, int], dict[str, Any]]]) -> Shape:
         shape = self._shape
         if shape is not None and shape.until >= time.monotonic():
             return shape
-        snap, tenant_ids = load()
-        shape = Shape(snap, tenant_ids, time.monotonic() + self.ttl_s, {})
+        snap, tenant_ids, defaults = load()
+        shape = Shape(snap, tenant_ids, time.monotonic() + self.ttl_s, {}, defaults)
         with self._lock:
             self._shape = shape
         return shape

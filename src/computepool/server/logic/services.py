@@ -22,9 +22,10 @@ from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Invalid, NotFound
 from computepool.server.hub import Hub
-from computepool.server.logic import allocations
+from computepool.server.logic import allocations, request_defaults
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic.audit import record
+from computepool.server.logic.request_defaults import RequestDefaults
 from computepool.server.logic.service_load import Load, fresh_load
 from computepool.server.policy import Target, authorize
 from computepool.store import allocations as alloc_store
@@ -39,9 +40,10 @@ from computepool.wire.services import ReplicaOut, ServiceIn, ServiceOut, Service
 REPLICA_FIELDS = ("request", "port_env", "health_path")
 
 
-def replica_request(spec: ServiceSpec, tenant: str) -> dict[str, Any]:
-    """One replica's request as stored with its allocation (the same normal form as POST /allocations)."""
-    return allocations._normalise(spec.request, tenant)
+def replica_request(spec: ServiceSpec, tenant: str, defaults: RequestDefaults) -> dict[str, Any]:
+    """One replica's request as stored with its allocation (the same normal form as POST /allocations,
+    with the tenant's defaults where it names no CPU or memory)."""
+    return request_defaults.fill(allocations._normalise(spec.request, tenant), defaults)[0]
 
 
 def _canon(value: Any) -> str:

@@ -8,11 +8,12 @@ from fastapi import APIRouter, Depends
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
-from computepool.server.logic import reclaim, tenants
+from computepool.server.logic import reclaim, request_defaults, tenants
 from computepool.server.policy import Action
 from computepool.wire.common import Items
 from computepool.wire.identity import TenantCreate, TenantOut
 from computepool.wire.reclaim import ReclaimPolicyIn, ReclaimPolicyOut
+from computepool.wire.tenant_defaults import TenantDefaultsIn, TenantDefaultsOut
 
 router = APIRouter(tags=["tenants"])
 
@@ -49,3 +50,18 @@ def get_reclaim(name: str, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_GET
 @router.delete("/tenants/{name}/reclaim", summary="Turn a tenant's idle reclaim off (admin)")
 def delete_reclaim(name: str, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_SET))]) -> ReclaimPolicyOut:
     return reclaim.delete_policy(ctx, name)
+
+
+@router.get("/tenants/{name}/defaults", summary="What requests get that name no CPU or memory")
+def get_defaults(name: str, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_GET))]) -> TenantDefaultsOut:
+    return request_defaults.get(ctx, name)
+
+
+@router.patch(
+    "/tenants/{name}/defaults",
+    summary="Change a tenant's request defaults and process limit (admin; null: the pool's default)",
+)
+def change_defaults(
+    name: str, body: TenantDefaultsIn, ctx: Annotated[Ctx, Depends(requires(Action.QUOTA_SET))]
+) -> TenantDefaultsOut:
+    return request_defaults.change(ctx, name, body)
