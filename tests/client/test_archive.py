@@ -5,11 +5,11 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
-from computepool.client.archive import pack, pack_with_stats, safe_extract, scan
+from computepool.client.archive import inside, pack, pack_with_stats, safe_extract, scan
 from computepool.core.tarsafe import UnsafeArchive
 
 
@@ -122,3 +122,32 @@ def test_links_in_the_tree_ship_as_relative_links_and_links_out_are_counted(tmp_
     safe_extract(data, out)  # the agent's rules accept every one of them
     assert (out / "sub" / "abs" / "x.csv").read_text() == "1,2\n"
     assert (out / "sub" / "climbs").read_text() == "1,2\n"
+
+
+def test_secret_files_and_the_named_paths_are_left_out_unless_an_ignore_file_re_includes_them(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    (root / "conf").mkdir(parents=True)
+    for name in (".env", ".env.prod", "conf/server.pem", "conf/tls.key", "id_ed25519", "id_ed25519.pub",
+                 "id_utils.py", "main.py", "conf/my vars[1]", "conf/public.pem"):  # fmt: skip
+        (root / name).write_text("x\n")
+    (root / ".cpoolignore").write_text("!public.pem\n")
+    leave = (PurePosixPath("conf/my vars[1]"),)
+    data, stats = pack_with_stats(root, leave_out=leave)
+    assert names(data) == [
+        ".cpoolignore",
+        "conf",
+        "conf/public.pem",
+        "id_ed25519.pub",
+        "id_utils.py",
+        "main.py",
+    ]
+    left = [".env", ".env.prod", "conf/my vars[1]", "conf/server.pem", "conf/tls.key", "id_ed25519"]
+    assert sorted(stats.secrets_left_out) == left
+    assert sorted(scan(root, leave).secrets_left_out) == left
+    # a name git already ignores is not reported as left out by the secret rules
+    (root / ".gitignore").write_text(".env\n")
+    assert ".env" not in pack_with_stats(root)[1].secrets_left_out
+    assert inside(root, root / "conf" / ".." / ".env") == PurePosixPath(".env")
+    assert inside(root, tmp_path / "elsewhere.env") is None

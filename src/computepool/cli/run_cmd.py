@@ -173,7 +173,9 @@ def register(app: typer.Typer) -> None:
             raise InvalidInput("--output", "fetches when the job ends: not with --detach (use `cpool cp`)")
         stdin = ship.read_stdin(enabled=not no_stdin)
         with open_client(server, token, timeout=60.0) as pool:
-            req = ship.ship(pool, req, workdir=workdir, no_code=no_code, env=job_env, stdin=stdin)
+            req = ship.ship(
+                pool, req, workdir=workdir, no_code=no_code, env=job_env, stdin=stdin, env_file=env_file
+            )
             # Signals wait while the job is created, so one arriving then still finds its id to cancel.
             held = signal.pthread_sigmask(signal.SIG_BLOCK, _CALLER_GONE)
             try:

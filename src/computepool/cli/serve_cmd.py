@@ -248,7 +248,7 @@ def register(app: typer.Typer) -> None:
             else:
                 req = ship.ship(
                     pool, draft.request, workdir=draft.workdir, no_code=draft.no_code, env=draft.env or None,
-                    stdin=None,
+                    stdin=None, env_file=draft.env_file,
                 )  # fmt: skip
             out = pool.put_service(draft.name, draft.spec(req), draft.tenant)
         if json_out:

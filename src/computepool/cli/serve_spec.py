@@ -182,6 +182,7 @@ class ServiceDraft:
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     no_code: bool = False
+    env_file: Path | None = None  # not shipped with the code
 
     def spec(self, request: AllocationCreate) -> dict[str, Any]:
         """The ServiceSpec body, with `request` as shipped (code and env added)."""
@@ -343,6 +344,7 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
         env=_environment(src),
         workdir=src.path("workdir"),
         no_code=_flag(src, "no_code"),
+        env_file=src.path("env_file"),
     )
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from computepool.cli.common import err_console
 from computepool.client import PoolClient, PoolError
-from computepool.client.archive import pack_with_stats, scan
+from computepool.client.archive import inside, pack_with_stats, scan
 from computepool.core.errors import InvalidInput
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
@@ -105,8 +105,12 @@ def ship(
     no_code: bool,
     env: dict[str, str] | None,
     stdin: bytes | None,
+    env_file: Path | None = None,
 ) -> AllocationCreate:
-    """Upload the code directory and stdin (unless the pool holds them) and name them in the request."""
+    """Upload the code directory and stdin (unless the pool holds them) and name them in the request.
+
+    The `env_file` (its variables go in the request) is not shipped in the code, nor are files
+    named like credentials (archive.SECRET_PATTERNS): one line says which were left out."""
     changes: dict[str, object] = {}
     if env:
         changes["env"] = {**(req.env or {}), **env}
@@ -114,14 +118,16 @@ def ship(
         root = (workdir or Path.cwd()).expanduser()
         if not root.is_dir():
             raise InvalidInput("--workdir", f"{root}: not a directory")
-        seen = scan(root)
+        found = inside(root, env_file) if env_file is not None else None
+        leave_out = (found,) if found is not None else ()
+        seen = scan(root, leave_out)
         if seen.bytes_in > MAX_CODE_BYTES:
             raise InvalidInput(
                 "--workdir",
                 f"{root} holds {_size(seen.bytes_in)} to ship (more than {MAX_CODE_BYTES // MIB} MiB): "
                 "ship a smaller one with --workdir, leave files out with .cpoolignore, or use --no-code",
             )
-        data, stats = pack_with_stats(root)
+        data, stats = pack_with_stats(root, leave_out=leave_out)
         try:
             sha, sent = pool.put_blob_info(data)
         except PoolError as e:
@@ -134,6 +140,10 @@ def ship(
             highlight=False,
             markup=False,
         )
+        if stats.secrets_left_out:
+            err_console.print(
+                secrets_note(list(stats.secrets_left_out)), highlight=False, markup=False, soft_wrap=True
+            )
         changes["code"] = sha
     if stdin is not None:
         try:
@@ -141,6 +151,12 @@ def ship(
         except PoolError as e:
             raise PoolError(e.status, f"stdin: {e.message}", e.field) from None
     return req.changed(**changes) if changes else req
+
+
+def secrets_note(names: list[str]) -> str:
+    """One line naming what the code left out as secrets, and how to ship one anyway."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return f"code: left out {shown} (--env-file or a secret's usual name; `!NAME` in .cpoolignore ships it)"
 
 
 def fetch_outputs(pool: PoolClient, job_id: str, outputs: list[str], base: Path) -> list[str]:

@@ -12,7 +12,8 @@ WorkdirOpt = Annotated[
     typer.Option(
         "--workdir",
         help="Ship this directory as the job's work dir (default: the current one), honouring "
-        ".gitignore and .cpoolignore; unchanged code is not uploaded again.",
+        ".gitignore and .cpoolignore and leaving out likely secrets (.env*, *.pem, *.key, ssh keys; "
+        "`!NAME` in .cpoolignore ships one); unchanged code is not uploaded again.",
     ),
 ]
 NoCodeOpt = Annotated[
@@ -33,7 +34,11 @@ EnvOpt = Annotated[
 ]
 EnvFileOpt = Annotated[
     Path | None,
-    typer.Option("--env-file", help="KEY=VALUE lines (# comments) for the job's environment; --env wins."),
+    typer.Option(
+        "--env-file",
+        help="KEY=VALUE lines (# comments) for the job's environment; --env wins. The file itself is "
+        "not shipped with the code.",
+    ),
 ]
 OutputOpt = Annotated[
     list[str] | None,

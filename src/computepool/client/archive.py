@@ -7,6 +7,10 @@ server (`HEAD /blobs/{sha}`) and never sent twice. `.gitignore` files (at any de
 rules (pathspec); `.git` is always left out, and so are links that lead out of the tree (counted,
 so the CLI can say so). A link to an absolute path inside the tree is shipped as the relative
 link to the same place, since the agent refuses absolute link targets.
+
+Files that usually hold credentials (SECRET_PATTERNS, and the paths the caller names: the
+`--env-file` it read) are left out too, and named, so that a secret meant for the environment is
+not also readable in the job's directory; a `!name` line in an ignore file ships one after all.
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ import pathspec
 from computepool.core.tarsafe import UnsafeArchive, extract, safe_extract, sha256_hex
 
 __all__ = [
-    "ArchiveStats", "UnsafeArchive", "extract", "pack", "pack_with_stats", "safe_extract", "scan",
-    "sha256_hex",
+    "SECRET_PATTERNS", "ArchiveStats", "UnsafeArchive", "extract", "inside", "pack", "pack_with_stats",
+    "safe_extract", "scan", "sha256_hex",
 ]  # fmt: skip
 
 IGNORE_FILES = (".git/info/exclude", ".gitignore", ".cpoolignore")  # at the root; deeper: .gitignore
 ALWAYS_SKIPPED = frozenset({".git"})
 TREE_SKIPPED = frozenset({"__pycache__"})
+# credentials by their usual names (any depth), below every ignore file: a `!` pattern re-includes
+SECRET_PATTERNS = (
+    ".env*", "*.pem", "*.key", "*.p12", "*.pfx", ".netrc", ".pgpass",
+    "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "id_ecdsa_sk", "id_ed25519_sk",
+)  # fmt: skip
+_GLOB_SPECIALS = frozenset("\\*?[]")
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class ArchiveStats:
     files: int
     bytes_in: int  # the files' sizes, before compression
     links_left_out: int = 0  # links leading out of the tree (or nowhere): not shipped
+    secrets_left_out: tuple[str, ...] = ()  # paths left out as likely credentials
 
 
 @dataclass(frozen=True)
@@ -57,9 +68,21 @@ def _read_rules(directory: Path, base: PurePosixPath, names: tuple[str, ...]) ->
     return out
 
 
-def _ignored(rel: PurePosixPath, is_dir: bool, rules: list[_Rules]) -> bool:
-    """Git's precedence: the deepest rule that matches decides (a `!` pattern re-includes)."""
-    verdict = False
+def _literal(rel: PurePosixPath) -> str:
+    """A gitignore line matching exactly `rel` (from the root), whatever characters it holds."""
+    text = "".join("\\" + c if c in _GLOB_SPECIALS else c for c in str(rel))
+    return "/" + (text[:-1] + "\\ " if text.endswith(" ") else text)
+
+
+def _secret_rules(leave_out: tuple[PurePosixPath, ...]) -> list[_Rules]:
+    lines = [*SECRET_PATTERNS, *(_literal(p) for p in leave_out)]
+    return [_Rules(PurePosixPath("."), pathspec.GitIgnoreSpec.from_lines(lines))]
+
+
+def _ignored(rel: PurePosixPath, is_dir: bool, rules: list[_Rules]) -> bool | None:
+    """Git's precedence: the deepest rule that matches decides (a `!` pattern re-includes); None
+    when no rule matches."""
+    verdict: bool | None = None
     for r in rules:
         try:
             sub = rel.relative_to(r.base) if r.base != PurePosixPath(".") else rel
@@ -72,8 +95,12 @@ def _ignored(rel: PurePosixPath, is_dir: bool, rules: list[_Rules]) -> bool:
     return verdict
 
 
-def _walk(root: Path) -> Iterator[tuple[PurePosixPath, Path]]:
-    """(archive name, path) of every file, dir and link of `root` not ignored, sorted."""
+def _walk(
+    root: Path, leave_out: tuple[PurePosixPath, ...] = (), secrets: list[str] | None = None
+) -> Iterator[tuple[PurePosixPath, Path]]:
+    """(archive name, path) of every file, dir and link of `root` not ignored, sorted. What no
+    ignore file decides and the secret rules match is left out and named in `secrets`."""
+    secret_rules = _secret_rules(leave_out)
 
     def visit(
         directory: Path, rel: PurePosixPath, rules: list[_Rules]
@@ -92,7 +119,12 @@ def _walk(root: Path) -> Iterator[tuple[PurePosixPath, Path]]:
             path = Path(entry.path)
             is_link = entry.is_symlink()
             is_dir = entry.is_dir(follow_symlinks=False)
-            if _ignored(name, is_dir, here):
+            verdict = _ignored(name, is_dir, here)
+            if verdict is None and _ignored(name, is_dir, secret_rules):
+                if secrets is not None:
+                    secrets.append(str(name))
+                continue
+            if verdict:
                 continue
             if is_link:
                 yield name, path  # judged by _link_text: shipped only when it stays in the tree
@@ -136,10 +168,17 @@ def _link_text(path: Path, name: PurePosixPath, real_root: Path) -> str | None:
     return raw
 
 
-def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: frozenset[str]) -> ArchiveStats:
+def _add_tree(
+    tar: tarfile.TarFile,
+    root: Path,
+    prefix: str,
+    skip: frozenset[str],
+    leave_out: tuple[PurePosixPath, ...] = (),
+) -> ArchiveStats:
     files = size = left_out = 0
     real_root = root.resolve()
-    for name, path in _walk(root) if not skip else _walk_all(root, skip):
+    secrets: list[str] = []
+    for name, path in _walk(root, leave_out, secrets) if not skip else _walk_all(root, skip):
         arcname = f"{prefix}/{name}" if prefix else str(name)
         st = path.lstat()
         if stat.S_ISLNK(st.st_mode):
@@ -158,7 +197,7 @@ def _add_tree(tar: tarfile.TarFile, root: Path, prefix: str, skip: frozenset[str
             tar.addfile(info, io.BytesIO(data))
             files += 1
             size += len(data)
-    return ArchiveStats(files, size, left_out)
+    return ArchiveStats(files, size, left_out, tuple(secrets))
 
 
 def _walk_all(root: Path, skip: frozenset[str]) -> Iterator[tuple[PurePosixPath, Path]]:
@@ -176,14 +215,24 @@ def _walk_all(root: Path, skip: frozenset[str]) -> Iterator[tuple[PurePosixPath,
             yield PurePosixPath(rel / name), path
 
 
-def scan(root: Path) -> ArchiveStats:
+def scan(root: Path, leave_out: tuple[PurePosixPath, ...] = ()) -> ArchiveStats:
     """What `pack(root)` would hold (files and their bytes), without reading them."""
     files = size = 0
-    for _name, path in _walk(root):
+    secrets: list[str] = []
+    for _name, path in _walk(root, leave_out, secrets):
         st = path.lstat()
         if stat.S_ISREG(st.st_mode):
             files, size = files + 1, size + st.st_size
-    return ArchiveStats(files, size)
+    return ArchiveStats(files, size, secrets_left_out=tuple(secrets))
+
+
+def inside(root: Path, path: Path) -> PurePosixPath | None:
+    """`path` relative to `root` when it lies in that tree (links resolved), else None: what a
+    `leave_out` names."""
+    try:
+        return PurePosixPath(path.expanduser().resolve().relative_to(root.resolve()))
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 def pack_with_stats(
@@ -191,16 +240,20 @@ def pack_with_stats(
     *,
     extra_files: Mapping[str, bytes] | None = None,
     extra_trees: Mapping[str, Path] | None = None,
+    leave_out: tuple[PurePosixPath, ...] = (),
 ) -> tuple[bytes, ArchiveStats]:
-    """`pack`, and how many files and bytes went in."""
+    """`pack`, and how many files and bytes went in; `leave_out`: paths of `root` (relative to
+    it) not to ship, as the secret patterns are not (an ignore file's `!` line re-includes)."""
     raw = io.BytesIO()
     files = size = left_out = 0
+    secrets: tuple[str, ...] = ()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         if root is not None:
             if not root.is_dir():
                 raise NotADirectoryError(f"{root}: not a directory")
-            got = _add_tree(tar, root, "", frozenset())
+            got = _add_tree(tar, root, "", frozenset(), leave_out)
             files, size, left_out = files + got.files, size + got.bytes_in, left_out + got.links_left_out
+            secrets = got.secrets_left_out
         for prefix, tree in sorted((extra_trees or {}).items()):
             clean = str(PurePosixPath(prefix)).strip("/")
             got = _add_tree(tar, tree, clean, TREE_SKIPPED)
@@ -213,7 +266,7 @@ def pack_with_stats(
     out = io.BytesIO()
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=6, filename="") as gz:
         gz.write(raw.getvalue())
-    return out.getvalue(), ArchiveStats(files, size, left_out)
+    return out.getvalue(), ArchiveStats(files, size, left_out, secrets)
 
 
 def pack(
