@@ -93,7 +93,8 @@ def test_short_names_mean_docker_io_and_are_pinned_as_published(api: Api) -> Non
     out = api.ok("POST", "/api/v1/images", json={"name": "python:3.12", "digest": A})
     assert out["name"] == "docker.io/library/python:3.12"
     assert _submit(api, a, "docker.io/library/python:3.12").json()["request"]["image_digest"] == A
-    assert _submit(api, a, "library/python:3.12").json()["request"]["image"] == "docker.io/library/python:3.12"
+    short = _submit(api, a, "library/python:3.12").json()
+    assert short["request"]["image"] == "docker.io/library/python:3.12"
     assert _submit(api, a, "localhost/python:3.12").status_code == 422
 
 

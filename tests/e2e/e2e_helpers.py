@@ -19,6 +19,7 @@ import httpx
 import psutil
 
 import computepool
+from computepool.client.images import local_image_id
 from computepool.core.tls import client_context
 
 SRC = Path(computepool.__file__).parent.parent
@@ -189,6 +190,16 @@ class Pool:
 
     def close(self) -> None:
         self.http.close()
+
+
+def publish_image(admin: httpx.Client, image: str, tenants: list[str] | None = None) -> str:
+    """Publish `image`, pinned to the id this host's podman has for it, on a pool as its admin (a
+    tenant's container job may run only what was published to it); returns the id."""
+    found = local_image_id(image)
+    assert found is not None, f"podman here has no image {image}"
+    r = admin.post("/api/v1/images", json={"name": image, "digest": found, "tenants": tenants})
+    assert r.status_code == 200, r.text
+    return found
 
 
 def sleeper(seconds: float, marker: str = "") -> str:

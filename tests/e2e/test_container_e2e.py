@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import child_env, cpool, free_port, publish_image, stop, wait_for
 
 from computepool.agent.container import Podman
 from computepool.agent.tenants import remove_tenant_user
@@ -120,6 +120,7 @@ def node(image: str) -> Iterator[Node]:
     root.mkdir(mode=0o755)
     n = Node(root)
     try:
+        publish_image(n.admin, image)
         yield n
     finally:
         n.close()

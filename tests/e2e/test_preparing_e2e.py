@@ -264,6 +264,9 @@ def test_a_slow_image_pull_holds_up_nothing_and_is_pulled_once(node: Node) -> No
     registry = SilentRegistry()
     try:
         image = f"127.0.0.1:{registry.port}/slow/img:1"
+        # published (pinned to an id the node lacks): the node pulls it from its registry
+        published = {"name": image, "digest": "sha256:" + "0" * 64}
+        assert node.admin.post("/api/v1/images", json=published).status_code == 200
         body: dict[str, Any] = {"command": ["true"], "image": image, "cpu_milli": 100, "memory_mib": 64}
         first, twin = (int(node.http.post("/allocations", json=body).json()["id"]) for _ in range(2))
         wait_for("the pull to reach the registry", lambda: registry.conns, 60, node.logs)

@@ -24,6 +24,7 @@ from e2e_helpers import (
     cpool,
     job_readable_copy,
     kill_jobs_under,
+    publish_image,
     stop,
     wait_for,
 )
@@ -224,6 +225,7 @@ http.server.ThreadingHTTPServer(("", int(os.environ["PORT"])), H).serve_forever(
 
 
 def test_a_container_replica_is_its_own_listener(node: Node, image: str) -> None:
+    publish_image(node.admin, image)
     """A container's engine listens in the container's network; on the node the published port is
     held by podman's conmon for that container, which the agent counts as the replica's own."""
     tenant = f"lc{uuid.uuid4().hex[:6]}"

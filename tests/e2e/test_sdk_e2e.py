@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import child_env, cpool, free_port, publish_image, stop, wait_for
 
 import computepool.sdk.pool as sdk_pool
 from computepool.core.tls import client_context, generate_self_signed
@@ -385,6 +385,7 @@ def test_a_python_no_node_has_is_refused_naming_both(
 
 
 def test_a_function_runs_in_a_container_image(pool: Pool, cluster: Cluster, image: str) -> None:
+    publish_image(cluster.admin, image)
     @pool.function(cpus=0.1, image=image, name="incontainer")
     def inside() -> tuple[str, bool, int]:
         cache = os.environ["CPOOL_CACHE_DIR"]

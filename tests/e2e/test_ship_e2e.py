@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import JOB_PYTHON, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, child_env, cpool, free_port, publish_image, stop, wait_for
 
 from computepool.agent.tenants import remove_tenant_user, user_name
 from computepool.core.tarsafe import sha256_hex
@@ -358,6 +358,7 @@ def test_the_path_max_exploit_cannot_write_on_the_node(pool: Pool) -> None:
 
 
 def test_code_and_stdin_reach_a_container_job(pool: Pool, image: str, tmp_path: Path) -> None:
+    publish_image(pool.admin, image)
     token = pool.member(f"sc{uuid.uuid4().hex[:6]}")
     (tmp_path / "echo.py").write_text("import sys\nprint('container got', sys.stdin.read().strip())\n")
     r = pool.cli(token, "run", "--cpus", "0.5", "--image", image, "--", "python3", "echo.py", cwd=tmp_path,

@@ -1,4 +1,5 @@
-"""Server test fixtures (the server tests' and the attack tests' conftest import them): a real PostgreSQL for the session, and the app on SQLite and on PostgreSQL.
+"""Server test fixtures (the server and attack tests' conftests import them): a real PostgreSQL for
+the session, and the app on SQLite and on PostgreSQL.
 
 PostgreSQL is started from the binaries in /usr/lib/postgresql/*/bin (initdb + pg_ctl) in a
 temporary folder on a free port, as an unprivileged user when the tests run as root. Missing

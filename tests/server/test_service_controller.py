@@ -459,6 +459,7 @@ def test_the_server_refuses_a_bad_service_port_range(tmp_path: Any) -> None:
 def test_a_container_replica_publishes_its_port(pool: Pool) -> None:
     pool.join("n1")
     request = {"command": ["engine"], "cpu_milli": 500, "image": "localhost/pybase:1", "ports": [8080]}
+    pool.api.ok("POST", "/api/v1/images", json={"name": "localhost/pybase:1", "digest": "sha256:" + "c" * 64})
     r = pool.api.put(f"{S}/web", json={"spec": {"request": request}}, headers=pool.api.admin)
     assert r.status_code == 201, r.text
     [alloc_id] = pool.step().started

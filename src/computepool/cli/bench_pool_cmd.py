@@ -36,6 +36,19 @@ def _target(
     return cfg.server, cfg.token
 
 
+def _publish_here(url: str, token: str, image: str) -> None:
+    """Publish `image` (as this machine's podman has it) on the pool the benchmark started."""
+    from computepool.client import PoolClient
+    from computepool.client.config import ClientConfig
+    from computepool.client.images import local_image_id
+
+    found = local_image_id(image)
+    if found is None:
+        raise InvalidInput("--image", f"no image {image} in this machine's podman")
+    with PoolClient.from_config(ClientConfig(server=url, token=token)) as pool:
+        pool.publish_image(image, found)
+
+
 def _run_with(
     kind: str | None, run: Callable[[LocalProcess | None], dict[str, Any]], json_out: bool
 ) -> dict[str, Any]:
@@ -116,6 +129,8 @@ def register(bench_app: typer.Typer) -> None:
             from computepool.client.bench_pool import JobsSettings, run_jobs_bench
 
             url, tok = _target(server, token, allow_remote, local)
+            if local is not None and image:
+                _publish_here(url, tok, image)
             s = JobsSettings(
                 server=url,
                 token=tok,

@@ -6,14 +6,13 @@ the image is (a node), or pass the id the nodes have (`podman image inspect --fo
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from typing import Annotated
 
 import typer
 
 from computepool.cli.common import fail, print_json
 from computepool.cli.pool_cmd import JsonOpt, ServerOpt, TokenOpt, open_client, pool_command, say, show, table
+from computepool.client.images import local_image_id
 from computepool.core.images import DIGEST, parse_image
 
 
@@ -83,17 +82,7 @@ def register(app: typer.Typer) -> None:
 
 def _local_id(name: str) -> str:
     """The id this machine's podman has for `name`; a one-line failure when it has none."""
-    podman = shutil.which("podman")
-    if podman is None:
-        raise fail("no podman here to read the image id from: give it with --digest sha256:…")
-    done = subprocess.run(
-        [podman, "image", "inspect", "--format", "{{.Id}}", name],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise fail(f"podman here has no image {name}: pull or load it first, or give --digest sha256:…")
-    return "sha256:" + done.stdout.strip().removeprefix("sha256:")
+    found = local_image_id(name)
+    if found is None:
+        raise fail(f"no image {name} in the podman here: pull or load it first, or give --digest sha256:…")
+    return found

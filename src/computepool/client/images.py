@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -38,3 +40,19 @@ class ImageMethods:
 
     def unpublish_image(self, name: str) -> JSON:
         return dict(self.request("DELETE", f"/images/{quote(name, safe='')}"))
+
+
+def local_image_id(name: str) -> str | None:
+    """The id (sha256:…) this machine's podman has for the image `name`; None without podman or image."""
+    podman = shutil.which("podman")
+    if podman is None:
+        return None
+    done = subprocess.run(
+        [podman, "image", "inspect", "--format", "{{.Id}}", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    return "sha256:" + done.stdout.strip().removeprefix("sha256:") if done.returncode == 0 else None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from computepool.core.allocation import ISOLATIONS
 from computepool.core.errors import InvalidInput
+from computepool.core.images import parse_image
 from computepool.core.quantities import parse_cpu_milli, parse_duration_s, parse_gpu_milli, parse_memory_mib
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
@@ -56,6 +57,8 @@ def build_request(
         )
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise InvalidInput(name("nodes"), f"must be a whole number of nodes, 1 or more, got {nodes!r}")
+    if image is not None:  # before any upload: a transport or a path is never sent
+        parse_image(image, name("image"))
     selector = (
         {str(k): str(v) for k, v in node_selector.items()} or None
         if isinstance(node_selector, Mapping)

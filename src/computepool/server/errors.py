@@ -94,7 +94,8 @@ def _validation(errors: Sequence[Any]) -> dict[str, Any]:
                 {"field": "body", "error": f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}"}
             )
         else:
-            items.append({"field": field_path(e.get("loc", ())), "error": e.get("msg", "invalid")})
+            message = str(e.get("msg", "invalid")).removeprefix("Value error, ")  # pydantic's, for our checks
+            items.append({"field": field_path(e.get("loc", ())), "error": message})
     first = items[0] if items else {"field": "body", "error": "invalid request"}
     return error_body(f"{first['field']}: {first['error']}", first["field"], errors=items)
 
