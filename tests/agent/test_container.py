@@ -265,7 +265,7 @@ def test_missing_image_fails_fast_with_reason(podman: Podman, work: Path) -> Non
     msg = str(err.value)
     assert msg.startswith("image localhost/nope:1 not found on node test-node and could not be pulled: ")
     for image in ("--privileged", "a b"):  # an image is never taken for an option of podman
-        with pytest.raises(ContainerError, match="not an image reference"):
+        with pytest.raises(ContainerError, match="not a registry image reference"):
             podman.run_argv(JobSpec("a7", 1, ["true"], tenant="acme", image=image), work, UID, UID)
     no_pull = Podman(podman.data_dir, node_name="test-node", pull=False)
     with pytest.raises(ContainerError, match="not found on node test-node"):

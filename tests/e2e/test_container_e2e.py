@@ -259,7 +259,9 @@ def test_memory_limit_ends_the_job_as_out_of_memory(node: Node, tenants: list[st
 
 
 def test_missing_image_fails_fast_with_its_reason(node: Node, tenants: list[str]) -> None:
-    a, _, _ = _tenant(node, tenants, "ci")
+    a, _, tenant = _tenant(node, tenants, "ci")
+    published = {"name": "localhost/no-such-image:1", "digest": "sha256:" + "0" * 64, "tenants": [tenant]}
+    assert node.admin.post("/api/v1/images", json=published).status_code == 200
     aid = _submit(a, ["true"], image="localhost/no-such-image:1")
     alloc = _ended(node, a, aid, timeout=120)
     assert alloc["state"] == "failed"
