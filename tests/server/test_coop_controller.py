@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from harness import Api
+from harness import Api, heartbeat_ago
 from test_allocations import cycle, get, manual
 from test_allocations_agent import report
+
+from computepool.store.db import db_now
 
 pytest.importorskip("computepool.serving.coop.planner", reason="the planner (part 3) is not in the tree yet")
 
@@ -34,6 +35,12 @@ class Coop:
         self.ctrl.auto = False
         self.nodes: dict[str, H] = {}
         self.dark: set[str] = set()  # nodes a test lets go silent
+        self.ahead_s = 0.0  # the controller's clock runs this far ahead of the database's (advance)
+
+    def advance(self, seconds: float) -> None:
+        """Move the controller's clock on instead of sleeping: its passes run `ahead_s` past the
+        database's clock, and heartbeats are stored as if sent on that clock."""
+        self.ahead_s += seconds
 
     def join(self, name: str, address: str = "127.0.0.1") -> None:
         token = self.api.ok("POST", "/api/v1/join-tokens", json={})["token"]
@@ -52,6 +59,8 @@ class Coop:
             if name in self.dark:
                 continue
             self.api.ok("POST", f"/api/v1/nodes/{name}/heartbeat", headers=headers)
+            if self.ahead_s:
+                heartbeat_ago(self.api, name, -self.ahead_s)
 
     def step(self) -> dict[str, Any]:
         self.step_only()
@@ -60,7 +69,9 @@ class Coop:
     def step_only(self) -> None:
         self.beat()
         self.api.app.state.controller.acquire()
-        assert asyncio.run(self.ctrl.run_once()) is True
+        with self.ctrl.db.read() as s:
+            now = db_now(s) + timedelta(seconds=self.ahead_s)
+        assert asyncio.run(self.ctrl.run_once(now)) is True
 
     def plan(self, name: str = "big") -> dict[str, Any]:
         return dict(self.api.ok("GET", f"{S}/{name}/plan"))
@@ -262,7 +273,7 @@ def test_a_lost_node_replans_onto_the_others(make_api: Any) -> None:
     coop.run(server["id"], f"CPOOL-RPC ready {rpc['endpoint']}\n")
     assert coop.step()["reason"].startswith("head replica starting on n1")
     coop.dark.add("n2")  # silent: suspect, then lost
-    time.sleep(6.5)
+    coop.advance(6.5)
     out = coop.step()
     assert out["status"] == "replanning" and out["attempt"] == 2 and out["reason"] == "node n2 lost", out
     assert get(coop.api, server["id"])["state"] == "cancelled"

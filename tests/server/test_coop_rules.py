@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -89,7 +88,7 @@ def test_stale_peer_reports_are_not_used(coop: Coop) -> None:
     assert coop.coop_allocs("rpc") == [], out
     assert out["status"] == "failed" or [s["role"] for s in out["shards"]] == ["head"], out
     coop.peers("n1", "n2")  # seen again now: the next plan may split
-    time.sleep(2.1)  # past the failed plan's first back-off
+    coop.advance(2.1)  # past the failed plan's first back-off
     again = coop.step()
     assert [s["role"] for s in again["shards"]] == ["head", "rpc"], again
 
@@ -144,7 +143,7 @@ def test_a_failed_plan_is_retried_with_a_back_off_and_leaves_nothing_behind(make
     first = c.step()  # no node at all
     assert first["status"] == "failed" and first["attempt"] == 1 and "no ready node" in first["reason"], first
     assert c.step()["updated_at"] == first["updated_at"]  # no re-plan on every pass
-    time.sleep(2.1)
+    c.advance(2.1)
     assert c.step()["attempt"] == 2
     c.api.ok("DELETE", f"{S}/big")
     # a split over three nodes, one RPC port: the plan fails and ends the RPC server it asked for
@@ -282,7 +281,7 @@ def test_a_head_failing_alone_replans_over_the_same_nodes(coop: Coop) -> None:
     coop.run(head["id"])
     coop.exit(head["id"], code=1)
     assert "checking its RPC servers" in coop.step()["reason"]
-    time.sleep(10.5)  # its RPC server outlives it by more than the grace
+    coop.advance(10.5)  # its RPC server outlives it by more than the grace
     out = coop.step()
     assert out["status"] == "replanning" and "head replica" in out["reason"], out
     # the spec the controller pinned to n1 does not keep n2 out of the next plan
