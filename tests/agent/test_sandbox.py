@@ -133,6 +133,7 @@ def test_a_job_runs_as_its_tenant_with_nothing_of_the_agent(
     assert seen["tmp"] == []  # a private /tmp
     assert seen["agent_dir"] == ["runs"]  # the agent's files are hidden: only the way to its own dir
     assert "own PID and mount namespaces" in done.limits and f"user {user.pw_name}" in done.limits
+    assert "seccomp: no user namespaces" in done.limits  # syscall_filter.py: the attacks test it
     # the layout: the job's dir is its own; the agent's files around it are root's
     assert (work.stat().st_uid, stat.S_IMODE(work.stat().st_mode)) == (user.pw_uid, 0o700)
     for p in (Path(done.run_dir), Path(done.run_dir).parent, Path(done.run_dir).parent.parent):

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from computepool.agent import syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
 from computepool.agent.tenants import DEFAULT_UID_RANGE
 
@@ -105,6 +106,8 @@ class HostSupport:
     unshare: str | None
     namespaces: bool
     why_not: list[str] = field(default_factory=list)
+    filter_loader: tuple[str, ...] = ()  # runs the rest under the syscall filter (syscall_filter.py)
+    filter_why_not: str = ""
 
 
 def probe(config: SandboxConfig) -> HostSupport:
@@ -133,7 +136,8 @@ def probe(config: SandboxConfig) -> HostSupport:
                 why.append(f"the host refuses PID/mount namespaces: {r.stderr.strip()[:200]}")
         except (OSError, subprocess.TimeoutExpired) as e:
             why.append(f"unshare failed: {e}")
-    return HostSupport(root, setpriv, unshare, ns, why)
+    loader, filter_why = syscall_filter.probe()
+    return HostSupport(root, setpriv, unshare, ns, why, loader, filter_why)
 
 
 def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
@@ -228,4 +232,9 @@ def wrap(
             applied.append(f"{hide} hidden")
     elif host.why_not:
         applied.append("no namespaces: " + "; ".join(host.why_not))
+    if host.filter_loader:  # outermost: the namespaces' init and setpriv run under it too
+        argv = [*host.filter_loader, *argv]
+        applied.append(syscall_filter.SUMMARY)
+    elif host.filter_why_not:
+        applied.append(f"no syscall filter: {host.filter_why_not}")
     return argv, applied

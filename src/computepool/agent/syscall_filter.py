@@ -1,0 +1,107 @@
+"""The syscall filter of process jobs: seccomp, built by libseccomp (through pyseccomp, its ctypes
+binding) and loaded before the sandbox's namespaces are made; it holds for everything after, the
+job's user and all its children.
+
+A job already runs with no capabilities and no_new_privs; what it may still reach is kernel code
+that unprivileged users are allowed to call, and that is where local exploits live. Refused
+(EPERM, so programs see an ordinary refusal): a new user namespace (clone or unshare with
+CLONE_NEWUSER: inside one a job would hold every capability again, over a fresh mount and network
+stack), joining namespaces (setns), the kernel keyrings (add_key, request_key, keyctl: shared by uid
+across jobs), bpf, perf_event_open, userfaultfd, kexec, kernel modules, umount2 and pivot_root,
+swap, reboot, acct, open_by_handle_at, io_uring, and setting a personality (reading it stays
+allowed). clone3 and the new mount API answer ENOSYS, so that the C library and libmount fall back
+to the calls a filter can judge: clone's flags are an argument (clone3's lie in memory no filter
+reads), and mount(2) is left to the capabilities, since the sandbox's own init mounts the job's
+/proc and /tmp under the filter, and a job has no CAP_SYS_ADMIN and no way to a user namespace
+that would give it one. ptrace stays allowed: a job can only trace its own processes (its user,
+its PID namespace), and debuggers and profilers need it.
+
+`python -I -m computepool.agent.syscall_filter -- ARGV` loads the filter and execs ARGV; `-I`
+keeps a job's PYTHONPATH (this runs as root) from choosing what it imports.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # loaded where the filter is built: the agent starts without libseccomp too
+    import pyseccomp as seccomp
+
+CLONE_NEWUSER = 0x10000000
+PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) reads the current one and changes nothing
+REFUSED = (
+    "setns", "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "umount2", "pivot_root", "swapon", "swapoff", "reboot", "acct", "open_by_handle_at",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+)  # fmt: skip
+ABSENT = ("clone3", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr")
+SUMMARY = (
+    "seccomp: no user namespaces, setns, keyrings, bpf, perf events, userfaultfd, umount, modules, "
+    "kexec, io_uring, personality changes"
+)
+
+
+def job_filter() -> seccomp.SyscallFilter:
+    """The filter: everything allowed but the calls above."""
+    import pyseccomp as seccomp  # noqa: PLC0415 - see the TYPE_CHECKING import
+
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    # the 32-bit ABIs of a 64-bit host run the same rules (else their calls would be killed outright)
+    compat = {
+        seccomp.Arch.X86_64: (seccomp.Arch.X86, seccomp.Arch.X32),
+        seccomp.Arch.AARCH64: (seccomp.Arch.ARM,),
+    }
+    for arch in compat.get(seccomp.system_arch(), ()):
+        f.add_arch(arch)
+    eperm = seccomp.ERRNO(errno.EPERM)
+    for name in REFUSED:
+        f.add_rule(eperm, name)
+    for name in ("unshare", "clone"):  # the flags are the first argument of both (x86, arm)
+        f.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    for name in ABSENT:
+        f.add_rule(seccomp.ERRNO(errno.ENOSYS), name)
+    f.add_rule(eperm, "personality", seccomp.Arg(0, seccomp.NE, PERSONALITY_QUERY))
+    return f
+
+
+def loader_argv(python: str = sys.executable) -> list[str]:
+    """What goes before ARGV to run it under the filter."""
+    return [python, "-I", "-m", "computepool.agent.syscall_filter", "--"]
+
+
+def probe() -> tuple[tuple[str, ...], str]:
+    """(the loader's argv, "") where it runs a command here; ((), why) where it does not."""
+    argv = loader_argv()
+    try:
+        r = subprocess.run([*argv, "/bin/true"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return (), f"the filter's loader failed: {e}"
+    if r.returncode != 0:
+        return (), (r.stderr.strip().splitlines() or [f"the filter's loader exited {r.returncode}"])[-1][:200]
+    return tuple(argv), ""
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) < 2 or argv[0] != "--":
+        print("usage: python -I -m computepool.agent.syscall_filter -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    try:
+        job_filter().load()
+    except (OSError, ImportError, RuntimeError) as e:  # the job never runs unfiltered (no libseccomp)
+        print(f"cpool: cannot load the job's syscall filter: {e}", file=sys.stderr)
+        return 126
+    try:
+        os.execvp(argv[1], list(argv[1:]))
+    except OSError as e:
+        print(f"cpool: cannot run {argv[1]}: {e.strerror or e}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
