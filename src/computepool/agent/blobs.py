@@ -4,11 +4,14 @@
   lets a node read only what its live work names), checks its hash and keeps it by hash in
   `DATA_DIR/blobs` (root 0700), so the same code is fetched once per node.
 - `unpack_code` checks a code archive as a stream (core/tarsafe.py: no absolute paths, `..`, links
-  out or through links, special files; member and byte caps), then unpacks it into the job's fresh
-  work dir with GNU tar run AS THE TENANT'S USER (agent/jobfiles.py), never as root.
-- `FileAnswerer` answers file requests: the path is packed with GNU tar run AS THE TENANT'S USER
-  (so it reads nothing the job could not), and the tar.gz goes back to the control plane as a blob
-  of the tenant — or the reason it could not. Links in it that lead out are left out by the client.
+  out or through links, special files; member and byte caps), then unpacks its re-write (exactly
+  the members checked) into the job's fresh work dir with GNU tar run AS THE TENANT'S USER
+  (agent/jobfiles.py), never as root.
+- `FileAnswerer` answers file requests: the path is walked from the work dir one name at a time,
+  never through a link (a job swapping links in cannot lead it out), and packed with GNU tar run
+  AS THE TENANT'S USER (so it reads nothing the job could not); the tar.gz goes back to the control
+  plane as a blob of the tenant — or the reason it could not. Links in it that lead out are left
+  out by the client.
 - Cached blobs no job used for a day are dropped (`prune`), checked at most every ten minutes.
 """
 
@@ -25,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from computepool.agent.api import AgentApi, ApiError, Unreachable
@@ -33,7 +36,7 @@ from computepool.agent.jobfiles import pack_as, unpack_as
 from computepool.agent.sandbox import SandboxConfig
 from computepool.agent.tenants import TenantUserError, ensure_tenant_user, user_name
 from computepool.core.errors import InvalidInput
-from computepool.core.tarsafe import UnsafeArchive, check_stream, is_sha256, sha256_hex
+from computepool.core.tarsafe import UnsafeArchive, canonical, check_stream, is_sha256, sha256_hex
 
 log = logging.getLogger("computepool.agent")
 CACHE_DIR = "blobs"
@@ -106,7 +109,9 @@ class BlobCache:
         try:
             with path.open("rb") as f:
                 verdict = check_stream(f, max_bytes=self.max_unpacked)
-            unpack_as(user, path, work_dir, self.max_unpacked)
+                f.seek(0)
+                with canonical(f, verdict) as tar:  # tar reads the members checked, re-written
+                    unpack_as(user, tar, work_dir, self.max_unpacked)
         except UnsafeArchive as e:
             raise CodeUnavailable(f"code: refused the archive: {e}") from None
         except (ValueError, OSError) as e:
@@ -175,21 +180,6 @@ class BlobCache:
 
 
 # --- file requests ------------------------------------------------------------------------------
-def _inside(root: Path, rel: str) -> Path:
-    """`root/rel` if it stays in `root` once links are followed; raises ValueError with the reason."""
-    p = PurePosixPath(rel)
-    if p.is_absolute() or ".." in p.parts:
-        raise ValueError(f"{rel}: must be a path inside the job's work dir")
-    target = root / p
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(target)
-    if real != real_root and not real.startswith(real_root + os.sep):
-        raise ValueError(f"{rel}: leads outside the job's work dir")
-    if not os.path.lexists(target):
-        raise ValueError(f"{rel}: no such file or directory in the job's work dir")
-    return target
-
-
 class FileAnswerer:
     """Packs and sends the files users ask for, one request at a time, on its own thread."""
 
@@ -251,7 +241,6 @@ class FileAnswerer:
                 work = self.work_dir_of(alloc, attempt)
                 if not work.is_dir():
                     raise ValueError(f"the job's directory is gone from this node (attempt {attempt})")
-                _inside(work, rel)
                 pack_as(self.run_as(tenant), work, rel, out, MAX_PACKED)
                 with out.open("rb") as f:
                     check_stream(f, links_out="skip")  # links out: the client leaves them out, saying so
