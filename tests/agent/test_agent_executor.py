@@ -192,4 +192,4 @@ def test_cgroup_v2_limits_when_writable(tmp_path: Path) -> None:
         assert done.state is JobState.FAILED
         assert "out of memory" in done.reason
     finally:
-        cgroups.remove([base])
+        cgroups.remove([p for p in (ex.cgroup_dir, base) if p is not None])

@@ -80,8 +80,10 @@ def real_cg_executor() -> Iterator[Executor]:
     for rec in ex.running():
         ex.kill(rec.key, "teardown", grace_s=0)
     ex.state.close()
+    assert ex.cgroup_dir is not None and ex.cgroup_dir.parent == base  # the agent's own, below the base
     for c in ("memory", "cpu", "pids"):
-        cgroups.remove([Path("/sys/fs/cgroup") / c / base.name])
+        top = Path("/sys/fs/cgroup") / c / base.name
+        cgroups.remove([top / ex.cgroup_dir.name, top])
     shutil.rmtree(data, ignore_errors=True)
     remove_tenant_user(tenant)
 
@@ -116,3 +118,49 @@ def test_real_v1_cpu_quota_holds_a_busy_job(real_cg_executor: Executor) -> None:
     assert used / 3.0 < 0.35, f"used {used / 3.0:.2f} CPU with a 0.2 CPU quota"
     assert used / 3.0 > 0.05  # it does run
     ex.kill(rec.key, "done", grace_s=0)
+
+
+def test_v2_base_below_a_missing_level_enables_each_level(tmp_path: Path) -> None:
+    root = tmp_path / "cg2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    cg = cgroups.detect(root / "computepool" / "gpu1-0123abcd")
+    assert isinstance(cg, CgroupV2) and cg.usable() == (True, "")
+    for level in (root, root / "computepool", root / "computepool" / "gpu1-0123abcd"):
+        assert set((level / "cgroup.subtree_control").read_text().split()) == {"+cpu", "+memory", "+pids"}
+    assert cg.create("1.1", 500, 64).path == root / "computepool" / "gpu1-0123abcd" / "1.1"
+
+
+def test_v1_base_below_a_missing_level(tmp_path: Path) -> None:
+    for c in ("cpu", "memory"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "cgroup.procs").write_text("")
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")
+    cg = cgroups.detect(tmp_path / "computepool" / "gpu1-0123abcd")
+    assert isinstance(cg, CgroupV1) and cg.usable() == (True, "")
+    job = cg.create("1.1", cpu_milli=500, memory_mib=64)
+    assert job.paths == tuple(
+        tmp_path / c / "computepool" / "gpu1-0123abcd" / "1.1" for c in ("memory", "cpu")
+    )
+
+
+def test_two_executors_on_one_base_keep_their_jobs_apart_and_sweep_only_their_own(tmp_path: Path) -> None:
+    root = tmp_path / "cg2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    base = root / "computepool"
+    mine = Executor(tmp_path / "a" / "agent", cgroup_base=base, node="gpu1")
+    theirs = Executor(tmp_path / "b" / "agent", cgroup_base=base, node="gpu1")  # same name, other pool
+    assert mine.cgroup_dir is not None and theirs.cgroup_dir is not None
+    assert mine.cgroup_dir != theirs.cgroup_dir and mine.cgroup_dir.parent == theirs.cgroup_dir.parent == base
+    assert mine.cgroup_dir.name.startswith("gpu1-") and len(mine.cgroup_dir.name) == len("gpu1-") + 8
+    for ex in (mine, theirs):
+        assert ex.cgroups is not None and ex.cgroups.usable() == (True, "")
+        (ex.cgroup_dir / "1.1").mkdir()  # allocation 1 in both pools
+    (mine.cgroup_dir / "not-a-job").mkdir()
+    assert mine.adopt().adopted == []  # a fresh start sweeps the empty job cgroups a crash left
+    assert not (mine.cgroup_dir / "1.1").exists() and (mine.cgroup_dir / "not-a-job").is_dir()
+    assert (theirs.cgroup_dir / "1.1").is_dir()
+    for ex in (mine, theirs):
+        ex.state.close()

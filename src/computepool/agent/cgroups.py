@@ -6,6 +6,11 @@ mount (`/sys/fs/cgroup/cpu`, `/sys/fs/cgroup/memory`, `/sys/fs/cgroup/pids`, …
 directory per controller, all listed in `paths`. Both list the job's processes in `cgroup.procs`,
 so whatever only needs the members (the agent, the fence supervisor) reads that one path.
 
+Each agent keeps its jobs under a directory of its own below the base (`<base>/<node key>/<alloc>.<attempt>`,
+identity.py): allocation ids are the pool's, so two agents on one host (two pools, or two nodes of
+one pool) would otherwise put different jobs in one cgroup, and the first to end would kill the
+other. An agent only ever creates, empties or removes cgroups under its own directory.
+
 Where neither is writable (`--cgroup-base none`, a container without delegation), `hold` falls
 back to RLIMIT_AS and CPU affinity, and says so in the job's `limits`.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,7 @@ MIB = 1024 * 1024
 CPU_PERIOD_US = 100_000
 DEFAULT_PIDS_MAX = 8192
 V1_CONTROLLERS = ("memory", "cpu", "pids")  # the first present one names the job's cgroup
+_JOB_DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\.[0-9]+$")  # `<alloc>.<attempt>`
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,10 @@ class JobCgroup:
 
 
 class CgroupV2:
-    """Child cgroups under a base directory on a cgroup v2 hierarchy (delegated to the agent)."""
+    """Child cgroups under a base directory on a cgroup v2 hierarchy (delegated to the agent).
+
+    The base may lie several levels below the nearest cgroup that exists (`<base>/<node key>`): each
+    level on the way is made and given the controllers its children need."""
 
     version = "v2"
 
@@ -59,25 +69,30 @@ class CgroupV2:
         return self._checked
 
     def _check(self) -> tuple[bool, str]:
-        parent = self.base.parent
-        controllers_file = parent / "cgroup.controllers"
-        if not controllers_file.exists():
-            return False, f"no cgroup v2 hierarchy at {parent}"
+        top = next((p for p in (self.base, *self.base.parents) if (p / "cgroup.controllers").is_file()), None)
+        if top is None:
+            return False, f"no cgroup v2 hierarchy at {self.base.parent}"
         try:
-            have = set(controllers_file.read_text().split())
+            have = set((top / "cgroup.controllers").read_text().split())
             missing = {"cpu", "memory"} - have
             if missing:
-                return False, f"cgroup controllers {sorted(missing)} not available in {parent}"
+                return False, f"cgroup controllers {sorted(missing)} not available in {top}"
             wanted = {"cpu", "memory"} | ({"pids"} & have)
             self._pids = "pids" in wanted
-            self.base.mkdir(exist_ok=True, mode=0o700)
-            enabled = set((parent / "cgroup.subtree_control").read_text().split())
-            if not wanted <= enabled:
-                (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
-            (self.base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
+            below = [self.base, *self.base.parents][: len(self.base.relative_to(top).parts)]
+            for level in (top, *reversed(below)):  # from the existing cgroup down to the base
+                level.mkdir(exist_ok=True, mode=0o700)
+                control = level / "cgroup.subtree_control"
+                enabled = set(control.read_text().split()) if control.exists() else set()
+                if not wanted <= enabled:
+                    (level / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
         except OSError as e:
             return False, f"cgroup {self.base} not writable: {e}"
         return True, ""
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """Remove the empty job cgroups under this base that no job holds (left by a crash)."""
+        return _sweep([self.base], keep)
 
     def create(self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0) -> JobCgroup:
         path = self.base / name
@@ -96,7 +111,8 @@ class CgroupV2:
 
 
 class CgroupV1:
-    """One directory per controller under `<mount>/<base name>` on a v1 (or hybrid) host."""
+    """One directory per controller under `<mount>/<base name>` on a v1 (or hybrid) host; the base
+    name may be a relative path (`computepool/<node key>`)."""
 
     version = "v1"
 
@@ -117,11 +133,15 @@ class CgroupV1:
             return False, f"no cgroup v1 cpu and memory controllers under {self.root}"
         try:
             for c in have:
-                (self.root / c / self.base_name).mkdir(exist_ok=True, mode=0o700)
+                (self.root / c / self.base_name).mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             return False, f"cgroup v1 {self.root}/*/{self.base_name} not writable: {e}"
         self.controllers = have
         return True, ""
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """Remove the empty job cgroups under this base that no job holds (left by a crash)."""
+        return _sweep([self.root / c / self.base_name for c in V1_CONTROLLERS], keep)
 
     def create(self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0) -> JobCgroup:
         dirs = {c: self.root / c / self.base_name / name for c in self.controllers}
@@ -146,11 +166,14 @@ Cgroups = CgroupV2 | CgroupV1
 
 
 def detect(base: Path) -> Cgroups:
-    """v2 when `base`'s parent is a v2 hierarchy, else v1 controllers mounted under that parent."""
-    if (base.parent / "cgroup.controllers").exists():
-        return CgroupV2(base)
-    if (base.parent / "memory" / "memory.limit_in_bytes").exists():
-        return CgroupV1(base.parent, base.name)
+    """v2 when the nearest cgroup above `base` is on a v2 hierarchy; v1 when the nearest directory
+    above it holds the v1 controllers' mounts (`<it>/memory`, `<it>/cpu`, ...); `base` may lie
+    several levels below either."""
+    for above in base.parents:
+        if (above / "cgroup.controllers").is_file():
+            return CgroupV2(base)
+        if (above / "memory" / "memory.limit_in_bytes").is_file():
+            return CgroupV1(above, str(base.relative_to(above)))
     return CgroupV2(base)  # says why it is unusable
 
 
@@ -180,6 +203,23 @@ def oom_kills(path: Path) -> int:
                 with contextlib.suppress(ValueError):
                     return int(value)
     return 0
+
+
+def _sweep(bases: list[Path], keep: set[str]) -> list[str]:
+    """rmdir the `<alloc>.<attempt>` directories under `bases` not in `keep`; one with processes stays
+    (the kernel refuses). Nothing outside `bases` is looked at."""
+    gone: set[str] = set()
+    for base in bases:
+        try:
+            children = [c for c in base.iterdir() if c.is_dir() and _JOB_DIR.match(c.name)]
+        except OSError:
+            continue
+        for child in children:
+            if child.name not in keep:
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+                    gone.add(child.name)
+    return sorted(gone)
 
 
 def remove(paths: list[Path]) -> None:

@@ -34,6 +34,7 @@ import psutil
 
 from computepool.agent import cgroups
 from computepool.agent.cgroups import CgroupV1, CgroupV2
+from computepool.agent.identity import node_key
 from computepool.agent.jobspec import (
     DEFAULT_CGROUP_BASE,
     EXIT_FILE,
@@ -107,14 +108,19 @@ class Executor:
         state: LocalState | None = None,
         *,
         cgroup_base: Path | None = DEFAULT_CGROUP_BASE,
+        node: str = "",
         kill_grace_s: float = 10.0,
         base_env: Mapping[str, str] | None = None,
         sandbox: SandboxConfig | None = None,
     ) -> None:
-        """`sandbox=None` runs jobs as plain children of the agent's own user (embedding, tests)."""
+        """`sandbox=None` runs jobs as plain children of the agent's own user (embedding, tests).
+
+        Job cgroups go to `<cgroup_base>/<node key>/` (identity.py): this executor's own, whatever
+        else uses the base on this host."""
         self.data_dir = data_dir
         self.state = state if state is not None else LocalState(data_dir)
-        self.cgroups = cgroups.detect(cgroup_base) if cgroup_base is not None else None
+        self.cgroup_dir = cgroup_base / node_key(data_dir, node) if cgroup_base is not None else None
+        self.cgroups = cgroups.detect(self.cgroup_dir) if self.cgroup_dir is not None else None
         self.kill_grace_s = kill_grace_s
         self.launcher = Launcher(
             data_dir, self.state, sandbox, dict(base_env) if base_env is not None else default_env()
@@ -461,6 +467,8 @@ class Executor:
                     self._finish(live, read_exit(Path(rec.run_dir)))
                     ended.append(rec)
             self._ended = [r for r in self._ended if r not in ended]
+            if self.cgroups is not None:  # empty job cgroups a crash left, under this agent's own dir
+                self.cgroups.sweep({f"{v.rec.allocation_id}.{v.rec.attempt}" for v in self._live.values()})
             if any(r.extra.get("container") for r in self.state.jobs()):  # containers a crash left behind
                 with contextlib.suppress(Exception):
                     self._container_engine().sweep(keep=set(self._live))

@@ -90,6 +90,7 @@ class Agent:
         self.executor = Executor(
             config.data_dir,
             cgroup_base=config.cgroup_base,
+            node=cred.name,
             kill_grace_s=config.kill_grace_s,
             sandbox=config.sandbox,
         )

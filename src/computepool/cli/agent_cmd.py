@@ -115,9 +115,10 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--cgroup-base",
                 envvar="CPOOL_CGROUP_BASE",
-                help="cgroup v2 directory for job limits; 'none' for rlimits only.",
+                help="cgroup for job limits (v2 or v1, detected); this agent's jobs go below "
+                "BASE/<node name>-<8 hex of DATA_DIR's path>/, its own on the host. 'none': rlimits only.",
             ),
-        ] = "/sys/fs/cgroup/computepool",
+        ] = "/sys/fs/cgroup/computepool",  # jobspec.DEFAULT_CGROUP_BASE (not imported: start-up time)
         poll_wait_s: Annotated[
             float, typer.Option("--poll-wait-s", min=1.0, max=300.0, help="Long-poll wait for assignments.")
         ] = 20.0,
@@ -259,6 +260,14 @@ def register(app: typer.Typer) -> None:
             code_max_bytes=int(code_max_gib * (1 << 30)),
             discovery=discovery_options,
         )
+        from computepool.core.dirlock import DataDirBusy, lock_data_dir
+
+        try:
+            held = lock_data_dir(config.data_dir, "cpool agent")  # for as long as it runs
+        except DataDirBusy as e:
+            raise fail(str(e)) from None
+        except OSError as e:
+            raise fail(f"--data-dir: cannot use {config.data_dir}: {e.strerror or e}") from None
         try:
             run_agent(config)
         except AgentFatal as e:
@@ -267,3 +276,5 @@ def register(app: typer.Typer) -> None:
             raise fail(str(e)) from None
         except OSError as e:
             raise fail(f"{type(e).__name__}: {e}") from None
+        finally:
+            held.release()

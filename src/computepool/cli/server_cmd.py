@@ -259,4 +259,15 @@ def register(app: typer.Typer) -> None:
                 check_pair(settings.tls_cert, settings.tls_key)
             except TlsError as e:
                 raise fail(str(e)) from None
-        serve(settings)
+        from computepool.core.dirlock import DataDirBusy, lock_data_dir
+
+        try:
+            held = lock_data_dir(settings.data_dir, "cpool server")  # for as long as it serves
+        except DataDirBusy as e:
+            raise fail(str(e)) from None
+        except OSError as e:
+            raise fail(f"--data-dir: cannot use {settings.data_dir}: {e.strerror or e}") from None
+        try:
+            serve(settings)
+        finally:
+            held.release()

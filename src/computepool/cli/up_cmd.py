@@ -2,7 +2,8 @@
 
 Both run as child processes (`cpool server`, `cpool agent`) with their logs in DATA_DIR/logs;
 `up` restarts a crashed child with backoff and stops both on Ctrl-C / SIGTERM. Everything lives
-in DATA_DIR, so running it again reuses the database, the admin token and the node credential.
+in DATA_DIR, so running it again reuses the database, the admin token and the node credential; while
+it runs DATA_DIR is locked (core/dirlock.py), so a second `up`, server or agent on it stops at once.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Child:
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    pass_fds: tuple[int, ...] = ()  # the data dir's lock, for the control plane (core/dirlock.py)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     failures: int = 0
@@ -85,6 +87,7 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
                 start_new_session=True,  # Ctrl-C reaches `up` alone; it stops the children in order
+                pass_fds=self.pass_fds,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         self.started_at = time.monotonic()
@@ -119,6 +122,11 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _given(*options: tuple[str, str | None]) -> list[str]:
+    """The options that were given, as arguments for a child: `--name value` each."""
+    return [arg for name, value in options if value is not None for arg in (name, value)]
 
 
 def _cpool(*args: str) -> list[str]:
@@ -224,6 +232,29 @@ def register(app: typer.Typer) -> None:
             float,
             typer.Option("--ledger-interval", min=0.1, help="Seconds between bookings of the usage ledger."),
         ] = 10.0,
+        cgroup_base: Annotated[
+            str | None,
+            typer.Option(
+                "--cgroup-base",
+                envvar="CPOOL_CGROUP_BASE",
+                help="The agent's --cgroup-base: its jobs' cgroups go below BASE/<node name>-<8 hex of "
+                "its data dir's path>/ (default /sys/fs/cgroup/computepool); 'none': rlimits only.",
+            ),
+        ] = None,
+        gang_ports: Annotated[
+            str | None,
+            typer.Option("--gang-ports", help="The server's --gang-ports FIRST-LAST (default 29500-29999)."),
+        ] = None,
+        service_ports: Annotated[
+            str | None,
+            typer.Option(
+                "--service-ports", help="The server's --service-ports FIRST-LAST (default 31000-31999)."
+            ),
+        ] = None,
+        rpc_ports: Annotated[
+            str | None,
+            typer.Option("--rpc-ports", help="The server's --rpc-ports FIRST-LAST (default 32000-32999)."),
+        ] = None,
     ) -> None:
         """Start the control plane and a local agent; stay in the foreground until Ctrl-C."""
         from computepool.agent.devices import parse_spec
@@ -237,12 +268,16 @@ def register(app: typer.Typer) -> None:
             except InvalidInput as e:
                 raise fail(str(e)) from None
         data_dir = data_dir.expanduser().absolute()
+        from computepool.core.dirlock import LOCK_FD_ENV, DataDirBusy, lock_data_dir
+
+        try:
+            held = lock_data_dir(data_dir, "cpool up")  # for as long as `up` runs; its server shares it
+        except DataDirBusy as e:
+            raise fail(str(e)) from None
+        except OSError as e:
+            raise fail(f"--data-dir: cannot create {data_dir}: {e.strerror or e}") from None
         if not _port_free(host, port):
             raise fail(f"port {port} on {host} is already in use (another cpool server?): choose --port")
-        try:
-            data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as e:
-            raise fail(f"--data-dir: cannot create {data_dir}: {e.strerror}") from None
         cert, key = data_dir / "tls" / "cert.pem", data_dir / "tls" / "key.pem"
         verify: ssl.SSLContext | bool = True
         if tls:
@@ -269,10 +304,17 @@ def register(app: typer.Typer) -> None:
             _cpool("server", "--data-dir", str(data_dir), "--host", host, "--port", str(port))
             + (["--tls-cert", str(cert), "--tls-key", str(key)] if tls else [])
             + ["--blob-max-mib", str(blob_max_mib), "--tenant-blob-max-mib", str(tenant_blob_max_mib)]
-            + ["--ledger-interval", f"{ledger_interval:g}"],
+            + ["--ledger-interval", f"{ledger_interval:g}"]
+            + _given(
+                ("--gang-ports", gang_ports), ("--service-ports", service_ports), ("--rpc-ports", rpc_ports)
+            ),
             logs / "server.log",
+            env={LOCK_FD_ENV: str(held.fd)},
+            pass_fds=(held.fd,),
         )
         agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))
+        if cgroup_base is not None:
+            agent_argv += ["--cgroup-base", cgroup_base]
         if tls:
             agent_argv += ["--ca", str(cert)]
         if simulate:
