@@ -32,6 +32,7 @@ class Assignment:
     isolation: str
     cpu_milli: int
     memory_mib: int
+    pids_max: int = 0  # processes the job may run at once (0: the agent's own limit)
     restartable: bool = False
     image: str | None = None
     image_digest: str | None = None  # the image id to run (pinned at admission)
@@ -58,6 +59,7 @@ class Assignment:
             isolation=str(d.get("isolation") or ""),
             cpu_milli=int(d.get("cpu_milli") or 0),
             memory_mib=int(d.get("memory_mib") or 0),
+            pids_max=int(d.get("pids_max") or 0),
             restartable=bool(d.get("restartable", False)),
             image=str(d["image"]) if d.get("image") else None,
             image_digest=str(d["image_digest"]) if d.get("image_digest") else None,
@@ -87,6 +89,7 @@ def assignment_json(a: Assignment) -> dict[str, Any]:
         "isolation": a.isolation,
         "cpu_milli": a.cpu_milli,
         "memory_mib": a.memory_mib,
+        "pids_max": a.pids_max,
         "restartable": a.restartable,
         "image": a.image,
         "image_digest": a.image_digest,

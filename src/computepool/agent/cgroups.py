@@ -29,7 +29,7 @@ import psutil
 
 MIB = 1024 * 1024
 CPU_PERIOD_US = 100_000
-DEFAULT_PIDS_MAX = 8192
+DEFAULT_PIDS_MAX = 1024  # a job's processes and threads, where the control plane sends no limit
 V1_CONTROLLERS = ("memory", "cpu", "pids")  # the first present one names the job's cgroup
 _JOB_DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\.[0-9]+$")  # `<alloc>.<attempt>`
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
+from computepool.agent.sandbox import tmpfs_mib
 from computepool.core.errors import InvalidInput
 from computepool.core.images import parse_image
 
@@ -255,7 +256,7 @@ class Podman:
             f"--user={uid}:{gid}",
             "--cap-drop=all",
             "--security-opt=no-new-privileges",
-            f"--pids-limit={self.pids_limit}",
+            f"--pids-limit={spec.pids_max or self.pids_limit}",
             "--log-driver=none",
             f"--volume={run_dir}:{WORKDIR}:rw,nosuid,nodev",
             f"--workdir={WORKDIR}",
@@ -265,6 +266,9 @@ class Podman:
         if spec.cpu_milli > 0:
             argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
         argv += self._memory_args(key, spec.memory_mib)
+        tmp = tmpfs_mib(spec.memory_mib)
+        if tmp:  # sized /tmp and /dev/shm, as a process job has them: their pages are the job's memory
+            argv += [f"--shm-size={tmp}m", f"--tmpfs=/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m"]
         if spec.stdin:
             argv.append("--interactive")  # the run's stdin (the wrapper's) reaches the command
         if spec.ports:

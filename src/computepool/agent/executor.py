@@ -255,7 +255,7 @@ class Executor:
             live.rec.pid,
             cpu_milli=spec.cpu_milli,
             memory_mib=spec.memory_mib,
-            pids_max=sandbox.pids_max if sandbox is not None else 0,
+            pids_max=spec.pids_max or (sandbox.pids_max if sandbox is not None else 0),
             uses_gpu=spec.uses_gpu,
             busy_cpus=[c for other in self._live.values() for c in other.cpus],
         )

@@ -20,7 +20,8 @@ STDERR_LOG = "stderr.log"
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run for one attempt of an allocation. 0 means no limit for CPU or memory."""
+    """What to run for one attempt of an allocation. 0 means no limit for CPU or memory, and the
+    agent's own limit for processes."""
 
     allocation_id: str
     attempt: int
@@ -28,6 +29,7 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cpu_milli: int = 0
     memory_mib: int = 0
+    pids_max: int = 0
     user: str | None = None
     cwd: str | None = None
     uses_gpu: bool = False  # GPU runtimes reserve vast address space: no RLIMIT_AS for them

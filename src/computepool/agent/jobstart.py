@@ -121,6 +121,7 @@ class JobStarter:
                 env=env,
                 cpu_milli=a.cpu_milli,
                 memory_mib=a.memory_mib,
+                pids_max=a.pids_max,
                 uses_gpu=bool(resolved),
                 tenant=a.tenant,
                 image=a.image,

@@ -24,6 +24,7 @@ from computepool.agent.sandbox import (
     prepare_cache,
     prepare_dirs,
     probe,
+    tmpfs_mib,
     wrap,
 )
 from computepool.agent.tenants import TenantUserError, ensure_tenant_user
@@ -97,6 +98,7 @@ class Launcher:
             rec.extra["container"] = spec.key
             if cache is not None:  # mounted at the same path (container.py)
                 spec = replace(spec, env={**spec.env, "CPOOL_CACHE_DIR": str(cache)})
+            spec = replace(spec, pids_max=spec.pids_max or self.sandbox.pids_max)
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
             # podman (and conmon, which may drop files such as `oom` in its working directory) runs
             # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`
@@ -104,7 +106,8 @@ class Launcher:
         mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         hide = hidden_dir(work, self.data_dir)
-        argv, applied = wrap(spec.command, user, work, self.host, hide, keep, cache)
+        tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
+        argv, applied = wrap(spec.command, user, work, self.host, hide, keep, cache, tmp)
         return Launch(argv, env, work, None, ", ".join(applied))
 
     def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:

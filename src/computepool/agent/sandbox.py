@@ -40,7 +40,8 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # job must keep (its MPS daemon's pipes) or "". Where the job's own directory or that one was
 # hidden by the tmpfs or by the private /tmp, it is bound back in at the same path (through a
 # descriptor opened before, since the path itself leads elsewhere by then). $4 is the tenant's cache
-# dir (CPOOL_CACHE_DIR) or "", kept the same way.
+# dir (CPOOL_CACHE_DIR) or "", kept the same way. $5 is the size of the private /tmp and /dev/shm
+# (each; "" for the kernel's default): their pages count in the job's memory, which is the writer's.
 # It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
 # shell traps them (the command, in the same process group, gets the agent's signals itself) and
 # waits; when it exits the kernel kills whatever the job left in its namespace. The command keeps
@@ -50,12 +51,13 @@ _cpool_w=$1
 _cpool_hide=$2
 _cpool_keep=$3
 _cpool_cache=$4
-shift 4
+_cpool_tmpfs=mode=1777,nosuid,nodev${5:+,size=$5}
+shift 5
 exec 3<"$_cpool_w" || exit 126
 if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
 if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
-mount -t tmpfs -o mode=1777,nosuid,nodev cpool-tmp /tmp || exit 126
-[ -d /dev/shm ] && mount -t tmpfs -o mode=1777,nosuid,nodev cpool-shm /dev/shm
+mount -t tmpfs -o "$_cpool_tmpfs" cpool-tmp /tmp || exit 126
+if [ -d /dev/shm ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || exit 126; fi
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
     mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" || exit 126
 fi
@@ -197,6 +199,13 @@ def hidden_dir(work: Path, data_dir: Path) -> Path:
     return data_dir
 
 
+def tmpfs_mib(memory_mib: int) -> int:
+    """The size of a job's private /tmp and of its /dev/shm, each: half its memory limit (0: the
+    kernel's default, for a job without one). What is written there counts in the job's memory, so
+    the two together can never take more than it has; past its size a write fails (ENOSPC)."""
+    return max(1, memory_mib // 2) if memory_mib > 0 else 0
+
+
 def wrap(
     command: Sequence[str],
     user: pwd.struct_passwd,
@@ -205,10 +214,12 @@ def wrap(
     hide: Path | None = None,
     keep: Path | None = None,
     cache: Path | None = None,
+    tmp_mib: int = 0,
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
 
-    `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache` stay.
+    `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
+    stay; the private /tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default size).
     """
     applied: list[str] = []
     argv = list(command)
@@ -225,9 +236,10 @@ def wrap(
         argv = [*drop, "--", "/bin/sh", "-c", 'exec "$@"', "cpool-job", *argv]
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
-                str(cache or "")]  # fmt: skip
+                str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else ""]  # fmt: skip
         argv = [host.unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", *init, *argv]
-        applied.append("own PID and mount namespaces, private /tmp and /dev/shm")
+        sized = f" ({tmp_mib} MiB each)" if tmp_mib > 0 else ""
+        applied.append(f"own PID and mount namespaces, private /tmp and /dev/shm{sized}")
         if hide is not None:
             applied.append(f"{hide} hidden")
     elif host.why_not:

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from computepool.cli.common import fail
+from computepool.core.errors import InvalidInput
+from computepool.core.quantities import parse_cpu_milli, parse_memory_mib
+
+
+def _quantity(parse: Callable[[str, str], int], text: str, opt: str) -> int:
+    """A positive quantity from its option, or the one line that says what is wrong with it."""
+    try:
+        value = parse(text, opt)
+    except InvalidInput as e:
+        raise fail(str(e)) from None
+    if value <= 0:
+        raise fail(f"{opt}: must be above 0, got {text!r}")
+    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -121,6 +135,28 @@ def register(app: typer.Typer) -> None:
                 help="Live model-service replicas one tenant may have over all its services.",
             ),
         ] = 256,
+        default_cpus: Annotated[
+            str,
+            typer.Option(
+                "--default-cpus",
+                help="CPUs a request that names none gets, booked and enforced (e.g. 1 or 500m); "
+                "`cpool tenants defaults` sets a tenant's own.",
+            ),
+        ] = "1",
+        default_mem: Annotated[
+            str,
+            typer.Option(
+                "--default-mem",
+                help="Memory a request that names none gets, booked and enforced (e.g. 1GiB); a job's "
+                "/tmp and /dev/shm hold half of its memory each.",
+            ),
+        ] = "1GiB",
+        default_pids: Annotated[
+            int,
+            typer.Option(
+                "--default-pids", min=8, max=4_194_304, help="Processes (and threads) a job may run at once."
+            ),
+        ] = 1024,
         audit_key_file: Annotated[
             Path | None,
             typer.Option(
@@ -221,6 +257,9 @@ def register(app: typer.Typer) -> None:
                 rpc_port_min=int(rpc_lo),
                 rpc_port_max=int(rpc_hi),
                 max_replicas_per_tenant=max_replicas_per_tenant,
+                default_cpu_milli=_quantity(parse_cpu_milli, default_cpus, "--default-cpus"),
+                default_memory_mib=_quantity(parse_memory_mib, default_mem, "--default-mem"),
+                default_pids_max=default_pids,
                 allowed_registries=tuple(r.strip() for r in allowed_registries.split(",") if r.strip()),
                 alerts_interval_s=alerts_interval,
                 ledger_interval_s=ledger_interval,

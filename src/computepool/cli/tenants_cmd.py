@@ -11,6 +11,7 @@ from computepool.cli.pool_cmd import (
     JsonOpt,
     ServerOpt,
     TokenOpt,
+    cpus_text,
     open_client,
     pool_command,
     say,
@@ -20,7 +21,7 @@ from computepool.cli.pool_cmd import (
 )
 from computepool.client import PoolError
 from computepool.core.errors import InvalidInput
-from computepool.core.quantities import format_duration
+from computepool.core.quantities import format_duration, format_mib, parse_cpu_milli, parse_memory_mib
 
 ROLES = ("admin", "tenant-admin", "member", "viewer", "scraper")
 
@@ -107,6 +108,50 @@ def _register_tenants(app: typer.Typer) -> None:
                 f"warned {format_duration(out['warn_s'])} before"
             )
 
+    @tenants.command("defaults")
+    @pool_command
+    def defaults(
+        name: Annotated[str, typer.Argument(help="The tenant.")],
+        cpus: Annotated[
+            str | None,
+            typer.Option(
+                "--cpus", help="CPUs a request that names none gets, e.g. 1 or 500m; 'pool': the pool's."
+            ),
+        ] = None,
+        mem: Annotated[
+            str | None,
+            typer.Option(
+                "--mem", help="Memory a request that names none gets, e.g. 2GiB; 'pool': the pool's."
+            ),
+        ] = None,
+        pids: Annotated[
+            str | None,
+            typer.Option(
+                "--pids", help="Processes (and threads) one job may run at once; 'pool': the pool's."
+            ),
+        ] = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """What a tenant's requests get when they name no CPU or memory, and how many processes one job
+        may run (admin to change): show them, or set them with --cpus, --mem, --pids."""
+        changes = _default_changes(cpus, mem, pids)
+        with open_client(server, token) as pool:
+            out = pool.set_tenant_defaults(name, changes) if changes else pool.tenant_defaults(name)
+        if json_out:
+            print_json(out)
+            return
+        mark = {
+            f: " (the pool's)" if f in out["from_pool"] else ""
+            for f in ("cpu_milli", "memory_mib", "pids_max")
+        }
+        say(
+            f"tenant {out['tenant']}: a request that names no CPU gets {cpus_text(out['cpu_milli'])} CPU"
+            f"{mark['cpu_milli']}, no memory {format_mib(out['memory_mib'])}{mark['memory_mib']}; "
+            f"a job runs at most {out['pids_max']} processes{mark['pids_max']}"
+        )
+
     @tenants.command("gateway-limit")
     @pool_command
     def gateway_limit(
@@ -154,6 +199,32 @@ def _register_tenants(app: typer.Typer) -> None:
                 f"tenant {out['tenant']}: at most {out['requests_per_minute']} gateway requests a minute, "
                 f"{out['burst']} at once"
             )
+
+
+def _default_changes(cpus: str | None, mem: str | None, pids: str | None) -> dict[str, int | None]:
+    """The fields to change ('pool': back to the pool's default), in the API's units."""
+    changes: dict[str, int | None] = {}
+    for field, opt, text, parse in (
+        ("cpu_milli", "--cpus", cpus, parse_cpu_milli),
+        ("memory_mib", "--mem", mem, parse_memory_mib),
+        ("pids_max", "--pids", pids, _whole),
+    ):
+        if text is None:
+            continue
+        if text.strip().lower() == "pool":
+            changes[field] = None
+            continue
+        value = parse(text, opt)
+        if value <= 0:
+            raise InvalidInput(opt, f"must be above 0, got {text!r} (or 'pool' for the pool's default)")
+        changes[field] = value
+    return changes
+
+
+def _whole(text: str, field: str) -> int:
+    if not text.strip().isdigit():
+        raise InvalidInput(field, f"expected a whole number, got {text!r}")
+    return int(text)
 
 
 def _register_users(app: typer.Typer) -> None:

@@ -254,6 +254,14 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
     def delete_reclaim(self, tenant: str) -> JSON:
         return dict(self.request("DELETE", f"/tenants/{_seg(tenant)}/reclaim"))
 
+    def tenant_defaults(self, tenant: str) -> JSON:
+        """What the tenant's requests get when they name no CPU or memory, and its process limit."""
+        return dict(self.request("GET", f"/tenants/{_seg(tenant)}/defaults"))
+
+    def set_tenant_defaults(self, tenant: str, changes: Mapping[str, int | None]) -> JSON:
+        """Change some of them: cpu_milli, memory_mib, pids_max (None: back to the pool's default)."""
+        return dict(self.request("PATCH", f"/tenants/{_seg(tenant)}/defaults", json=dict(changes)))
+
     # -- nodes ----------------------------------------------------------------------------
 
     def create_join_token(self, expires_in_s: int = 3600, single_use: bool = True) -> JSON:

@@ -92,7 +92,8 @@ class ServerSettings(BaseModel):
         default=1000,
         ge=1,
         le=10**9,
-        description="Host CPU a request that names none gets, booked and enforced (a tenant may have its own).",
+        description="Host CPU a request that names none gets, booked and enforced (a tenant may have its own "
+        "too).",
     )
     default_memory_mib: int = Field(
         default=1024,

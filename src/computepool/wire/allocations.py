@@ -306,6 +306,9 @@ class Assignment(Out):
     isolation: IsolationName
     cpu_milli: int
     memory_mib: int
+    pids_max: int | None = Field(
+        default=None, description="Processes (and threads) the job may run at once; null: the agent's own."
+    )
     restartable: bool
     image: str | None = None
     image_digest: str | None = Field(default=None, description="The image id to run, not the name.")

@@ -67,6 +67,7 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 isolation=a.request["isolation"],
                 cpu_milli=int(a.request["cpu_milli"]),
                 memory_mib=int(a.request["memory_mib"]),
+                pids_max=a.tenant.max_pids or ctx.settings.default_pids_max,
                 restartable=a.restartable,
                 image=a.request.get("image"),
                 image_digest=a.request.get("image_digest"),

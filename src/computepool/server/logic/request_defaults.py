@@ -42,11 +42,12 @@ def resolve(
     settings: ServerSettings, cpu_milli: int | None, memory_mib: int | None, pids_max: int | None
 ) -> RequestDefaults:
     """A tenant's own values (None: the pool's) made whole."""
-    pool: list[DefaultName] = [
-        name
-        for name, own in (("cpu_milli", cpu_milli), ("memory_mib", memory_mib), ("pids_max", pids_max))
-        if own is None
-    ]
+    own: dict[DefaultName, int | None] = {
+        "cpu_milli": cpu_milli,
+        "memory_mib": memory_mib,
+        "pids_max": pids_max,
+    }
+    pool = [name for name, value in own.items() if value is None]
     return RequestDefaults(
         cpu_milli=cpu_milli or settings.default_cpu_milli,
         memory_mib=memory_mib or settings.default_memory_mib,

@@ -67,8 +67,10 @@ def over_limit(used: Usage, add: Usage, quota: QuotaMap) -> str | None:
 
 
 def within_guarantee(used: Usage, add: Usage, quota: QuotaMap) -> bool:
-    """True when everything `add` asks for stays within what the tenant is guaranteed."""
-    asked = [k for k, v in add.items() if v > 0]
+    """True when everything `add` asks for of the resources the tenant has a quota for stays within
+    what it is guaranteed. The others do not count: every request carries CPU and memory (its own
+    or its tenant's defaults), and a guarantee of GPUs alone must still let it reclaim them."""
+    asked = [k for k, v in add.items() if v > 0 and k in quota]
     return bool(asked) and all(used[k] + add[k] <= quota.get(k, (0, 0))[0] for k in asked)
 
 
