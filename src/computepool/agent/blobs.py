@@ -4,8 +4,9 @@
   lets a node read only what its live work names), checks its hash and keeps it by hash in
   `DATA_DIR/blobs` (root 0700), so the same code is fetched once per node.
 - `unpack_code` checks a code archive as a stream (core/tarsafe.py: no absolute paths, `..`, links
-  out or through links, special files; member and byte caps), then unpacks it into the job's fresh
-  work dir with GNU tar run AS THE TENANT'S USER (agent/jobfiles.py), never as root.
+  out or through links, special files; member and byte caps), then unpacks its re-write (exactly
+  the members checked) into the job's fresh work dir with GNU tar run AS THE TENANT'S USER
+  (agent/jobfiles.py), never as root.
 - `FileAnswerer` answers file requests: the path is walked from the work dir one name at a time,
   never through a link (a job swapping links in cannot lead it out), and packed with GNU tar run
   AS THE TENANT'S USER (so it reads nothing the job could not); the tar.gz goes back to the control
@@ -35,7 +36,7 @@ from computepool.agent.jobfiles import pack_as, unpack_as
 from computepool.agent.sandbox import SandboxConfig
 from computepool.agent.tenants import TenantUserError, ensure_tenant_user, user_name
 from computepool.core.errors import InvalidInput
-from computepool.core.tarsafe import UnsafeArchive, check_stream, is_sha256, sha256_hex
+from computepool.core.tarsafe import UnsafeArchive, canonical, check_stream, is_sha256, sha256_hex
 
 log = logging.getLogger("computepool.agent")
 CACHE_DIR = "blobs"
@@ -108,7 +109,9 @@ class BlobCache:
         try:
             with path.open("rb") as f:
                 verdict = check_stream(f, max_bytes=self.max_unpacked)
-            unpack_as(user, path, work_dir, self.max_unpacked)
+                f.seek(0)
+                with canonical(f, verdict) as tar:  # tar reads the members checked, re-written
+                    unpack_as(user, tar, work_dir, self.max_unpacked)
         except UnsafeArchive as e:
             raise CodeUnavailable(f"code: refused the archive: {e}") from None
         except (ValueError, OSError) as e:

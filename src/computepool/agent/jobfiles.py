@@ -24,9 +24,11 @@ import re
 import shutil
 import stat
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from computepool.agent.sandbox import FIXED_PATH
 
@@ -99,30 +101,48 @@ def run_tar(
         raise ValueError(f"could not run tar: {e}") from None
 
 
-def _compression(head: bytes) -> list[str]:
-    """tar's option for the archive's compression (it guesses only for files it opens itself)."""
-    for magic, option in ((b"\x1f\x8b", "--gzip"), (b"BZh", "--bzip2"), (b"\xfd7zXZ\x00", "--xz")):
-        if head.startswith(magic):
-            return [option]
-    return []
+def _feed(src: BinaryIO, fd: int, failed: list[Exception]) -> None:
+    """Copy `src` into the pipe `fd` (closed at the end); what reading `src` raised goes to `failed`."""
+    try:
+        while chunk := src.read(1 << 16):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+    except BrokenPipeError:
+        pass  # tar stopped reading: its own complaint says why
+    except Exception as e:  # the re-write's refusal (the archive changed): raised once tar is done
+        failed.append(e)
+    finally:
+        os.close(fd)
 
 
-def unpack_as(user: pwd.struct_passwd | None, archive: Path, work_dir: Path, max_bytes: int) -> None:
-    """Unpack `archive` (root's file, read through stdin) into `work_dir` as `user`, which is first
-    given the work dir. Raises ValueError with tar's first complaint."""
-    with dir_fd(work_dir) as wfd, archive.open("rb") as src:
+def unpack_as(user: pwd.struct_passwd | None, tar: BinaryIO, work_dir: Path, max_bytes: int) -> None:
+    """Unpack the plain tar read from `tar` (core/tarsafe.canonical: the checked archive as re-written
+    by the checker, never the upload itself) into `work_dir` as `user`, which is first given the
+    work dir. tar reads it through a pipe and stops at its end marker (no --ignore-zeros). Raises
+    ValueError with tar's first complaint, or what reading `tar` raised."""
+    with dir_fd(work_dir) as wfd:
         if os.geteuid() == 0 and user is not None:
             os.fchown(wfd, user.pw_uid, user.pw_gid)
             os.fchmod(wfd, 0o700)
-        head = os.pread(src.fileno(), 6, 0)  # tar reads the descriptor from its start
-        r = run_tar(
-            user,
-            wfd,
-            ["--extract", *_compression(head), "--file", "-", "--no-same-owner", "--no-same-permissions",
-             "--no-overwrite-dir", "--warning=no-timestamp"],
-            stdin=src.fileno(),
-            max_file_bytes=max_bytes,
-        )  # fmt: skip
+        read_end, write_end = os.pipe()
+        failed: list[Exception] = []
+        feeder = threading.Thread(target=_feed, args=(tar, write_end, failed), name="tar-feed", daemon=True)
+        feeder.start()
+        try:
+            r = run_tar(
+                user,
+                wfd,
+                ["--extract", "--file", "-", "--no-same-owner", "--no-same-permissions",
+                 "--no-overwrite-dir", "--warning=no-timestamp"],
+                stdin=read_end,
+                max_file_bytes=max_bytes,
+            )  # fmt: skip
+        finally:
+            os.close(read_end)  # a feeder still writing gets EPIPE once tar is gone
+            feeder.join()
+    if failed:
+        raise failed[0]
     if r.returncode != 0:
         raise ValueError(f"unpacking failed: {_first_error(r.stderr, r.returncode)}")
 
