@@ -35,8 +35,6 @@ from typing import BinaryIO, Literal
 
 from computepool.core.tarread import BLOCK, RECORD, Member, TarReader, UnsafeArchive
 
-__all__ = ["UnsafeArchive", "Verdict", "canonical", "check_stream", "extract", "safe_extract"]
-
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_MEMBERS = 100_000  # entries in one archive
 MAX_NAME_BYTES = 1024  # a member's name, and a link's target
