@@ -172,6 +172,49 @@ def test_published_port_reaches_the_container(podman: Podman, work: Path) -> Non
         proc.kill()
 
 
+def test_ports_are_published_on_the_node_address_alone(podman: Podman, work: Path) -> None:
+    """The agent publishes on the address the pool knows the node by, never on every interface:
+    reachable there, not on another address of the host; a privileged port or an address not yet
+    known refuses the job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    podman.publish_host = "127.0.0.1"
+    code = (
+        "import socket\n"
+        f"srv = socket.create_server(('', {port}))\n"
+        "for _ in range(2):\n"
+        "    c, _ = srv.accept(); c.sendall(b'hello'); c.close()\n"
+    )
+    argv = podman.run_argv(spec(py(code), ports=(port,)), work, UID, UID)
+    assert f"--publish=127.0.0.1:{port}:{port}" in argv
+    proc = subprocess.Popen(argv, env={}, cwd=work)
+    try:
+        got = b""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not got:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
+                    got = c.recv(16)
+            except OSError:
+                time.sleep(0.2)
+        assert got == b"hello"
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.2", port), timeout=2) as c:
+            if not c.recv(16):
+                raise ConnectionResetError("nothing behind it")
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(ContainerError, match="^ports: 81 is a privileged port"):
+        podman.run_argv(spec(py("pass"), ports=(81,), attempt=2), work, UID, UID)
+    podman.publish_host = None
+    with pytest.raises(ContainerError, match="not told this node its address"):
+        podman.run_argv(spec(py("pass"), ports=(port,), attempt=3), work, UID, UID)
+    podman.publish_host = "::1"
+    argv = podman.run_argv(spec(py("pass"), ports=(port,), attempt=4), work, UID, UID)
+    assert f"--publish=[::1]:{port}:{port}" in argv
+
+
 def test_cpu_limit_is_visible_inside(podman: Podman, work: Path) -> None:
     code = (
         "import os\n"

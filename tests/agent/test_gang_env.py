@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
 
 from computepool.agent.assignment import Assignment, assignment_json
-from computepool.agent.gang import Gang, MasterPortBusy
+from computepool.agent.gang import Gang, port_free
 from computepool.core.address import check_address
 from computepool.core.errors import InvalidInput
 
@@ -37,22 +38,59 @@ def test_env_counts_one_slot_per_gpu_of_each_node() -> None:
 def test_the_gang_survives_the_saved_assignment() -> None:
     item = {
         "allocation_id": 7, "attempt": 2, "command": ["true"],
-        "gang": {"rank": 0, "size": 2, "master_addr": "h0", "master_port": 29500, "peers": ["h0", "h1"]},
+        "gang": {"rank": 0, "size": 2, "master_addr": "h0", "master_port": 29500, "peers": ["h0", "h1"],
+                 "master_ports": [29500, 29999]},
     }  # fmt: skip
     a = Assignment.parse(item)
-    assert a.gang is not None and a.gang.nproc_per_node == 1
+    assert a.gang is not None and a.gang.nproc_per_node == 1 and a.gang.master_ports == (29500, 29999)
     assert Assignment.parse(assignment_json(a)).gang == a.gang
     assert Assignment.parse({"allocation_id": 8, "attempt": 1}).gang is None
 
 
-def test_rank_0_refuses_a_master_port_that_is_taken() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as busy:
-        port = busy.getsockname()[1]
-        g = Gang(rank=0, size=2, master_addr="127.0.0.1", master_port=port, peers=("a", "b"))
-        with pytest.raises(MasterPortBusy, match=f"master port {port} on this node .* is in use"):
-            g.check_master_port()
-        Gang(rank=1, size=2, master_addr="127.0.0.1", master_port=port, peers=("a", "b")).check_master_port()
-    g.check_master_port()  # free again
+def hold(port: int, family: socket.AddressFamily = socket.AF_INET) -> socket.socket:
+    """A listener of this test's own on `port` (IPv6 ones IPv6-only, as a squatter would make them)."""
+    s = socket.socket(family)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    s.bind(("::" if family == socket.AF_INET6 else "127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def have_ipv6() -> bool:
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_rank_0_offers_another_master_port_when_the_reserved_one_is_held() -> None:
+    """Held on any address or family, the reserved port is replaced by the next free one of the
+    range; a whole range held, by one the kernel finds free. Other ranks keep what they were told."""
+    families = [socket.AF_INET, *([socket.AF_INET6] if have_ipv6() else [])]
+    for family in families:
+        with hold(0, family) as busy:
+            port = busy.getsockname()[1]
+            g = Gang(rank=0, size=2, master_addr="127.0.0.1", master_port=port, peers=("a", "b"))
+            offered = g.offer_port()
+            assert offered != port and port_free(offered) and not port_free(port), family
+            assert (
+                Gang(rank=1, size=2, master_addr="a", master_port=port, peers=("a", "b")).offer_port() == port
+            )
+        assert g.offer_port() == port  # free again: the reserved one
+    with hold(0) as a:
+        lo = a.getsockname()[1]
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(hold(lo + 1))
+            except OSError:
+                pytest.skip(f"port {lo + 1} is taken on this machine")
+            ranged = Gang(
+                rank=0, size=2, master_addr="h", master_port=lo, peers=("a", "b"), master_ports=(lo, lo + 1)
+            )
+            offered = ranged.offer_port()  # every port of the range held: one outside it
+            assert offered not in (lo, lo + 1) and port_free(offered)
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 
 from computepool.agent.executor import Executor, JobSpec
-from computepool.agent.listeners import ListenerWatch, Replica, classify, listening
+from computepool.agent.listeners import IP, ListenerWatch, Replica, classify, listening, node_ip, reaching
 
 LISTEN = """
 import socket, sys, time
 family = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
 s = socket.socket(family, socket.SOCK_STREAM)
+if family == socket.AF_INET6 and sys.argv[3:] == ["v6only"]:
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
 s.bind((sys.argv[1], int(sys.argv[2])))
 s.listen()
 print("listening", flush=True)
@@ -55,8 +57,10 @@ def stranger() -> Iterator[Any]:
     """Start a process that is not the job's (a child of the test, not of the executor)."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(host: str, port: int) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([sys.executable, "-c", LISTEN, host, str(port)], stdout=subprocess.DEVNULL)
+    def start(host: str, port: int, *flags: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            [sys.executable, "-c", LISTEN, host, str(port), *flags], stdout=subprocess.DEVNULL
+        )
         procs.append(p)
         wait_listening(port)
         return p
@@ -88,13 +92,53 @@ def test_own_other_and_none(executor: Executor, stranger: Any, host: str) -> Non
 
     assert classify(Replica(key, mine, pids), sockets) == ("own", set())
     status, foreign = classify(Replica(key, theirs, pids), sockets)
-    assert status == "other" and foreign == sockets[theirs]
+    assert status == "other" and foreign == set(sockets[theirs])
     assert classify(Replica(key, free, pids), sockets) == ("none", set())
     # the port of another job of the same node is "other" too: only this job's processes count
     other_job = job(executor, "2", host, free)
     assert (
         classify(Replica(other_job, mine, frozenset(executor.job_pids(other_job))), listening())[0] == "other"
     )
+
+
+def test_another_family_beside_the_replica_is_not_its_listener(executor: Executor, stranger: Any) -> None:
+    """An IPv6-only listener on `[::]:P` beside the replica's `0.0.0.0:P` takes none of the
+    connections to the node's IPv4 address: the replica stays "own", whatever the node's address
+    (an unknown one included); for an IPv6 node address the stranger would take them: "other"."""
+    if not have_ipv6():
+        pytest.skip("this machine has no IPv6")
+    port = free_port("::")
+    intruder = stranger("::", port, "v6only")
+    key = job(executor, "3", "0.0.0.0", port)
+    pids = frozenset(executor.job_pids(key))
+    deadline = time.monotonic() + 20
+    while len(listening().get(port, {})) < 2:  # the stranger's and the job's
+        assert time.monotonic() < deadline, listening().get(port)
+        time.sleep(0.05)
+    sockets = listening()
+    for address in ("127.0.0.1", "10.0.0.5", None, "node-1.example.org", "::ffff:127.0.0.1"):
+        assert classify(Replica(key, port, pids, address=address), sockets) == ("own", set()), address
+    status, foreign = classify(Replica(key, port, pids, address="::1"), sockets)
+    assert status == "other" and len(foreign) == 1
+    assert intruder.pid not in pids
+
+
+def ip(address: str) -> IP:
+    found = node_ip(address)
+    assert found is not None, address
+    return found
+
+
+def test_the_kernel_picks_the_listener_of_the_address_first() -> None:
+    """Which socket takes a connection to an address: the one bound to it, else its family's
+    wildcard, else a dual-stack ::."""
+    sockets = {1: ip("127.0.0.1"), 2: ip("0.0.0.0"), 3: ip("::"), 4: ip("10.0.0.5")}
+    assert reaching(sockets, ip("127.0.0.1")) == {1}
+    assert reaching(sockets, ip("10.0.0.6")) == {2}
+    assert reaching({3: sockets[3]}, ip("10.0.0.6")) == {3}
+    assert reaching({2: sockets[2]}, ip("fd00::1")) == set()
+    assert reaching(sockets, ip("[::ffff:10.0.0.5]")) == {4}
+    assert node_ip("node-1.example.org") is None and node_ip(None) is None
 
 
 def test_a_squatter_then_the_job(executor: Executor, stranger: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -66,13 +66,21 @@ def test_each_member_is_told_its_rank_and_the_gang_is_released_when_all_exit_0(a
     assert [(m["rank"], m["node"], m["address"], m["state"]) for m in job["members"]] == [
         (r, n, addr[n], "starting") for r, n in enumerate(ranks)
     ]
+    # rank 0 first: the others wait until it runs, with the master port it offers
+    assert assignments(api, ranks[1], creds[ranks[1]])["assignments"] == []
     told = {}
-    for node in ranks:
-        [asg] = assignments(api, node, creds[node])["assignments"]
-        assert asg["env"] == {"EPOCHS": "2"}
-        told[node] = asg["gang"]
+    [asg] = assignments(api, ranks[0], creds[ranks[0]])["assignments"]
+    assert asg["env"] == {"EPOCHS": "2"}
+    told[ranks[0]] = asg["gang"]
     port = told[ranks[0]]["master_port"]
     assert 29500 <= port <= 29999
+    member_report(api, ranks[0], creds[ranks[0]], job, "running", master_port=port)
+    j = get(api, job["id"])
+    assert j["state"] == "active" and f"started on {ranks[0]}" in j["reason"]
+    assert [m["state"] for m in j["members"]] == ["running", "starting"]
+    [asg] = assignments(api, ranks[1], creds[ranks[1]])["assignments"]
+    assert asg["env"] == {"EPOCHS": "2"}
+    told[ranks[1]] = asg["gang"]
     for rank, node in enumerate(ranks):
         assert told[node] == {
             "rank": rank,
@@ -81,13 +89,10 @@ def test_each_member_is_told_its_rank_and_the_gang_is_released_when_all_exit_0(a
             "master_port": port,
             "peers": [addr[n] for n in ranks],
             "nproc_per_node": 1,
+            "master_ports": [29500, 29999] if rank == 0 else None,
         }
 
     member_report(api, ranks[1], creds[ranks[1]], job, "running")
-    j = get(api, job["id"])
-    assert j["state"] == "active" and f"started on {ranks[1]}" in j["reason"]
-    assert [m["state"] for m in j["members"]] == ["starting", "running"]
-    member_report(api, ranks[0], creds[ranks[0]], job, "running")
     out = member_report(api, ranks[0], creds[ranks[0]], job, "exited", exit_code=0)
     assert out["stale"] == []
     j = get(api, job["id"])
@@ -128,6 +133,27 @@ def test_a_member_that_fails_to_start_names_itself(api: Api) -> None:
     assert j["reason"] == f"rank 0 on node {r0} failed: could not start: master port 29500 is in use"
 
 
+def test_rank_0_offers_another_master_port_and_the_others_are_told_it(api: Api) -> None:
+    """Another process held the reserved port on rank 0's node: its agent offered another one, and
+    the gang goes on with it (the other members, waiting until then, are told that one)."""
+    creds = two_nodes(api)
+    job = gang_job(api)
+    r0, r1 = job["nodes"]
+    [asg] = assignments(api, r0, creds[r0])["assignments"]
+    reserved = asg["gang"]["master_port"]
+    offered = 29500 if reserved != 29500 else 29501
+    assert assignments(api, r1, creds[r1])["assignments"] == []
+    member_report(api, r0, creds[r0], job, "running", master_port=offered)
+    j = get(api, job["id"])
+    assert j["state"] == "active" and [m["state"] for m in j["members"]] == ["running", "starting"]
+    [asg] = assignments(api, r1, creds[r1])["assignments"]
+    assert asg["gang"]["master_port"] == offered and asg["gang"]["rank"] == 1
+    assert assignments(api, r0, creds[r0])["assignments"][0]["gang"]["master_port"] == offered
+    # once the gang runs, the port is settled: a later report changes nothing
+    member_report(api, r0, creds[r0], job, "running", master_port=reserved)
+    assert assignments(api, r1, creds[r1])["assignments"][0]["gang"]["master_port"] == offered
+
+
 def test_a_lost_member_requeues_a_restartable_gang_as_a_whole(api: Api) -> None:
     creds = two_nodes(api)
     job = gang_job(api, restartable=True)
@@ -150,6 +176,8 @@ def test_a_lost_member_requeues_a_restartable_gang_as_a_whole(api: Api) -> None:
         [asg] = assignments(api, node, creds[node])["assignments"]
         assert asg["attempt"] == 2 and asg["gang"]["rank"] == rank
         assert 29500 <= asg["gang"]["master_port"] <= 29999
+        if rank == 0:  # the others wait for it again
+            member_report(api, node, creds[node], j, "running")
     del first_port  # a fresh port is chosen; it may by chance be the same one
 
 
@@ -189,6 +217,7 @@ def test_cpu_only_gang_and_single_nodes_unchanged(api: Api) -> None:
     cycle(api)
     g = get(api, gang["id"])
     assert g["state"] == "bound" and sorted(g["nodes"]) == ["a", "b"] and g["slices"] == []
+    member_report(api, g["nodes"][0], creds[g["nodes"][0]], g, "running")
     asg = {
         x["allocation_id"]: x for x in assignments(api, g["nodes"][1], creds[g["nodes"][1]])["assignments"]
     }
@@ -209,9 +238,11 @@ def test_node_address_given_seen_and_updated(api: Api) -> None:
     assert nodes["a"]["address"] == "node-a.example.org"
     assert nodes["b"]["address"] == "testclient"  # where the join came from, as the server saw it
     hb = "/api/v1/nodes/a/heartbeat"
-    assert api.post(hb, json={"address": "[fd00::1]"}, headers=creds["a"]).status_code == 200
+    said = api.post(hb, json={"address": "[fd00::1]"}, headers=creds["a"])
+    assert said.status_code == 200 and said.json()["address"] == "fd00::1"  # the agent learns it
     assert api.ok("GET", "/api/v1/nodes/a")["address"] == "fd00::1"
-    assert api.post(hb, json={}, headers=creds["a"]).status_code == 200  # absent: unchanged
+    said = api.post(hb, json={}, headers=creds["a"])  # absent: unchanged
+    assert said.status_code == 200 and said.json().get("address") is None
     assert api.ok("GET", "/api/v1/nodes/a")["address"] == "fd00::1"
     assert api.post(hb, json={"address": ""}, headers=creds["a"]).status_code == 200  # "": as seen
     assert api.ok("GET", "/api/v1/nodes/a")["address"] == "testclient"

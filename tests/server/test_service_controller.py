@@ -458,13 +458,13 @@ def test_the_server_refuses_a_bad_service_port_range(tmp_path: Any) -> None:
 
 def test_a_container_replica_publishes_its_port(pool: Pool) -> None:
     pool.join("n1")
-    request = {"command": ["engine"], "cpu_milli": 500, "image": "localhost/pybase:1", "ports": [8080]}
+    request = {"command": ["engine"], "cpu_milli": 500, "image": "localhost/pybase:1", "ports": [20080]}
     pool.api.ok("POST", "/api/v1/images", json={"name": "localhost/pybase:1", "digest": "sha256:" + "c" * 64})
     r = pool.api.put(f"{S}/web", json={"spec": {"request": request}}, headers=pool.api.admin)
     assert r.status_code == 201, r.text
     [alloc_id] = pool.step().started
     a = get(pool.api, alloc_id)
     port = pool.api.settings.service_port_min
-    assert a["request"]["ports"] == [8080, port]
+    assert a["request"]["ports"] == [20080, port]
     assert a["env"] == {"PORT": str(port), "CPOOL_SERVICE_KEY": "(hidden)"}
     assert a["request"]["image"] == "localhost/pybase:1"

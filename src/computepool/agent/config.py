@@ -16,6 +16,7 @@ from computepool.agent.sandbox import SandboxConfig
 EXIT_FATAL = 2
 EXIT_CREDENTIAL_REFUSED = 3  # `cpool up` answers this one with a fresh join token
 DEFAULT_DISCOVERY_PORT = 5757
+DEFAULT_PUBLISH_PORTS = (20000, 28999)  # as the server's --publish-ports
 
 
 class AgentFatal(Exception):
@@ -61,3 +62,5 @@ class AgentConfig:
     fence_s: float | None = None  # None: as long as the control plane's lost-node timeout allows
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # users, namespaces (sandbox.py)
     discovery: DiscoveryOptions | None = None  # None: no LAN discovery
+    # host ports a container job may publish (on the node's address; a replica's own port aside)
+    publish_ports: tuple[int, int] = DEFAULT_PUBLISH_PORTS

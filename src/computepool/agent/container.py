@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -81,7 +83,7 @@ class Podman:
         pull: bool = True,
         pull_timeout_s: float = 300.0,
         pids_limit: int = 4096,
-        publish_host: str = "",
+        publish_host: str | None = "",
         cgroup_root: Path = CGROUP_ROOT,
         cdi_dirs: tuple[Path, ...] = CDI_DIRS,
     ) -> None:
@@ -91,7 +93,9 @@ class Podman:
         self.pull = pull
         self.pull_timeout_s = pull_timeout_s
         self.pids_limit = pids_limit
-        self.publish_host = publish_host  # "" publishes on all interfaces, "127.0.0.1" on loopback only
+        # where published ports are bound: the node's address (the agent sets it once the pool said
+        # it); "" all interfaces (embedding, tests); None not known yet, so nothing is published
+        self.publish_host = publish_host
         self.cgroup_root = cgroup_root
         self.cdi_dirs = cdi_dirs
         self.agent_id = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
@@ -231,7 +235,27 @@ class Podman:
         bad = [p for p in spec.ports if not 0 < p < 65536]
         if bad:
             raise ContainerError(f"not a port: {bad[0]}")
+        low = [p for p in spec.ports if p < 1024]
+        if low:  # podman binds as root: a tenant never gets a privileged port of the node
+            raise ContainerError(f"ports: {low[0]} is a privileged port, which a container never publishes")
         return image
+
+    def _publish_prefix(self) -> str:
+        """`ADDRESS:` for --publish: the node's address as an IP (a name resolved), never every
+        interface unless this engine was made so ("")."""
+        if self.publish_host == "":
+            return ""
+        if self.publish_host is None:
+            raise ContainerError("cannot publish ports yet: the pool has not told this node its address")
+        host = self.publish_host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            try:
+                ip = ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+            except (OSError, ValueError, IndexError) as e:
+                raise ContainerError(f"cannot publish ports on this node's address {host!r}: {e}") from None
+        return f"[{ip}]:" if ip.version == 6 else f"{ip}:"
 
     def run_argv(self, spec: JobSpec, run_dir: Path, uid: int, gid: int) -> list[str]:
         """A foreground `podman run` for the job; raises ContainerError when it cannot start.
@@ -272,7 +296,7 @@ class Podman:
         if spec.stdin:
             argv.append("--interactive")  # the run's stdin (the wrapper's) reaches the command
         if spec.ports:
-            host = f"{self.publish_host}:" if self.publish_host else ""
+            host = self._publish_prefix()
             argv += [f"--publish={host}{p}:{p}" for p in spec.ports]
         elif "CPOOL_WORKER_TOKEN" in spec.env:
             # a function's worker calls the control plane back at the agent's own URL (CPOOL_SERVER),

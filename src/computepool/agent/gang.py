@@ -10,6 +10,10 @@ either runs unchanged as the gang's command:
 
 RANK and WORLD_SIZE count one process per node slot (NODE_RANK × NPROC_PER_NODE): right for one
 process per node, and overwritten by torchrun for the processes it starts.
+
+Rank 0 starts first and offers the master port: the reserved one, or another free one when a
+process on its node holds it (`offer_port`); the agent reports the port it offered, and the
+control plane tells the other members that one before they start.
 """
 
 from __future__ import annotations
@@ -34,8 +38,54 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def _range(v: Any) -> tuple[int, int] | None:
+    if not v or len(v) != 2:
+        return None
+    lo, hi = int(v[0]), int(v[1])
+    return (lo, hi) if 0 < lo <= hi < 65536 else None
+
+
 class MasterPortBusy(OSError):
-    """Rank 0 cannot offer the master port the control plane reserved: the member fails with it."""
+    """Rank 0 finds no port to offer as the master port: the member fails with it."""
+
+
+def port_free(port: int) -> bool:
+    """Whether a listener could take `port` on every address of both families now, as the
+    rendezvous server does (torch's TCPStore binds a dual-stack ::): a process holding it on any
+    address or family, an IPv6-only `[::]:port` too, makes it taken. `port` 0: never."""
+    if port <= 0:
+        return False
+    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this node: IPv4 alone
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous server will
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                s.bind((addr, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return False
+                continue  # e.g. IPv6 off on this node: ask IPv4
+            return True
+    return False
+
+
+def any_free_port() -> int:
+    """A port the kernel finds free on every address of both families (0 when it finds none)."""
+    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind((addr, 0))
+                return int(s.getsockname()[1])
+        except OSError:
+            continue
+    return 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +98,7 @@ class Gang:
     master_port: int
     peers: tuple[str, ...]
     nproc_per_node: int = 1
+    master_ports: tuple[int, int] | None = None  # the gang range rank 0 takes another port from
 
     @classmethod
     def parse(cls, d: Mapping[str, Any] | None) -> Gang | None:
@@ -60,6 +111,7 @@ class Gang:
             master_port=int(d["master_port"]),
             peers=tuple(str(p) for p in d.get("peers") or ()),
             nproc_per_node=max(1, int(d.get("nproc_per_node") or 1)),
+            master_ports=_range(d.get("master_ports")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -70,6 +122,7 @@ class Gang:
             "master_port": self.master_port,
             "peers": list(self.peers),
             "nproc_per_node": self.nproc_per_node,
+            "master_ports": list(self.master_ports) if self.master_ports else None,
         }
 
     def env(self) -> dict[str, str]:
@@ -99,17 +152,25 @@ class Gang:
             return {}
         return {k: ifname for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in user_env}
 
-    def check_master_port(self) -> None:
-        """On rank 0: the reserved port must be free to listen on, else the member cannot start (the
-        control plane then fails the gang with this reason, or picks a new port for a requeue)."""
-        if self.rank != 0:
-            return
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous server will
-            try:
-                s.bind(("", self.master_port))
-            except OSError as e:
-                why = "in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-                raise MasterPortBusy(
-                    f"master port {self.master_port} on this node (rank 0 of the gang) is {why}"
-                ) from None
+    def offer_port(self) -> int:
+        """On rank 0: the master port to offer. The reserved one when it is free on this node; else,
+        as another process holds it (any address, either family), the first free port of the gang
+        range after it, else one the kernel finds free: a stranger on the port never fails the gang
+        (the agent reports the port it took; the other members are told it before they start).
+        Other ranks: the port they were told. Raises MasterPortBusy when no port is free."""
+        if self.rank != 0 or port_free(self.master_port):
+            return self.master_port
+        lo, hi = self.master_ports or (self.master_port, self.master_port)
+        size = hi - lo + 1
+        start = self.master_port - lo + 1 if lo <= self.master_port <= hi else 0
+        for i in range(size):
+            port = lo + (start + i) % size
+            if port != self.master_port and port_free(port):
+                return port
+        port = any_free_port()
+        if not port:
+            raise MasterPortBusy(
+                f"master port {self.master_port} on this node (rank 0 of the gang) is in use, and no other "
+                "port is free"
+            )
+        return port

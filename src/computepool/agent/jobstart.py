@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from computepool.agent.assignment import ASSIGNMENT_FILE, Assignment, assignment_json
 from computepool.agent.blobs import BlobCache, CodeUnavailable
+from computepool.agent.config import DEFAULT_PUBLISH_PORTS
 from computepool.agent.devices import NodeInventory, SimulatedBackend
 from computepool.agent.devices.simulated import SIM_MEMORY_FILE_ENV, SIM_MEMORY_FILE_NAME
 from computepool.agent.executor import Executor
@@ -37,6 +39,17 @@ from computepool.core.errors import InvalidInput
 log = logging.getLogger("computepool.agent")
 WORKER_CA_FILE = ".cpool-ca.pem"  # in the job's work dir: the control plane's CA, for function workers
 CODE_MARKER = ".code-unpacked"  # in the run dir (root's): the sha of the code unpacked in work/
+
+
+def check_published(a: Assignment, node: str, allowed: tuple[int, int]) -> None:
+    """A container publishes only ports of the agent's `--publish-ports` range (rootful podman binds
+    them as root: never a privileged one, nor one the pool gives out), its replica's own port
+    aside (the control plane adds it). Raises InvalidInput naming `ports`."""
+    lo, hi = allowed
+    bad = sorted(p for p in a.ports if p != a.service_port and not (lo <= p <= hi and p >= 1024))
+    if bad:
+        why = f"{bad[0]} cannot be published on node {node}: containers publish {lo}-{hi} only"
+        raise InvalidInput("ports", why)
 
 
 class JobStarter:
@@ -66,6 +79,7 @@ class JobStarter:
         self.data_dir = data_dir
         self.watchdog = watchdog
         self._mps: dict[str, MpsDaemon] = {}
+        self.publish_ports = DEFAULT_PUBLISH_PORTS  # the agent's --publish-ports
 
     def resolve(self, a: Assignment) -> list[SliceAssignment]:
         mine = [s for s in a.slices if s.get("node") in (None, self.name)]
@@ -107,9 +121,17 @@ class JobStarter:
                 a.allocation_id, a.attempt, resolved, work_dir, mps=self._mps_daemons(resolved),
                 user_env=a.env,
             )  # fmt: skip
-            if a.gang is not None:  # one member of a gang: its rank, peers and rendezvous
-                a.gang.check_master_port()
-                env |= a.gang.env() | a.gang.interface_env(a.env)
+            self.check_ports(a)
+            gang = a.gang
+            if gang is not None:  # one member of a gang: its rank, peers and rendezvous
+                told = gang.master_port
+                gang = replace(gang, master_port=gang.offer_port())  # rank 0: one nobody else holds
+                if gang.master_port != told:
+                    log.warning(
+                        "%s: master port %d is held by another process; rank 0 offers %d",
+                        a.key, told, gang.master_port,
+                    )  # fmt: skip
+                env |= gang.env() | gang.interface_env(a.env)
             if isinstance(self.inventory.backend, SimulatedBackend):
                 env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
             env |= self.worker_env(env, work_dir)
@@ -131,10 +153,17 @@ class JobStarter:
                 stdin=stdin,
             )
             rec = self.executor.start(spec)
+            if gang is not None and gang.rank == 0:  # reported with `running`: the others dial it
+                rec.extra["master_port"] = str(gang.master_port)
+                self.state.put(rec)
         except (InvalidInput, IsolationUnavailable, OSError, ValueError, KeyError) as e:
             self._record_start_failure(a, run_dir, str(e))
             return None
         return rec, resolved
+
+    def check_ports(self, a: Assignment) -> None:
+        """Raises InvalidInput naming `ports` (the job's reason) for a port this agent publishes not."""
+        check_published(a, self.name, self.publish_ports)
 
     def dirs(self, a: Assignment) -> tuple[Path, Path]:
         """The attempt's run dir (ours) and work dir (the job's), made if missing."""

@@ -59,6 +59,7 @@ class Launcher:
         self.host: HostSupport | None = probe(sandbox) if sandbox is not None else None
         self.base_env = base_env
         self._podman: Podman | None = None
+        self.publish_host: str | None = None  # the node's address: containers publish there alone
 
     def work_dir(self, run_dir: Path) -> Path:
         return run_dir / WORK_DIR if self.sandbox is not None else run_dir
@@ -165,6 +166,7 @@ class Launcher:
             from computepool.agent.container import Podman  # noqa: PLC0415 - optional until used
 
             self._podman = Podman(self.data_dir)
+        self._podman.publish_host = self.publish_host
         return self._podman
 
 

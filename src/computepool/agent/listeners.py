@@ -3,15 +3,24 @@
 Process jobs share the node's network, so another tenant's job can bind a replica's port before
 the engine does (a large model takes minutes to load) and answer its health checks. Only the node
 can tell who holds a socket, so the agent looks: the LISTEN sockets on the port in /proc/net/tcp
-and /proc/net/tcp6 (their inodes), and whether those inodes are among the descriptors
-(`socket:[INODE]` in /proc/PID/fd) of the job's own processes (its cgroup, else its process
-tree: `Executor.job_pids`). It reports "own", "other" or "none" with the job's state; the
+and /proc/net/tcp6 (their inodes and bound addresses), and whether those inodes are among the
+descriptors (`socket:[INODE]` in /proc/PID/fd) of the job's own processes (its cgroup, else its
+process tree: `Executor.job_pids`). It reports "own", "other" or "none" with the job's state; the
 control plane marks a replica ready only on "own".
+
+What counts is who would take a connection to the replica's endpoint (the node's address, which
+the gateways and health checks dial), decided as the kernel does: a socket bound to that very
+address first, then the wildcard of its family (0.0.0.0 before a dual-stack ::), then ::. Several
+processes may listen on one port at once in different families or on different addresses (an
+IPv6-only `[::]:P` beside the engine's `0.0.0.0:P`): such a listener takes none of the endpoint's
+connections and changes nothing. Without a known node address the replica's own listener on the
+port, on any address, is enough.
 
 A container replica's engine listens in the container's own network namespace: on the node the
 port is podman's (its conmon may hold it open, or the firewall forwards it), so there a listener
 of podman's for that container counts as the job's, and no listener at all as its own too (the
-port is published to the container); another process holding the port is still "other".
+port is published to the container); another process taking the endpoint's connections is
+still "other".
 
 The scan runs on its own thread, once per pass for every replica of the node (every 2 s, every
 0.5 s while one is not yet its own listener; a report only on a change): /proc/net once,
@@ -22,8 +31,10 @@ intruder in the agent's log (never to the tenant).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -37,9 +48,21 @@ SCAN_EVERY_S = 2.0
 SCAN_STARTING_S = 0.5  # while a replica's own process does not listen yet: its readiness waits on this
 
 
-def listening(proc: Path = Path("/proc")) -> dict[int, set[int]]:
-    """Port → inodes of the LISTEN sockets on it (IPv4 and IPv6) in the reader's network namespace."""
-    out: dict[int, set[int]] = {}
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _address(hexed: str) -> IP:
+    """An address of /proc/net/tcp{,6}: 32-bit words in the kernel's byte order, as hex."""
+    raw = bytes.fromhex(hexed)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(raw)
+
+
+def listening(proc: Path = Path("/proc")) -> dict[int, dict[int, IP]]:
+    """Port → {inode: bound address} of the LISTEN sockets on it (IPv4 and IPv6) in the reader's
+    network namespace."""
+    out: dict[int, dict[int, IP]] = {}
     for name in ("tcp", "tcp6"):
         try:
             lines = (proc / "net" / name).read_text().splitlines()[1:]
@@ -50,11 +73,37 @@ def listening(proc: Path = Path("/proc")) -> dict[int, set[int]]:
             if len(f) < 10 or f[3] != LISTEN:
                 continue
             with contextlib.suppress(ValueError):
-                port = int(f[1].rsplit(":", 1)[1], 16)
+                addr, port = f[1].rsplit(":", 1)
                 inode = int(f[9])
                 if inode:
-                    out.setdefault(port, set()).add(inode)
+                    out.setdefault(int(port, 16), {})[inode] = _address(addr)
     return out
+
+
+def node_ip(address: str | None) -> IP | None:
+    """The node's address as an IP (an IPv4-mapped IPv6 one as IPv4); None for a name or nothing."""
+    try:
+        ip = ipaddress.ip_address((address or "").strip("[]").split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def reaching(on_port: dict[int, IP], address: IP) -> set[int]:
+    """The inodes of the sockets that take a connection to `address` on their port, as the
+    kernel picks: bound to that address, else the wildcard of its family, else a dual-stack ::."""
+    v4 = isinstance(address, ipaddress.IPv4Address)
+    exact = {i for i, a in on_port.items() if a == address}
+    if v4:
+        mapped = ipaddress.IPv6Address(f"::ffff:{address}")
+        exact |= {i for i, a in on_port.items() if a == mapped}
+    tiers = [exact]
+    if v4:
+        tiers.append({i for i, a in on_port.items() if a == ipaddress.IPv4Address(0)})
+    tiers.append({i for i, a in on_port.items() if a == ipaddress.IPv6Address(0)})
+    return next((t for t in tiers if t), set())
 
 
 def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[int]:
@@ -99,28 +148,41 @@ def cmdline(pid: int, proc: Path = Path("/proc")) -> str:
 
 @dataclass(frozen=True)
 class Replica:
-    """One running replica to look at: its job key, port, processes and container (if any)."""
+    """One running replica to look at: its job key, port, processes, container (if any) and the
+    node address its endpoint dials (None: not known)."""
 
     key: str
     port: int
     pids: frozenset[int]
     container: str | None = None
+    address: str | None = None
 
 
-def classify(r: Replica, sockets: dict[int, set[int]], proc: Path = Path("/proc")) -> tuple[str, set[int]]:
-    """ "own", "other" or "none" for one replica, and the inodes on its port that are not its own."""
-    inodes = sockets.get(r.port, set())
-    if not inodes:
+def classify(
+    r: Replica, sockets: dict[int, dict[int, IP]], proc: Path = Path("/proc")
+) -> tuple[str, set[int]]:
+    """ "own", "other" or "none" for one replica, and the inodes of the other processes' sockets
+    that would take its endpoint's connections."""
+    on_port = sockets.get(r.port, {})
+    if not on_port:
         return (OWN if r.container else NONE), set()
     own: set[int] = set()
     for pid in r.pids:
         own |= socket_inodes(pid, proc)
-    foreign = inodes - own
+    own &= set(on_port)
+    ip = node_ip(r.address)
+    # where the endpoint dials is not known: the replica's own listener, on any address, is enough
+    reach = reaching(on_port, ip) if ip is not None else (own or set(on_port))
+    foreign = reach - own
     if foreign and r.container:  # podman's conmon holding the published port of this very container
         for inode, pid in holders(foreign, proc).items():
             if r.container in cmdline(pid, proc).split():
                 foreign.discard(inode)
-    return (OTHER if foreign else OWN), foreign
+    if foreign:
+        return OTHER, foreign
+    if reach:
+        return OWN, set()
+    return (OWN if r.container else NONE), set()  # nothing takes the endpoint's connections
 
 
 class ListenerWatch:

@@ -113,6 +113,7 @@ class Agent:
             self.name, inventory, self.executor, config.data_dir, self.watchdog, server=config.server,
             ca=config.ca or (pinned if pinned.exists() else None), mps_root=config.sandbox.mps_root,
         )  # fmt: skip
+        self.starter.publish_ports = config.publish_ports
         self.starter.blobs = BlobCache(  # a run's code and stdin, by hash; code unpacked as the tenant
             config.data_dir, api, sandbox=self.executor.launcher.sandbox, max_unpacked=config.code_max_bytes
         )
@@ -122,6 +123,9 @@ class Agent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # where the node's replicas are dialled and its containers publish: as the pool stored it
+        self.address: str | None = config.address
+        self.executor.launcher.publish_host = config.address
         self.listeners = ListenerWatch(self._replicas, self._wake.set)  # who holds each replica's port
         self.reports.listeners = self.listeners.found
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
@@ -261,6 +265,7 @@ class Agent:
                 sent = fencing.now_s()
                 answer = self.api.heartbeat(self._usage(), address, pythons)
                 address = pythons = None
+                self._learn_address(answer.get("address"))
                 interval = float(answer.get("heartbeat_interval_s") or interval)
                 self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
@@ -271,6 +276,13 @@ class Agent:
             except ApiError as e:
                 self._refused("heartbeat", e)
             self._stop.wait(interval)
+
+    def _learn_address(self, address: Any) -> None:
+        """The node's address as the pool stored it: its replicas' endpoints dial it (listeners.py)
+        and its containers publish their ports on it alone."""
+        if isinstance(address, str) and address:
+            self.address = address
+            self.executor.launcher.publish_host = address
 
     def _contact(self, sent: float, answer: Mapping[str, Any]) -> None:
         """A heartbeat was answered: the fence's deadline moves on (see agent/fencing.py)."""
@@ -455,7 +467,7 @@ class Agent:
                 pids = frozenset(self.executor.job_pids(rec.key))
                 ctr = rec.extra.get("container")
                 name = self.executor.launcher.container_engine().name(ctr) if ctr else None
-                out.append(Replica(rec.key, int(port), pids, name))
+                out.append(Replica(rec.key, int(port), pids, name, self.address))
         return out
 
     def _send_reports(self) -> None:

@@ -43,6 +43,9 @@ def report_body(rec: JobRecord) -> dict[str, Any]:
     }
     if rec.started_at:
         body["started_at"] = _iso(rec.started_at)
+    port = rec.extra.get("master_port", "")
+    if state == "running" and port.isdigit():  # rank 0 of a gang: the master port it offers
+        body["master_port"] = int(port)
     if rec.state.ended:
         body["ended_at"] = _iso(rec.ended_at or time.time())
         body["reason"] = (rec.reason or f"exit code {rec.exit_code}")[:1000]

@@ -206,6 +206,14 @@ def register(app: typer.Typer) -> None:
         no_discovery_mdns: Annotated[
             bool, typer.Option("--no-discovery-mdns", help="Discovery by --peer only (no multicast).")
         ] = False,
+        publish_ports: Annotated[
+            str,
+            typer.Option(
+                "--publish-ports",
+                help="FIRST-LAST: the host ports a container job may publish, on this node's address "
+                "only (as the server's --publish-ports; never below 1024).",
+            ),
+        ] = "20000-28999",  # config.DEFAULT_PUBLISH_PORTS
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
         import os
@@ -234,6 +242,11 @@ def register(app: typer.Typer) -> None:
                 address = check_address(address, "--address")
             except InvalidInput as e:
                 raise fail(str(e)) from None
+        pub_lo, sep, pub_hi = publish_ports.partition("-")
+        if not (sep and pub_lo.strip().isdigit() and pub_hi.strip().isdigit()):
+            raise fail(f"--publish-ports: expected FIRST-LAST, e.g. 20000-28999, got {publish_ports!r}")
+        if not 1024 <= int(pub_lo) <= int(pub_hi) <= 65535:
+            raise fail(f"--publish-ports: expected 1024 <= FIRST <= LAST <= 65535, got {publish_ports!r}")
         discovery_options = _discovery(discovery, discovery_address, discovery_port, peer, no_discovery_mdns)
         if log_level.lower() not in LOG_LEVELS:
             raise fail(f"--log-level: unknown level {log_level!r}")
@@ -259,6 +272,7 @@ def register(app: typer.Typer) -> None:
             sandbox=sandbox,
             code_max_bytes=int(code_max_gib * (1 << 30)),
             discovery=discovery_options,
+            publish_ports=(int(pub_lo), int(pub_hi)),
         )
         from computepool.core.dirlock import DataDirBusy, lock_data_dir
 

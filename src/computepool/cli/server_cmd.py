@@ -119,6 +119,14 @@ def register(app: typer.Typer) -> None:
                 help="FIRST-LAST: the ports a cooperative service's llama.cpp RPC servers may be given.",
             ),
         ] = "32000-32999",
+        publish_ports: Annotated[
+            str,
+            typer.Option(
+                "--publish-ports",
+                help="FIRST-LAST: the host ports a container job may publish (on its node's address), "
+                "apart from the gang, service and RPC ports and never below 1024.",
+            ),
+        ] = "20000-28999",
         allowed_registries: Annotated[
             str,
             typer.Option(
@@ -231,6 +239,9 @@ def register(app: typer.Typer) -> None:
         rpc_lo, sep, rpc_hi = rpc_ports.partition("-")
         if not (sep and rpc_lo.strip().isdigit() and rpc_hi.strip().isdigit()):
             raise fail(f"--rpc-ports: expected FIRST-LAST, e.g. 32000-32999, got {rpc_ports!r}")
+        pub_lo, sep, pub_hi = publish_ports.partition("-")
+        if not (sep and pub_lo.strip().isdigit() and pub_hi.strip().isdigit()):
+            raise fail(f"--publish-ports: expected FIRST-LAST, e.g. 20000-28999, got {publish_ports!r}")
         try:
             settings = ServerSettings(
                 data_dir=data_dir.expanduser(),
@@ -256,6 +267,8 @@ def register(app: typer.Typer) -> None:
                 service_port_max=int(svc_hi),
                 rpc_port_min=int(rpc_lo),
                 rpc_port_max=int(rpc_hi),
+                publish_port_min=int(pub_lo),
+                publish_port_max=int(pub_hi),
                 max_replicas_per_tenant=max_replicas_per_tenant,
                 default_cpu_milli=_quantity(parse_cpu_milli, default_cpus, "--default-cpus"),
                 default_memory_mib=_quantity(parse_memory_mib, default_mem, "--default-mem"),

@@ -108,6 +108,12 @@ class ServerSettings(BaseModel):
         le=4_194_304,
         description="Processes and threads one job may run at once (a tenant may have its own).",
     )
+    publish_port_min: int = Field(
+        default=20000, ge=1024, le=65535, description="Lowest host port a container job may publish."
+    )
+    publish_port_max: int = Field(
+        default=28999, ge=1024, le=65535, description="Highest host port a container job may publish."
+    )
     max_replicas_per_tenant: int = Field(
         default=256,
         ge=1,
@@ -167,6 +173,21 @@ class ServerSettings(BaseModel):
             raise ValueError(
                 f"rpc_port_min ({self.rpc_port_min}) must not exceed rpc_port_max ({self.rpc_port_max})"
             )
+        publish = (self.publish_port_min, self.publish_port_max)
+        if publish[0] > publish[1]:
+            raise ValueError(
+                f"publish_port_min ({publish[0]}) must not exceed publish_port_max ({publish[1]})"
+            )
+        for name, lo, hi in (
+            ("gang", self.gang_port_min, self.gang_port_max),
+            ("service", self.service_port_min, self.service_port_max),
+            ("rpc", self.rpc_port_min, self.rpc_port_max),
+        ):
+            if lo <= publish[1] and publish[0] <= hi:
+                raise ValueError(
+                    f"publish ports {publish[0]}-{publish[1]} overlap the {name} ports {lo}-{hi}: a "
+                    "container could take a port the pool gives out"
+                )
         if not self.heartbeat_interval_s < self.suspect_after_s < self.lost_after_s:
             raise ValueError("need heartbeat_interval_s < suspect_after_s < lost_after_s")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -252,6 +252,11 @@ class GangOut(Out):
     master_port: int = Field(description="A port reserved on rank 0 for this attempt (MASTER_PORT).")
     peers: list[str] = Field(description="Every member's address, in rank order (CPOOL_PEERS).")
     nproc_per_node: int = Field(description="Processes per node: its GPUs, at least 1 (NPROC_PER_NODE).")
+    master_ports: list[int] | None = Field(
+        default=None,
+        description="FIRST, LAST: where rank 0 takes another master port when the reserved one is held on "
+        "its node (then beyond them); the others are told the port rank 0 took.",
+    )
 
 
 class AllocationOut(Out):
@@ -343,6 +348,14 @@ class Report(In):
     listener: Literal["own", "other", "none"] | None = Field(
         default=None,
         description="A running service replica: who listens on its port (its job, another process, nobody).",
+    )
+    master_port: int | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=65535,
+        description="Rank 0 of a gang, running: the master port it offers (another than the reserved one "
+        "when that was held on its node).",
     )
 
 

@@ -202,3 +202,8 @@ class HeartbeatOut(Out):
     draining: bool
     heartbeat_interval_s: float
     lost_after_s: float = Field(description="Heartbeat age → lost; restartable work is fenced before.")
+    address: str | None = Field(
+        default=None,
+        description="The node's address as this heartbeat set it (absent when it set none): where "
+        "replicas' endpoints dial and containers publish their ports.",
+    )

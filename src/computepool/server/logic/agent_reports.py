@@ -53,6 +53,7 @@ def _node(s: Session, ctx: Ctx, name: str) -> None:
 
 def assignments(ctx: Ctx, name: str) -> Assignments:
     """The jobs this node should run now: bound or active allocations with a command."""
+    gang_ports = (ctx.settings.gang_port_min, ctx.settings.gang_port_max)
     with ctx.db.read() as s:
         _node(s, ctx, name)
         items = [
@@ -72,13 +73,13 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 image=a.request.get("image"),
                 image_digest=a.request.get("image_digest"),
                 ports=a.request.get("ports"),
-                gang=gangs.gang_of(a, name),
+                gang=gangs.gang_of(a, name, gang_ports),
                 code=a.request.get("code"),
                 stdin=a.request.get("stdin"),
                 service_port=a.service_port,
             )
             for a in store.holding_on(s, name)
-            if a.command is not None
+            if a.command is not None and not gangs.awaits_rank0(a, name)
         ]
         term = lease.current_term(s)
         files = blob_service.pending_for(s, name)

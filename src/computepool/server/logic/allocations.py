@@ -29,7 +29,7 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
-from computepool.server.logic import gangs, images, request_defaults
+from computepool.server.logic import gangs, images, published, request_defaults
 from computepool.server.logic.audit import record
 from computepool.server.logic.request_defaults import RequestDefaults
 from computepool.server.policy import Target, authorize
@@ -241,6 +241,7 @@ def _admit(ctx: Ctx, req: dict[str, Any], tenant: str) -> tuple[dict[str, Any], 
     Nodes, quotas and defaults come from the process's short-lived shape cache; anything it would
     refuse is checked again against the database first, so a cache never refuses wrongly.
     """
+    published.check(req.get("ports"), ctx.settings)  # never a privileged port, nor one the pool gives
     cache = ctx.caches.shape if ctx.caches is not None else ShapeCache(0.0)
     shape = cache.get(lambda: _load_shape(ctx))
     stored, problem = _defaulted(shape, req, tenant) if tenant in shape.tenant_ids else (req, ("", ""))

@@ -3,7 +3,10 @@
 A gang's members are the nodes of its allocation in order: rank r is `nodes[r]`, rank 0 hosts
 the rendezvous (`MASTER_ADDR:MASTER_PORT`). When a gang is bound, each attempt gets a master port
 from a configured range that no other holding gang with the same rank-0 node holds, and a member
-record per node. The agents' reports then move members, and the gang as a whole:
+record per node. Rank 0 starts first: should another process hold the reserved port on its
+node, its agent takes a free one (of the range, else any) and says so when it reports running;
+the other members are given their assignment only then, with the port rank 0 offers. The agents'
+reports then move members, and the gang as a whole:
 
 - it turns active when its first member runs, and is released only once every member exited 0;
 - a member that exits non-zero or fails ends the gang (failed, naming rank and node); the other
@@ -35,8 +38,9 @@ def is_gang(a: Any) -> bool:
     return bool(a.members) and len(a.nodes) > 1
 
 
-def gang_of(a: Allocation, node: str) -> GangOut | None:
-    """What `node`'s member of gang `a` is told: its rank, the size, the rendezvous, its peers."""
+def gang_of(a: Allocation, node: str, ports: tuple[int, int] | None = None) -> GangOut | None:
+    """What `node`'s member of gang `a` is told: its rank, the size, the rendezvous, its peers, and
+    (`ports`, the gang port range) where rank 0 may take another master port."""
     if not is_gang(a) or a.master_port is None:
         return None
     members = list(a.members or [])
@@ -51,7 +55,18 @@ def gang_of(a: Allocation, node: str) -> GangOut | None:
         master_port=int(a.master_port),
         peers=peers,
         nproc_per_node=max(1, int(a.request.get("gpus") or 0)),
+        master_ports=list(ports) if ports is not None and rank == 0 else None,
     )
+
+
+def awaits_rank0(a: Allocation, node: str) -> bool:
+    """Whether `node`'s member of gang `a` must wait: it is not rank 0, and rank 0 has not yet said
+    it runs (with the master port it offers, which may not be the reserved one). No member ever
+    dials a port that a stranger holds on rank 0's node."""
+    if not is_gang(a):
+        return False
+    members = list(a.members or [])
+    return bool(members) and members[0]["node"] != node and members[0].get("state") == "starting"
 
 
 def members_out(a: Any) -> list[MemberOut]:
@@ -88,6 +103,12 @@ def apply_report(s: Session, a: Allocation, node: str, r: Report, now: datetime)
     if r.state == "running":
         if me["state"] == "starting":
             me["state"] = "running"
+            if int(me["rank"]) == 0 and r.master_port is not None and r.master_port != a.master_port:
+                log.info(
+                    "allocation %d: master port %s was held on %s; rank 0 offers %d", a.id, a.master_port,
+                    node, r.master_port,
+                )  # fmt: skip
+                a.master_port = r.master_port  # the others are told this one (awaits_rank0)
         a.members = members
         if a.state == "bound":
             t = r.started_at

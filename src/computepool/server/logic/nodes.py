@@ -206,8 +206,10 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> 
             ) from None
         if got is None:
             raise NotFound.of("node", name)
+        address = None
         if body.address is not None:  # an agent that (re)started says where peers reach it
-            gang_store.set_address(s, name, _address(body.address, peer))
+            address = _address(body.address, peer)
+            gang_store.set_address(s, name, address)
         if body.pythons is not None:  # an agent that (re)started says which Pythons jobs can run
             fn_store.set_pythons(s, name, body.pythons)
     return HeartbeatOut(
@@ -217,6 +219,7 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> 
         draining=got.draining,
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         lost_after_s=ctx.settings.lost_after_s,
+        address=address,
     )
 
 

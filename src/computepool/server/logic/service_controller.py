@@ -21,7 +21,11 @@ as reclaim.py's are), it:
   is not running (pending, or requeued after its node was lost) is cancelled instead of drained;
 - gives each new replica a port no live replica holds and none that ended in the last five
   minutes (its engine may still be stopping), taking the ports in turn, and starts no replica
-  beyond the tenant's `max_replicas_per_tenant`.
+  beyond the tenant's `max_replicas_per_tenant`. A port an agent found another process taking
+  (its replica's listener "other": that process takes the connections to the node's address and
+  port) goes to no new replica for ten minutes while other ports are free. A listener of another
+  process that takes none of them (an IPv6-only `[::]:P` beside the engine's `0.0.0.0:P`) is
+  not "other" (agent/listeners.py): it never holds a replica back nor replaces it.
 
 Health failures in a row and the scale-down clocks live in memory: a new leader starts them
 afresh, which only ever delays a removal.
@@ -343,6 +347,8 @@ class ServiceController:
             self._squatter(plan, svc.id, r, now)
             return None
         if r.replica_state in (None, "starting"):
+            if r.listener == "other" and r.port is not None:  # no new replica is given it meanwhile
+                self._squatted[r.port] = now
             # ready only when the health check passes AND the agent saw the replica's own process
             # listen on the port: on a shared network another job may bind it first and answer
             if probe is not None and probe.ok and r.listener == "own":
