@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,21 +151,18 @@ def test_a_header_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     bomb.write_bytes(gzip.compress(raw.getvalue(), 9))
     del raw
     code = (
-        "import sys, time\n"
+        "import sys\n"
         "from computepool.core.tarsafe import check_stream, UnsafeArchive\n"
-        "t = time.monotonic()\n"
         "try:\n    check_stream(open(sys.argv[1], 'rb'), max_bytes=8 << 30)\nexcept UnsafeArchive as e:\n"
         "    print(e)\n"
         "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
-        "print(round(time.monotonic() - t, 2), int(hwm.split()[1]) // 1024)\n"
+        "print(int(hwm.split()[1]) // 1024)\n"
     )
     r = subprocess.run([sys.executable, "-c", code, str(bomb)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    why, figures = r.stdout.strip().splitlines()
-    seconds, rss_mib = figures.split()
+    why, rss_mib = r.stdout.strip().splitlines()
     assert why == f"the archive holds more than {MAX_MEMBERS} entries"
     assert int(rss_mib) < 120, f"peak RSS {rss_mib} MiB"  # was ~300 MiB when every header was kept
-    assert float(seconds) < 60
 
 
 def test_our_own_packer_output_passes(tmp_path: Path) -> None:
@@ -183,8 +179,7 @@ def test_our_own_packer_output_passes(tmp_path: Path) -> None:
     extract(data, dest)  # strict: the agent's rules
     assert os.readlink(dest / "abs_inside") == "a/b" and (dest / "abs_inside" / "f").read_text() == "f"
     assert (dest / "a" / "rel_up").read_text() == "f" and not (dest / "leaves").is_symlink()
-    started = time.monotonic()
-    assert check_stream(io.BytesIO(data)).members == 5 and time.monotonic() - started < 5
+    assert check_stream(io.BytesIO(data)).members == 5
 
 
 def _raw_member(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, link: str = "") -> bytes:
