@@ -10,6 +10,7 @@ archive did), the victim's job runs the image id the pool pinned at admission.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 from e2e_helpers import cpool, publish_image
 from test_container_e2e import Node, _ended, _logs, _submit, _tenant, node, tenants
+
+from computepool.agent.container import Podman
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="container jobs need a root agent (rootful podman)"),
@@ -100,3 +103,43 @@ def test_a_tenant_cannot_run_an_image_it_was_not_given(
     # on the node but never published: refused just the same
     r = other.post("/api/v1/allocations", json={"command": ["true"], "cpu_milli": 100, "image": names[1]})
     assert r.status_code == 422 and r.json()["field"] == "image", r.text
+
+
+REGISTRY = "127.0.0.1:5999"  # allowed, never contacted: the node has the image by that name already
+
+
+@pytest.fixture(scope="module")
+def allowing(image: str) -> Iterator[Node]:
+    """A second pool whose server allows one registry's images without publishing."""
+    root = Path("/var/tmp") / f"cpool-reg-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o755)
+    n = Node(root, "--allowed-registries", REGISTRY)
+    try:
+        yield n
+    finally:
+        n.close()
+        podman = Podman(n.agent_dir)
+        for key in podman.all_keys():
+            podman.remove(key)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_allowed_registrys_image_is_run_by_id_and_the_id_is_kept(
+    allowing: Node, tenants: list[str], image: str
+) -> None:
+    name = f"{REGISTRY}/team/app-{uuid.uuid4().hex[:8]}:1"
+    _podman("tag", image, name)
+    try:
+        client, _, _ = _tenant(allowing, tenants, "tr")
+        aid = _submit(client, ["python3", "-c", CHECK], image=name)
+        assert _ended(allowing, client, aid)["state"] == "released"
+        want = _podman("image", "inspect", "--format", "{{.Id}}", name)
+        got = client.get(f"/api/v1/allocations/{aid}").json()["request"]
+        assert got["image"] == name and got["image_digest"] == "sha256:" + want.removeprefix("sha256:")
+        records = allowing.admin.get("/api/v1/audit", params={"action": "node.report"}).json()["items"]
+        assert any(
+            {"allocation": aid, "image_digest": got["image_digest"]} in (r["detail"] or {}).get("images", [])
+            for r in records
+        ), records
+    finally:
+        subprocess.run(["podman", "rmi", name], capture_output=True, timeout=120, check=False)

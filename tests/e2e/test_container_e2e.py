@@ -59,7 +59,7 @@ print(json.dumps(out), flush=True)
 class Node:
     """`cpool server` and a root `cpool agent` on loopback, one simulated A100."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *server_args: str) -> None:
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -67,7 +67,7 @@ class Node:
         self.env = child_env()
         with (root / "server.log").open("ab") as out:
             self.server = subprocess.Popen(
-                cpool("server", "--data-dir", str(self.srv_dir), "--port", str(self.port)),
+                cpool("server", "--data-dir", str(self.srv_dir), "--port", str(self.port), *server_args),
                 stdout=out, stderr=subprocess.STDOUT, env=self.env,
             )  # fmt: skip
         wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)

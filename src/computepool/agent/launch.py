@@ -100,6 +100,8 @@ class Launcher:
             if cache is not None:  # mounted at the same path (container.py)
                 spec = replace(spec, env={**spec.env, "CPOOL_CACHE_DIR": str(cache)})
             spec = replace(spec, pids_max=spec.pids_max or self.sandbox.pids_max)
+            if spec.image_digest is None:  # an allowed registry's image: the id this node runs, reported
+                rec.extra["image_id"] = podman.prepare(spec)
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
             # podman (and conmon, which may drop files such as `oom` in its working directory) runs
             # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`

@@ -46,6 +46,8 @@ def report_body(rec: JobRecord) -> dict[str, Any]:
     port = rec.extra.get("master_port", "")
     if state == "running" and port.isdigit():  # rank 0 of a gang: the master port it offers
         body["master_port"] = int(port)
+    if state == "running" and rec.extra.get("image_id"):  # the id an unpinned image name gave here
+        body["image_digest"] = rec.extra["image_id"]
     if rec.state.ended:
         body["ended_at"] = _iso(rec.ended_at or time.time())
         body["reason"] = (rec.reason or f"exit code {rec.exit_code}")[:1000]

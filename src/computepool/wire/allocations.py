@@ -339,6 +339,11 @@ class Assignments(Out):
 
 class Report(In):
     allocation_id: Id
+    image_digest: str | None = Field(
+        default=None,
+        pattern=r"^sha256:[a-f0-9]{64}$",
+        description="Running, from an allowed registry: the image id the node resolved the name to.",
+    )
     attempt: int = Field(strict=True, ge=1, le=MAX_ID)
     state: Literal["running", "exited", "failed", "lost"]
     exit_code: int | None = Field(default=None, strict=True, ge=-(2**31), lt=2**31)

@@ -93,6 +93,7 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
     accepted: list[int] = []
     stale: list[StaleOut] = []
     changes: list[dict[str, Any]] = []
+    resolved: list[dict[str, Any]] = []  # allowed-registry images: the id the node ran
     touched: set[str] = set()
     with ctx.db.write() as s:
         _node(s, ctx, name)
@@ -117,6 +118,9 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
                 if a.state != before:
                     touched.update(members)
             elif r.state == "running":
+                if r.image_digest and a.request.get("image") and not a.request.get("image_digest"):
+                    a.request = {**a.request, "image_digest": r.image_digest}  # resolved once, kept
+                    resolved.append({"allocation": a.id, "image_digest": r.image_digest})
                 if a.state == "bound":
                     a.started_at = _utc(r.started_at) or now
                     store.transition(s, a, "active", f"started on {name}", now)
@@ -143,8 +147,9 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
             if a.state != before:
                 touched.update(a.nodes)
                 changes.append({"allocation": a.id, "from": before, "to": a.state})
-        if changes:
-            record(s, ctx, f"node:{name}", detail={"changes": changes})
+        if changes or resolved:
+            detail = {"changes": changes} | ({"images": resolved} if resolved else {})
+            record(s, ctx, f"node:{name}", detail=detail)
     if changes:
         hub.notify(*topics.nodes(touched), *topics.ended(c["allocation"] for c in changes))
         hub.wake_scheduler()
