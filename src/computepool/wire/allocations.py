@@ -93,9 +93,19 @@ class AllocationCreate(In):
     gpu_memory_mib: int | None = Field(
         default=None, strict=True, ge=0, le=2**24, description="GPU memory per device; default in proportion."
     )
-    cpu_milli: int = Field(default=0, strict=True, ge=0, le=MAX_CPU_MILLI, description="Host CPU per node.")
+    cpu_milli: int = Field(
+        default=0,
+        strict=True,
+        ge=0,
+        le=MAX_CPU_MILLI,
+        description="Host CPU per node; 0 or left out: the tenant's default, booked and enforced alike.",
+    )
     memory_mib: int = Field(
-        default=0, strict=True, ge=0, le=MAX_MEMORY_MIB, description="Host memory per node."
+        default=0,
+        strict=True,
+        ge=0,
+        le=MAX_MEMORY_MIB,
+        description="Host memory per node; 0 or left out: the tenant's default, booked and enforced alike.",
     )
     models: list[ModelName] | None = Field(
         default=None, min_length=1, max_length=64, description="Allowed GPU models; default any."
