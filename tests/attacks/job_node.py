@@ -89,14 +89,13 @@ class Node:
         return int(r.json()["id"])
 
     def ended(self, client: httpx.Client, alloc_id: int, timeout: float = 120) -> dict[str, Any]:
-        """The allocation once it has ended and its output is all in."""
+        """The allocation once it has ended (an agent reports the end after the job's output)."""
 
         def done() -> dict[str, Any] | None:
-            r = client.get(f"/api/v1/allocations/{alloc_id}/logs")
-            return r.json() if r.status_code == 200 and r.json()["ended"] else None
+            r = client.get(f"/api/v1/allocations/{alloc_id}")
+            return dict(r.json()) if r.status_code == 200 and r.json()["state"] in ENDED else None
 
-        wait_for(f"allocation {alloc_id} to end", done, timeout, self.logs)
-        return dict(client.get(f"/api/v1/allocations/{alloc_id}").json())
+        return dict(wait_for(f"allocation {alloc_id} to end", done, timeout, self.logs))
 
     def close(self) -> None:
         for proc in reversed(self.procs):

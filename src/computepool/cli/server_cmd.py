@@ -71,6 +71,48 @@ def register(app: typer.Typer) -> None:
             int,
             typer.Option("--tenant-blob-max-mib", help="Blob MiB one tenant may hold in all (default 2048)."),
         ] = 2048,
+        log_max_mib: Annotated[
+            int,
+            typer.Option(
+                "--log-max-mib",
+                help="Output MiB one attempt of a job keeps per stream; past it the oldest goes and a line "
+                "in the log says how much (default 64).",
+            ),
+        ] = 64,
+        tenant_log_max_mib: Annotated[
+            int,
+            typer.Option(
+                "--tenant-log-max-mib",
+                help="Job output MiB one tenant keeps in all, oldest dropped first (default 4096).",
+            ),
+        ] = 4096,
+        log_keep_days: Annotated[
+            float,
+            typer.Option(
+                "--log-keep-days", help="Delete the logs of allocations ended longer ago (default 30)."
+            ),
+        ] = 30.0,
+        api_rate: Annotated[
+            float,
+            typer.Option(
+                "--api-rate",
+                help="API requests a second one tenant may make (0: no limit); past it and --api-burst "
+                "they get 429 with Retry-After. Nodes and admins are not limited (default 100).",
+            ),
+        ] = 100.0,
+        api_burst: Annotated[
+            int, typer.Option("--api-burst", help="API requests a tenant may make at once (default 500).")
+        ] = 500,
+        gateway_rpm: Annotated[
+            int,
+            typer.Option(
+                "--gateway-rpm",
+                help="Gateway requests a minute of a tenant with no limit of its own (0: none; 3000).",
+            ),
+        ] = 3000,
+        gateway_burst: Annotated[
+            int, typer.Option("--gateway-burst", help="…and at once (default 500).")
+        ] = 500,
         blob_dir: Annotated[
             Path | None,
             typer.Option(
@@ -256,6 +298,13 @@ def register(app: typer.Typer) -> None:
                 max_body_bytes=max_body_bytes,
                 blob_max_mib=blob_max_mib,
                 tenant_blob_max_mib=tenant_blob_max_mib,
+                log_max_mib=log_max_mib,
+                tenant_log_max_mib=tenant_log_max_mib,
+                log_keep_days=log_keep_days,
+                api_rate_per_s=api_rate,
+                api_burst=api_burst,
+                gateway_rpm=gateway_rpm,
+                gateway_burst=gateway_burst,
                 blob_dir=blob_dir.expanduser() if blob_dir else None,
                 tls_cert=tls_cert.expanduser() if tls_cert else None,
                 tls_key=tls_key.expanduser() if tls_key else None,

@@ -40,6 +40,7 @@ from computepool.server.logic import audit as audit_checks
 from computepool.server.logic.audit import record_refusal
 from computepool.server.logic.bootstrap import ensure_admin
 from computepool.server.logic.function_workers import Sweeper
+from computepool.server.logic.log_limits import LogLimits
 from computepool.server.logic.service_controller import ServiceController
 from computepool.server.loops import Loops, Periodic
 from computepool.server.policy import Action
@@ -193,6 +194,7 @@ def _periodics(state: State) -> list[Periodic]:
         *Sweeper(state.db, state.hub).periodic(),
         *state.gateway.periodic(),
         state.accountant.periodic(),
+        LogLimits(state.db, state.settings).periodic(),
         *state.alert_engine.periodic(),
         Periodic("audit-watch", CHECKPOINT_EVERY_S, _AuditWatcher(state).step, first_at_start=True),
     ]

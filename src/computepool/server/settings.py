@@ -58,6 +58,45 @@ class ServerSettings(BaseModel):
     tenant_blob_max_mib: int = Field(
         default=2048, ge=1, le=1 << 24, description="Blob bytes one tenant may hold in all."
     )
+    log_max_mib: int = Field(
+        default=64,
+        ge=4,
+        le=1 << 20,
+        description="Output one attempt of a job keeps per stream (stdout, stderr; each gang member its "
+        "own): past it the oldest chunks go, and one line in the log says how many bytes.",
+    )
+    tenant_log_max_mib: int = Field(
+        default=4096,
+        ge=4,
+        le=1 << 24,
+        description="Job output one tenant keeps over all its allocations: past it (checked every "
+        "minute) the oldest chunks go first.",
+    )
+    log_keep_days: float = Field(
+        default=30.0,
+        gt=0,
+        le=36500,
+        description="Logs of allocations ended longer ago than this are deleted.",
+    )
+    api_rate_per_s: float = Field(
+        default=100.0,
+        ge=0,
+        le=1e6,
+        description="API requests a second one tenant's users may make, all together (0: no limit); "
+        "past it and its burst they are answered 429 with Retry-After. Nodes and admins are not limited.",
+    )
+    api_burst: int = Field(
+        default=500, ge=1, le=10_000_000, description="API requests a tenant may make at once above its rate."
+    )
+    gateway_rpm: int = Field(
+        default=3000,
+        ge=0,
+        le=10_000_000,
+        description="Gateway (/v1) requests a minute of a tenant without a limit of its own (0: no limit).",
+    )
+    gateway_burst: int = Field(
+        default=500, ge=1, le=10_000_000, description="Gateway requests at once of such a tenant."
+    )
     blob_dir: Path | None = Field(
         default=None,
         description="Where blob bytes live (default DATA_DIR/blobs); replicas sharing a database must "

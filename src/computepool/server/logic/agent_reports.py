@@ -172,7 +172,8 @@ def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended
         raw = body.data.encode()
         data = raw[end - body.offset :].decode(errors="ignore") if end > body.offset else body.data
         if data:
-            logs.append_log(s, alloc_id, body.attempt, body.stream, end, data, rank)
+            cap = ctx.settings.log_max_mib << 20  # the oldest of the attempt's stream go past it
+            logs.append_log(s, alloc_id, body.attempt, body.stream, end, data, rank, cap=cap)
     if data:
         hub.notify(topics.logs(alloc_id))
     return LogAppended(next_offset=end + len(data.encode()))
