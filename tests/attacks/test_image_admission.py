@@ -102,7 +102,7 @@ def test_only_an_admin_publishes_and_bad_publications_are_refused(api: Api) -> N
     a, _ = _tenants(api)
     body = {"name": "localhost/x:1", "digest": A}
     assert api.post("/api/v1/images", json=body, headers=a).status_code == 403
-    assert api.delete("/api/v1/images/localhost/x:1", headers=a).status_code == 403
+    assert api.delete("/api/v1/images", params={"name": "localhost/x:1"}, headers=a).status_code == 403
     for bad, field in (
         ({"name": "oci:/x", "digest": A}, "name"),
         ({"name": "localhost/x:1", "digest": "sha256:12"}, "digest"),
@@ -118,9 +118,12 @@ def test_unpublishing_refuses_new_jobs(api: Api) -> None:
     a, _ = _tenants(api)
     api.ok("POST", "/api/v1/images", json={"name": "localhost/x:1", "digest": A})
     assert _submit(api, a, "localhost/x:1").status_code == 201
-    api.ok("DELETE", "/api/v1/images/localhost%2Fx:1")
+    api.ok("DELETE", "/api/v1/images", params={"name": "localhost/x:1"})
     assert _submit(api, a, "localhost/x:1").status_code == 422
-    assert api.delete("/api/v1/images/localhost/x:1", headers=api.admin).status_code == 404
+    gone = api.delete("/api/v1/images", params={"name": "localhost/x:1"}, headers=api.admin)
+    assert gone.status_code == 404
+    bad = api.delete("/api/v1/images", params={"name": "oci:/x"}, headers=api.admin)
+    assert bad.status_code == 422 and bad.json()["field"] == "name", bad.text
 
 
 def test_an_allowed_registry_needs_no_publication_and_nothing_else_rides_on_it(make_api: Any) -> None:

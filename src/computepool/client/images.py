@@ -6,7 +6,6 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 if TYPE_CHECKING:
     JSON = dict[str, Any]
@@ -39,7 +38,7 @@ class ImageMethods:
         return self._items("/images")
 
     def unpublish_image(self, name: str) -> JSON:
-        return dict(self.request("DELETE", f"/images/{quote(name, safe='')}"))
+        return dict(self.request("DELETE", "/images", params={"name": name}))
 
 
 def local_image_id(name: str) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
@@ -26,6 +26,9 @@ def list_images(ctx: Annotated[Ctx, Depends(requires(Action.IMAGE_LIST))]) -> It
     return images.list_all(ctx)
 
 
-@router.delete("/images/{name:path}", summary="Stop publishing an image (admin)")
-def unpublish(name: str, ctx: Annotated[Ctx, Depends(requires(Action.IMAGE_UNPUBLISH))]) -> ImageOut:
+@router.delete("/images", summary="Stop publishing an image (admin)")
+def unpublish(
+    name: Annotated[str, Query(max_length=255, description="The published name (it holds slashes).")],
+    ctx: Annotated[Ctx, Depends(requires(Action.IMAGE_UNPUBLISH))],
+) -> ImageOut:
     return images.unpublish(ctx, name)
