@@ -90,6 +90,8 @@ BOTH_DATABASES = {
     "test_quota_words",
     "test_idle_reclaim",
     "test_time_limits",
+    "test_request_defaults",
+    "test_image_admission",
 }
 
 
