@@ -255,6 +255,28 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option("--rpc-ports", help="The server's --rpc-ports FIRST-LAST (default 32000-32999)."),
         ] = None,
+        publish_ports: Annotated[
+            str | None,
+            typer.Option(
+                "--publish-ports", help="The server's and the agent's --publish-ports (default 20000-28999)."
+            ),
+        ] = None,
+        allowed_registries: Annotated[
+            str | None,
+            typer.Option(
+                "--allowed-registries",
+                help="The server's --allowed-registries (default none: only images an admin publishes).",
+            ),
+        ] = None,
+        default_cpus: Annotated[
+            str | None, typer.Option("--default-cpus", help="The server's --default-cpus (default 1).")
+        ] = None,
+        default_mem: Annotated[
+            str | None, typer.Option("--default-mem", help="The server's --default-mem (default 1GiB).")
+        ] = None,
+        default_pids: Annotated[
+            str | None, typer.Option("--default-pids", help="The server's --default-pids (default 1024).")
+        ] = None,
     ) -> None:
         """Start the control plane and a local agent; stay in the foreground until Ctrl-C."""
         from computepool.agent.devices import parse_spec
@@ -306,8 +328,15 @@ def register(app: typer.Typer) -> None:
             + ["--blob-max-mib", str(blob_max_mib), "--tenant-blob-max-mib", str(tenant_blob_max_mib)]
             + ["--ledger-interval", f"{ledger_interval:g}"]
             + _given(
-                ("--gang-ports", gang_ports), ("--service-ports", service_ports), ("--rpc-ports", rpc_ports)
-            ),
+                ("--gang-ports", gang_ports),
+                ("--service-ports", service_ports),
+                ("--rpc-ports", rpc_ports),
+                ("--publish-ports", publish_ports),
+                ("--allowed-registries", allowed_registries),
+                ("--default-cpus", default_cpus),
+                ("--default-mem", default_mem),
+                ("--default-pids", default_pids),
+            ),  # fmt: skip
             logs / "server.log",
             env={LOCK_FD_ENV: str(held.fd)},
             pass_fds=(held.fd,),
@@ -315,6 +344,7 @@ def register(app: typer.Typer) -> None:
         agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))
         if cgroup_base is not None:
             agent_argv += ["--cgroup-base", cgroup_base]
+        agent_argv += _given(("--publish-ports", publish_ports))
         if tls:
             agent_argv += ["--ca", str(cert)]
         if simulate:
