@@ -208,7 +208,9 @@ def test_server_refusals_and_other_tenants(cli: Cli, server: PoolServer) -> None
 def test_tenants_gateway_limit_sets_shows_and_turns_off(cli: Cli) -> None:
     cli("tenants", "create", "limited")
     r = cli("tenants", "gateway-limit", "limited")
-    assert r.exit_code == 0 and r.stdout.strip() == "tenant limited: no gateway rate limit", r.output
+    assert r.exit_code == 0 and r.stdout.strip() == (
+        "tenant limited: no gateway rate limit of its own (the gateway's --gateway-rpm applies)"
+    ), r.output
     r = cli("tenants", "gateway-limit", "limited", "--rpm", "120")
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == "tenant limited: at most 120 gateway requests a minute, 20 at once"

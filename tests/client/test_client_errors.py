@@ -66,14 +66,15 @@ def test_config_precedence_flags_env_file(tmp_path: Path) -> None:
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):
-    """Answers 503 + Retry-After a set number of times, then 200: the server's database outage."""
+    """Answers 503 (or the server's `code`) + Retry-After a set number of times, then 200: the
+    server's database outage, or a tenant over its API rate (429)."""
 
     def do_GET(self) -> None:
         left: list[int] = self.server.left  # type: ignore[attr-defined]
         body: dict[str, object]
         if left[0] > 0:
             left[0] -= 1
-            body, status = {"error": "database unavailable, retry later"}, 503
+            body, status = {"error": "database unavailable, retry later"}, left[1]
         else:
             body, status = (
                 {"name": "admin", "role": "admin", "tenant": None, "node": None, "token_id": "x"},
@@ -81,7 +82,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
             )
         data = json.dumps(body).encode()
         self.send_response(status)
-        if status == 503:
+        if status != 200:
             self.send_header("Retry-After", "1")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -95,7 +96,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def flaky() -> Iterator[tuple[str, list[int]]]:
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
-    srv.left = [0]  # type: ignore[attr-defined]
+    srv.left = [0, 503]  # type: ignore[attr-defined]  # answers left to refuse, and with which status
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}", srv.left  # type: ignore[attr-defined]
@@ -114,6 +115,15 @@ def test_503_is_retried_as_retry_after_says_then_given_up(flaky: tuple[str, list
     with PoolClient(url, "t.t", retries=2, sleep=waits.append) as pool, pytest.raises(PoolError) as e:
         pool.whoami()
     assert e.value.status == 503 and "database" in e.value.message and len(waits) == 2
+
+
+def test_429_is_retried_as_retry_after_says(flaky: tuple[str, list[int]]) -> None:
+    url, left = flaky
+    waits: list[float] = []
+    left[:] = [2, 429]  # over the tenant's API rate twice: nothing was done, so it is sent again
+    with PoolClient(url, "t.t", retries=3, sleep=waits.append) as pool:
+        assert pool.whoami()["name"] == "admin"
+    assert waits == [1.0, 1.0]
 
 
 def test_server_unreachable_and_error_fields(server: PoolServer) -> None:

@@ -34,6 +34,17 @@ def test_token_bucket_bursts_then_refills_at_the_rate() -> None:
     assert all(lim.take("t1", now=102.01) is None for _ in range(10))
 
 
+def test_a_tenant_without_a_limit_of_its_own_gets_the_default() -> None:
+    lim = RateLimiter(default=(60, 2))  # one a second, bursts of 2
+    lim.set_limits({"own": (600, 5)})
+    assert [lim.take("t", now=10.0) for _ in range(3)] == [None, None, 1]
+    assert [lim.take("own", now=10.0) for _ in range(6)] == [None] * 5 + [1]
+    assert lim.take("t", now=11.0) is None
+    lim.set_limits({})  # its own limit gone: the default applies to it too
+    assert [lim.take("own", now=11.0) for _ in range(2)] == [None, 1]
+    assert all(RateLimiter(default=(0, 9)).take("t", now=1.0) is None for _ in range(20))  # 0: none
+
+
 def _sse(obj: object) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 

@@ -42,6 +42,17 @@ def register(app: typer.Typer) -> None:
             typer.Option("--tls-key", envvar="CPOOL_TLS_KEY", help="PEM private key of --tls-cert."),
         ] = None,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+        gateway_rpm: Annotated[
+            int,
+            typer.Option(
+                "--gateway-rpm",
+                min=0,
+                help="Requests a minute of a tenant with no gateway limit of its own (0: none; 3000).",
+            ),
+        ] = 3000,
+        gateway_burst: Annotated[
+            int, typer.Option("--gateway-burst", min=1, help="…and at once (default 500).")
+        ] = 500,
     ) -> None:
         """Serve /v1 (models, chat/completions, completions, embeddings) for the pool's services."""
         if not db.startswith(("sqlite", "postgres")):
@@ -75,7 +86,7 @@ def register(app: typer.Typer) -> None:
 
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         uvicorn.run(
-            create_gateway_app(db, token_cache_s),
+            create_gateway_app(db, token_cache_s, default_limit=(gateway_rpm, gateway_burst)),
             host=host,
             port=port,
             log_level=log_level.lower(),

@@ -193,7 +193,7 @@ def _register_tenants(app: typer.Typer) -> None:
         if json_out:
             print_json(out)
         elif out is None:
-            say(f"tenant {name}: no gateway rate limit")
+            say(f"tenant {name}: no gateway rate limit of its own (the gateway's --gateway-rpm applies)")
         else:
             say(
                 f"tenant {out['tenant']}: at most {out['requests_per_minute']} gateway requests a minute, "

@@ -75,7 +75,8 @@ def error_from_parts(status: int, reason: str | None, text: str) -> PoolError:
 
 
 def retry_after_s(r: httpx.Response, attempt: int) -> float:
-    """Seconds to wait before retrying a 503: the server's Retry-After (seconds or a date), bounded."""
+    """Seconds to wait before retrying a 503 or 429: the server's Retry-After (seconds or a date),
+    bounded."""
     value = r.headers.get("Retry-After", "").strip()
     wait: float | None = None
     if value:
@@ -104,8 +105,8 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
 class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMethods, ImageMethods):
     """A connection to one pool server with one bearer token.
 
-    A 503 (database away) is retried up to `retries` times, waiting as the server's Retry-After
-    says (at most 10 s each); everything else is raised at once.
+    A 503 (database away) or 429 (over the tenant's API rate) is retried up to `retries` times,
+    waiting as the server's Retry-After says (at most 10 s each); everything else is raised at once.
     """
 
     def __init__(
@@ -156,7 +157,8 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
         headers: Mapping[str, str] | None = None,
         api: bool = True,
     ) -> Any:
-        """One call (under /api/v1 unless `api` is false) with 503 retries; returns the decoded JSON."""
+        """One call (under /api/v1 unless `api` is false) with 503 and 429 retries; returns the decoded
+        JSON."""
         url = API + path if api else path
         hdrs = dict(headers or {})
         query = {k: v for k, v in (params or {}).items() if v is not None}
@@ -174,7 +176,7 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
             except httpx.TransportError as e:
                 cause = transport_cause(e, self.timeout)
                 raise ServerUnreachable(self.server, cause, tls=describe_tls_failure(e) is not None) from None
-            if r.status_code == 503 and attempt < self.retries:
+            if r.status_code in (429, 503) and attempt < self.retries:  # neither was acted on
                 self._sleep(retry_after_s(r, attempt))
                 attempt += 1
                 continue

@@ -35,7 +35,7 @@ from computepool.server.gateway import router as gateway_router
 from computepool.server.hub import Hub
 from computepool.server.leadership import Leadership
 from computepool.server.ledger import Accountant
-from computepool.server.limits import capped_receive, too_large
+from computepool.server.limits import TokenBuckets, capped_receive, too_large
 from computepool.server.logic import audit as audit_checks
 from computepool.server.logic.audit import record_refusal
 from computepool.server.logic.bootstrap import ensure_admin
@@ -260,7 +260,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.service_controller = ServiceController(app.state.db, settings, app.state.hub, leadership)
     app.state.coop_controller = CoopController(app.state.db, settings, app.state.hub, leadership)
 
-    app.state.gateway = Gateway(app.state.db, app.state.caches.tokens)  # /v1: see server.gateway
+    default_limit = (settings.gateway_rpm, settings.gateway_burst)
+    app.state.gateway = Gateway(app.state.db, app.state.caches.tokens, default_limit)  # /v1: server.gateway
+    app.state.api_limits = TokenBuckets()  # the per-tenant API rate limit (limits.check_api_rate)
     app.state.accountant = Accountant(app.state.db, settings, app.state.hub, leadership)
     app.state.alert_engine = AlertEngine(
         app.state.db,

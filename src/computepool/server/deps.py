@@ -25,6 +25,7 @@ from computepool.server.caches import TokenCache
 from computepool.server.context import Ctx
 from computepool.server.credentials import secret_matches, split_token
 from computepool.server.errors import ApiError, NotFound, Unauthorized
+from computepool.server.limits import check_api_rate
 from computepool.server.policy import HUMAN_ROLES, Action, Principal, authorize
 from computepool.wire.common import MAX_ID
 
@@ -110,6 +111,7 @@ async def _admit(request: Request, action: Action, bearer: str | None, session: 
     else:
         principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
     request.state.principal = principal
+    check_api_rate(request.app.state.api_limits, request.app.state.settings, principal)
     if session and bearer:
         if principal.role not in HUMAN_ROLES:
             raise Unauthorized(f"a {principal.role} token cannot be used as a dashboard session")

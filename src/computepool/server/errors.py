@@ -65,6 +65,12 @@ class Invalid(ApiError):
     status = 422
 
 
+class TooManyRequests(ApiError):
+    """Over a rate limit: retry after the seconds its Retry-After header says."""
+
+    status = 429
+
+
 def error_body(message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"error": message}
     if field is not None:

@@ -1,12 +1,22 @@
-"""The request-body cap, at the ASGI level: oversized bodies are refused before anything parses them."""
+"""Request limits: the body cap, at the ASGI level (oversized bodies are refused before anything
+parses them), and the per-tenant API rate limit (a token bucket per tenant, checked once a caller
+is known, so that one tenant's flood cannot starve the others' calls nor the agents')."""
 
 from __future__ import annotations
 
 import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.types import Message, Receive, Scope, Send
 
-from computepool.server.errors import error_body
+from computepool.server.errors import TooManyRequests, error_body
+from computepool.server.policy import Principal, Role
+from computepool.server.settings import ServerSettings
+
+MAX_BUCKETS = 100_000  # past this many keys, full (idle) buckets are forgotten
 
 
 async def capped_receive(scope: Scope, receive: Receive, limit: int) -> Receive | None:
@@ -61,3 +71,68 @@ async def too_large(send: Send, limit: int) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class TokenBuckets:
+    """A token bucket per key, kept by one process (N server replicas give a tenant up to N times
+    its rate). A bucket fills at `rate` tokens a second up to `burst`; a request takes one token or
+    is told the seconds until one is there. Used from the event loop only (no lock). `clock` is
+    for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def take(self, key: str, rate: float, burst: float, now: float | None = None) -> float | None:
+        """None when the request may go; else the seconds until a token will be there. A changed
+        rate or burst keeps what was left, capped by the new burst."""
+        now = self.clock() if now is None else now
+        b = self._buckets.get(key)
+        if b is None:
+            if len(self._buckets) >= MAX_BUCKETS:
+                self._forget_idle(now, rate, burst)
+            b = self._buckets[key] = _Bucket(burst, now)
+        b.tokens = min(burst, b.tokens + max(0.0, now - b.at) * rate)
+        b.at = now
+        if b.tokens >= 1.0:
+            b.tokens -= 1.0
+            return None
+        return (1.0 - b.tokens) / rate
+
+    def forget(self, keep: set[str]) -> None:
+        for key in [k for k in self._buckets if k not in keep]:
+            del self._buckets[key]
+
+    def _forget_idle(self, now: float, rate: float, burst: float) -> None:
+        full = [k for k, b in self._buckets.items() if b.tokens + (now - b.at) * rate >= burst]
+        for key in full:
+            del self._buckets[key]
+
+
+def api_rate_key(principal: Principal) -> str | None:
+    """Whose bucket a call takes from: its tenant's (a tenant's function workers have one of their
+    own beside it); none for nodes (agents are never starved by a tenant), admins and scrapers."""
+    if principal.role in (Role.NODE, Role.ADMIN, Role.SCRAPER) or not principal.tenant:
+        return None
+    return f"{principal.tenant} workers" if principal.role is Role.WORKER else principal.tenant
+
+
+def check_api_rate(buckets: TokenBuckets, settings: ServerSettings, principal: Principal) -> None:
+    """Raise 429 (with Retry-After) when the caller's tenant is over `--api-rate`/`--api-burst`."""
+    key = api_rate_key(principal)
+    if key is None or settings.api_rate_per_s <= 0:
+        return
+    wait = buckets.take(key, settings.api_rate_per_s, float(settings.api_burst))
+    if wait is not None:
+        seconds = max(1, math.ceil(wait))
+        raise TooManyRequests(
+            f"tenant '{principal.tenant}' is over its API rate limit ({settings.api_rate_per_s:g} requests "
+            f"a second, {settings.api_burst} at once); retry in {seconds} s",
+            headers={"Retry-After": str(seconds)},
+        )

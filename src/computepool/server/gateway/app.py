@@ -19,6 +19,8 @@ from computepool.server.gateway.router import MAX_BODY_BYTES, router
 from computepool.server.loops import Loops
 from computepool.store.db import Database
 
+DEFAULT_LIMIT = (3000, 500)  # as `cpool server`'s --gateway-rpm and --gateway-burst
+
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,12 +37,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_gateway_app(
-    db_url: str, token_cache_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES
+    db_url: str,
+    token_cache_s: float = 1.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    default_limit: tuple[int, int] | None = DEFAULT_LIMIT,
 ) -> FastAPI:
+    """`default_limit`: (requests a minute, burst) of a tenant with no gateway limit of its own."""
     app = FastAPI(title="ComputePool gateway", lifespan=_lifespan, openapi_url="/openapi.json")
     app.state.max_body_bytes = max_body_bytes  # request bodies; larger ones answer 413
     app.state.db = Database(db_url)
-    app.state.gateway = Gateway(app.state.db, TokenCache(token_cache_s))
+    app.state.gateway = Gateway(app.state.db, TokenCache(token_cache_s), default_limit)
 
     @app.get("/healthz", summary="The process is alive (does not touch the database)")
     def healthz() -> dict[str, str]:

@@ -126,12 +126,15 @@ def _read_table(db: Database) -> _Table:
 
 
 class Gateway:
-    def __init__(self, db: Database, tokens: TokenCache) -> None:
+    def __init__(
+        self, db: Database, tokens: TokenCache, default_limit: tuple[int, int] | None = None
+    ) -> None:
+        """`default_limit`: (requests a minute, burst) of a tenant with no gateway limit of its own."""
         self.db = db
         self.tokens = tokens
         self.id = f"{socket.gethostname()[:100]}:{os.getpid()}:{secrets.token_hex(3)}"
         self.balancer = Balancer()
-        self.limiter = RateLimiter()
+        self.limiter = RateLimiter(default_limit)
         self.usage = UsageBook()
         self._by_key: dict[tuple[str, str], ServiceInfo] = {}
         self._by_id: dict[int, ServiceInfo] = {}
