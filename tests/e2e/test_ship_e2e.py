@@ -201,8 +201,9 @@ def test_ship_run_stdin_env_and_files_back(pool: Pool, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr + pool.logs()
     files_line = next(line for line in r.stdout.splitlines() if line.startswith("FILES "))
     shipped = set(files_line.split()[1:])
-    assert {"train.py", "sub/helper.py", "sub/__init__.py", ".gitignore", "vars.env"} <= shipped, shipped
-    assert not {"secret.txt", "build/artefact.o", "big.bin", "outside"} & shipped, shipped
+    assert {"train.py", "sub/helper.py", "sub/__init__.py", ".gitignore"} <= shipped, shipped
+    assert not {"secret.txt", "build/artefact.o", "big.bin", "outside", "vars.env"} & shipped, shipped
+    assert "code: left out vars.env (--env-file" in r.stderr  # its variables went in the environment
     assert "hello from helper hi there from the file a b" in r.stdout
     assert "LINKED def greet():" in r.stdout
     assert "(uploaded); 1 link(s) leading outside it left out" in r.stderr and "code:" in r.stderr
@@ -221,8 +222,9 @@ def test_ship_run_stdin_env_and_files_back(pool: Pool, tmp_path: Path) -> None:
     # the same directory again: not uploaded again
     shutil.rmtree(proj / "out")
     r2 = pool.cli(
-        a, "run", "--cpus", "0.5", "--", JOB_PYTHON, "-c", "print(open('train.py').read()[:9])", cwd=proj
-    )
+        a, "run", "--cpus", "0.5", "--env-file", "vars.env", "--", JOB_PYTHON, "-c",
+        "print(open('train.py').read()[:9])", cwd=proj,
+    )  # fmt: skip
     assert r2.returncode == 0, r2.stderr
     assert "(already on the pool)" in r2.stderr and "import os" in r2.stdout
     assert pool.blob_rows() == rows
