@@ -198,7 +198,8 @@ class Executor:
         launch = self.launcher.launch(spec, rec, run_dir)
         if isinstance(launch, str):
             return self._fail(rec, launch, None)
-        if not spec.image and which(spec.command[0], launch.env.get("PATH", "")) is None:
+        path = launch.path if launch.path is not None else launch.env.get("PATH", "")
+        if not spec.image and which(spec.command[0], path) is None:
             return self._fail(rec, f"command not found: {spec.command[0]}", 127)
         user = launch.user
         as_user = user is not None and os.geteuid() == 0

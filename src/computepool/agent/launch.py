@@ -19,11 +19,13 @@ from computepool.agent.sandbox import (
     WORK_DIR,
     HostSupport,
     SandboxConfig,
+    hands_over,
     hidden_dir,
     job_env,
     prepare_cache,
     prepare_dirs,
     probe,
+    root_side_env,
     tmpfs_mib,
     wrap,
 )
@@ -45,6 +47,7 @@ class Launch:
     cwd: Path
     user: pwd.struct_passwd | None  # the wrapper's own user (unsandboxed jobs only)
     applied: str  # the sandbox, in words
+    path: str | None = None  # where the command is looked up (the job's PATH); None: env's
 
 
 class Launcher:
@@ -111,6 +114,8 @@ class Launcher:
         hide = hidden_dir(work, self.data_dir)
         tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
         argv, applied = wrap(spec.command, user, work, self.host, hide, keep, cache, tmp)
+        if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
+            return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""))
         return Launch(argv, env, work, None, ", ".join(applied))
 
     def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
+import shlex
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,17 @@ from computepool.agent.tenants import DEFAULT_UID_RANGE
 
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+# The job's environment, as shell `export`s, carried past the steps that run as root (see
+# `root_side_env`) in HANDOVER_0, HANDOVER_1, … (the kernel takes at most 128 KiB per variable) and
+# applied by the first step that runs as the tenant.
+HANDOVER = "CPOOL_JOB_ENVIRONMENT_"
+_HANDOVER_CHUNK = 64 * 1024
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TAIL_HANDOVER = (
+    f'_i=0; _s=; while eval "[ -n \\"\\${{{HANDOVER}$_i+x}}\\" ]"; do '
+    f'eval "_s=\\$_s\\${HANDOVER}$_i"; unset {HANDOVER}$_i; _i=$((_i + 1)); done; '
+    'eval "$_s"; unset _i _s; exec "$@"'
+)
 DEFAULT_CACHE_ROOT = Path("/var/cache/computepool")
 DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 
@@ -206,6 +219,28 @@ def tmpfs_mib(memory_mib: int) -> int:
     return max(1, memory_mib // 2) if memory_mib > 0 else 0
 
 
+def hands_over(host: HostSupport) -> bool:
+    """Whether the sandbox's first steps run as root, to drop to the tenant's user at setpriv."""
+    return host.root and host.setpriv is not None
+
+
+def root_side_env(job_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the steps that run as root before setpriv drops to the tenant's user
+    (the syscall filter's loader, unshare, the namespaces' init shell, setpriv itself).
+
+    None of the job's variables may reach them as such: the dynamic loader would load a tenant's
+    LD_PRELOAD or LD_AUDIT library into a root process, and the init shell would find `mount` in a
+    tenant's PATH. So they run with a fixed PATH and locale alone, and the job's variables travel
+    as one inert value (`export NAME='value'` lines) that the first step running as the tenant
+    evaluates before it execs the command: the job gets exactly its own environment.
+    """
+    lines = ["unset PATH LANG"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env.items() if _ENV_NAME.match(k)]
+    script = "\n".join(lines)
+    chunks = [script[i : i + _HANDOVER_CHUNK] for i in range(0, len(script), _HANDOVER_CHUNK)]
+    return {"PATH": FIXED_PATH, "LANG": "C.UTF-8"} | {f"{HANDOVER}{i}": c for i, c in enumerate(chunks)}
+
+
 def wrap(
     command: Sequence[str],
     user: pwd.struct_passwd,
@@ -220,6 +255,8 @@ def wrap(
 
     `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
     stay; the private /tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default size).
+    Where the first steps run as root (`hands_over`), the argv expects `root_side_env`'s
+    environment and restores the job's own after setpriv.
     """
     applied: list[str] = []
     argv = list(command)
@@ -233,7 +270,8 @@ def wrap(
         applied.append("no_new_privs")
         # setpriv still holds root's capabilities while it execs: a shell (a public path) takes
         # that exec, so the command itself is looked up and run with the tenant's rights alone
-        argv = [*drop, "--", "/bin/sh", "-c", 'exec "$@"', "cpool-job", *argv]
+        tail = _TAIL_HANDOVER if hands_over(host) else 'exec "$@"'
+        argv = [*drop, "--", "/bin/sh", "-c", tail, "cpool-job", *argv]
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else ""]  # fmt: skip
