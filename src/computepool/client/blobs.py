@@ -149,6 +149,9 @@ class BlobMethods:
                 left_out.extend(sorted(verdict.left_out))
             got = Path(tmp) / path
             if not got.exists() and not got.is_symlink():
+                if path.strip("/") in {n.strip("/") for n in verdict.left_out}:  # the path is such a link
+                    why = "a link leading outside the job's work dir (or a special file): not brought back"
+                    raise PoolError(422, f"{path}: {why}", "path")
                 raise PoolError(422, f"{path}: not in the files sent back", "path")
             _place(got, target)
         return target
