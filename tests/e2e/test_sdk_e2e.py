@@ -386,6 +386,7 @@ def test_a_python_no_node_has_is_refused_naming_both(
 
 def test_a_function_runs_in_a_container_image(pool: Pool, cluster: Cluster, image: str) -> None:
     publish_image(cluster.admin, image)
+
     @pool.function(cpus=0.1, image=image, name="incontainer")
     def inside() -> tuple[str, bool, int]:
         cache = os.environ["CPOOL_CACHE_DIR"]

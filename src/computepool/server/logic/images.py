@@ -92,9 +92,7 @@ def list_all(ctx: Ctx) -> Items[ImageOut]:
         found = store.list_all(s, tenant_id)
         grants = store.tenants_of(s, [i.id for i in found])
         return Items(
-            items=[
-                _out(i, grants[i.id] if tenant_id is None else [scope.tenant or ""]) for i in found
-            ]
+            items=[_out(i, grants[i.id] if tenant_id is None else [scope.tenant or ""]) for i in found]
         )
 
 
