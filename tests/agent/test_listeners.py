@@ -110,12 +110,12 @@ def test_another_family_beside_the_replica_is_not_its_listener(executor: Executo
     port = free_port("::")
     intruder = stranger("::", port, "v6only")
     key = job(executor, "3", "0.0.0.0", port)
-    pids = frozenset(executor.job_pids(key))
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while len(listening().get(port, {})) < 2:  # the stranger's and the job's
         assert time.monotonic() < deadline, listening().get(port)
         time.sleep(0.05)
     sockets = listening()
+    pids = frozenset(executor.job_pids(key))  # once it listens: the process that does is among them
     for address in ("127.0.0.1", "10.0.0.5", None, "node-1.example.org", "::ffff:127.0.0.1"):
         assert classify(Replica(key, port, pids, address=address), sockets) == ("own", set()), address
     status, foreign = classify(Replica(key, port, pids, address="::1"), sockets)

@@ -8,6 +8,7 @@ base (unique to the test), as agents left at the default share /sys/fs/cgroup/co
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -80,8 +81,8 @@ while not os.path.exists("go"):
 class Pool:
     """`cpool server` and root `cpool agent`s on loopback, data dirs under `root` (in /var/tmp)."""
 
-    def __init__(self, root: Path, cgroup_base: Path) -> None:
-        self.root, self.cgroup_base = root, cgroup_base
+    def __init__(self, root: Path, cgroup_base: Path, user_prefix: str = "cpool-") -> None:
+        self.root, self.cgroup_base, self.user_prefix = root, cgroup_base, user_prefix
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.srv_dir = root / "srv"
@@ -107,7 +108,8 @@ class Pool:
         with (self.root / f"agent-{name}.log").open("ab") as out:
             self.procs.append(subprocess.Popen(
                 cpool("agent", "--server", self.url, "--join-token", join, "--data-dir", str(data),
-                      "--name", name, "--kill-grace-s", "1", "--cgroup-base", str(self.cgroup_base), *extra),
+                      "--name", name, "--kill-grace-s", "1", "--cgroup-base", str(self.cgroup_base),
+                      "--tenant-user-prefix", self.user_prefix, *extra),
                 stdout=out, stderr=subprocess.STDOUT, env=child_env(),
             ))  # fmt: skip
         wait_for(f"node {name}", lambda: self.state_of(name) == "ready", 60, self.logs)
@@ -119,10 +121,10 @@ class Pool:
             (n["state"] for n in self.admin.get("/api/v1/nodes").json()["items"] if n["name"] == node), None
         )
 
-    def member(self) -> httpx.Client:
-        """A new tenant's member (the tenant's user is removed at the end)."""
+    def member(self, tenant: str | None = None) -> httpx.Client:
+        """A member of a new tenant (its user is removed at the end), named `tenant` or at random."""
         assert self.admin is not None
-        tenant = f"sh{uuid.uuid4().hex[:6]}"
+        tenant = tenant or f"sh{uuid.uuid4().hex[:6]}"
         assert self.admin.post("/api/v1/tenants", json={"name": tenant}).status_code == 201
         self.tenants.append(tenant)
         r = self.admin.post("/api/v1/users", json={"name": f"m-{tenant}", "tenant": tenant, "role": "member"})
@@ -138,7 +140,7 @@ class Pool:
             stop(proc)
         kill_jobs_under(self.root)
         for tenant in self.tenants:
-            remove_tenant_user(tenant)
+            remove_tenant_user(tenant, prefix=self.user_prefix)
         if self.admin is not None:
             self.admin.close()
 
@@ -192,6 +194,39 @@ def test_a_job_of_another_pool_with_the_same_allocation_id_is_not_killed(host: t
         out = _get(b, 1)
         assert out["exit_code"] == 7 and "exit code 7" in out["reason"], out
         assert agent_a != agent_b
+    finally:
+        pool_a.close()
+        pool_b.close()
+
+
+WHO = "import json, os; print(json.dumps([os.getuid(), os.environ['CPOOL_CACHE_DIR']]), flush=True)"
+
+
+def test_a_tenant_of_another_pool_with_the_same_name_shares_no_uid_and_no_cache(
+    host: tuple[Path, Path],
+) -> None:
+    root, base = host
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    pool_a, pool_b = Pool(root / "a", base), Pool(root / "b", base, user_prefix="cpb-")
+    name = f"same{uuid.uuid4().hex[:6]}"
+    try:
+        seen = []
+        for pool in (pool_a, pool_b):
+            pool.start()
+            pool.agent("shared")
+            client = pool.member(name)
+            r = client.post(
+                "/api/v1/allocations", json={"command": [JOB_PYTHON, "-c", WHO], "cpu_milli": 100}
+            )
+            assert r.status_code == 201, r.text
+            job = int(r.json()["id"])
+            wait_for("the job", lambda c=client, j=job: _get(c, j)["state"] == "released", 60, pool.logs)
+            out = client.get(f"/api/v1/allocations/{job}/logs").json()["stdout"]["data"]
+            seen.append(json.loads(out))
+        (uid_a, cache_a), (uid_b, cache_b) = seen
+        assert uid_a != uid_b and cache_a != cache_b, seen
+        assert Path(cache_a).stat().st_uid == uid_a and Path(cache_b).stat().st_uid == uid_b
     finally:
         pool_a.close()
         pool_b.close()

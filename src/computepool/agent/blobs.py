@@ -34,7 +34,7 @@ from typing import Any
 from computepool.agent.api import AgentApi, ApiError, Unreachable
 from computepool.agent.jobfiles import pack_as, unpack_as
 from computepool.agent.sandbox import SandboxConfig
-from computepool.agent.tenants import TenantUserError, ensure_tenant_user, user_name
+from computepool.agent.tenants import USER_PREFIX, TenantUserError, ensure_tenant_user, user_name
 from computepool.core.errors import InvalidInput
 from computepool.core.tarsafe import UnsafeArchive, canonical, check_stream, is_sha256, sha256_hex
 
@@ -125,7 +125,7 @@ class BlobCache:
         if self.sandbox is None or os.geteuid() != 0:
             return None
         try:
-            return ensure_tenant_user(tenant, self.sandbox.uid_range)
+            return ensure_tenant_user(tenant, self.sandbox.uid_range, self.sandbox.user_prefix)
         except (TenantUserError, InvalidInput) as e:
             raise CodeUnavailable(f"code: {e}") from None
 
@@ -268,13 +268,13 @@ class FileAnswerer:
         log.info("file request %d failed: %s", rid, why)
 
 
-def tenant_user(tenant: str) -> pwd.struct_passwd | None:
+def tenant_user(tenant: str, prefix: str = USER_PREFIX) -> pwd.struct_passwd | None:
     """The tenant's Unix user on a root agent (None when not root: it packs as itself). Raises
     ValueError when there is none: the files are then not read at all, never as root."""
     if os.geteuid() != 0:
         return None
     try:
-        return pwd.getpwnam(user_name(tenant))
+        return pwd.getpwnam(user_name(tenant, prefix))
     except (KeyError, ValueError):
         raise ValueError(
             f"tenant {tenant!r} has no Unix user on this node; its files are not read as root"

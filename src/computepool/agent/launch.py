@@ -75,7 +75,7 @@ class Launcher:
             return "no tenant: a sandboxed job runs as its tenant's user"
         if self.host.root:
             try:
-                user = ensure_tenant_user(spec.tenant, self.sandbox.uid_range)
+                user = ensure_tenant_user(spec.tenant, self.sandbox.uid_range, self.sandbox.user_prefix)
             except TenantUserError as e:
                 return str(e)
             work = prepare_dirs(run_dir, user.pw_uid, user.pw_gid)

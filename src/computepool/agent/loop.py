@@ -368,7 +368,8 @@ class Agent:
 
     def _file_user(self, tenant: str) -> pwd.struct_passwd | None:
         """Who packs a job's files: its tenant's user where jobs run as one (a sandboxing root agent)."""
-        return tenant_user(tenant) if self.executor.launcher.sandbox is not None else None
+        sandbox = self.executor.launcher.sandbox
+        return tenant_user(tenant, sandbox.user_prefix) if sandbox is not None else None
 
     # ---- the control loop --------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from computepool.agent import syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
-from computepool.agent.tenants import DEFAULT_UID_RANGE
+from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
 
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -103,6 +103,7 @@ class SandboxConfig:
     """How the agent isolates process jobs. `single_tenant` is for an agent that is not root."""
 
     uid_range: tuple[int, int] = DEFAULT_UID_RANGE
+    user_prefix: str = USER_PREFIX  # tenants' users are <prefix><tenant>: a pool's own on a shared host
     single_tenant: bool = False
     namespaces: bool = True
     pids_max: int = DEFAULT_PIDS_MAX

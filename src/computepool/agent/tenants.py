@@ -1,6 +1,8 @@
 """One Unix user per tenant on a node, so the kernel keeps tenants' jobs apart.
 
-The agent (as root) creates `cpool-<tenant>` with Debian's `groupadd`/`useradd --system` the first
+The agent (as root) creates `cpool-<tenant>` (another prefix for a second pool on the host:
+`--tenant-user-prefix`, so that one pool's tenant never shares a uid with another pool's tenant of
+the same name) with Debian's `groupadd`/`useradd --system` the first
 time a tenant's job lands on the node and reuses it afterwards. Its uid (and the gid of its own
 group, the same number) comes from a configurable range, so the pool's users are easy to tell
 apart from the host's and never collide with them: a name or number already taken by something
@@ -21,6 +23,7 @@ from computepool.core.errors import InvalidInput
 
 DEFAULT_UID_RANGE = (61000, 61999)
 USER_PREFIX = "cpool-"
+_PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}-$")
 MAX_USER_NAME = 32
 _COMMENT_PREFIX = "computepool tenant "
 _PLAIN = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -45,16 +48,23 @@ def parse_uid_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def user_name(tenant: str) -> str:
-    """`cpool-<tenant>`, or a shortened name with a hash where the tenant's name would not fit."""
+def check_prefix(prefix: str) -> str:
+    """`prefix` if it can start a user name: a letter, up to 7 letters or digits, then `-`."""
+    if not _PREFIX.match(prefix):
+        raise InvalidInput("tenant-user-prefix", f"expected a letter, up to 7 more, then '-', got {prefix!r}")
+    return prefix
+
+
+def user_name(tenant: str, prefix: str = USER_PREFIX) -> str:
+    """`<prefix><tenant>`, or a shortened name with a hash where the tenant's name would not fit."""
     if not tenant:
         raise InvalidInput("tenant", "a job needs a tenant to choose its user")
-    plain = USER_PREFIX + tenant
+    plain = prefix + tenant
     if _PLAIN.match(tenant) and len(plain) <= MAX_USER_NAME:
         return plain
     digest = hashlib.sha256(tenant.encode()).hexdigest()[:8]
-    stem = re.sub(r"[^a-z0-9_-]+", "_", tenant.lower())[: MAX_USER_NAME - len(USER_PREFIX) - 9]
-    return f"{USER_PREFIX}{stem}-{digest}"
+    stem = re.sub(r"[^a-z0-9_-]+", "_", tenant.lower())[: MAX_USER_NAME - len(prefix) - 9]
+    return f"{prefix}{stem}-{digest}"
 
 
 def _ours(user: pwd.struct_passwd, tenant: str, uid_range: tuple[int, int]) -> bool:
@@ -88,9 +98,11 @@ def _check(user: pwd.struct_passwd, tenant: str, uid_range: tuple[int, int]) -> 
     return user
 
 
-def ensure_tenant_user(tenant: str, uid_range: tuple[int, int] = DEFAULT_UID_RANGE) -> pwd.struct_passwd:
+def ensure_tenant_user(
+    tenant: str, uid_range: tuple[int, int] = DEFAULT_UID_RANGE, prefix: str = USER_PREFIX
+) -> pwd.struct_passwd:
     """The tenant's user, created if missing (root only). Raises TenantUserError with the reason."""
-    name = user_name(tenant)
+    name = user_name(tenant, prefix)
     with _lock:
         existing = _lookup(name)
         if existing is not None:
@@ -131,9 +143,11 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
         raise TenantUserError(f"{argv[0]} failed: {e}") from None
 
 
-def remove_tenant_user(tenant: str, uid_range: tuple[int, int] = DEFAULT_UID_RANGE) -> bool:
+def remove_tenant_user(
+    tenant: str, uid_range: tuple[int, int] = DEFAULT_UID_RANGE, prefix: str = USER_PREFIX
+) -> bool:
     """Delete the tenant's user and group if they are the pool's (for operators and tests)."""
-    name = user_name(tenant)
+    name = user_name(tenant, prefix)
     with _lock:
         user = _lookup(name)
         if user is None or not _ours(user, tenant, uid_range):

@@ -148,15 +148,25 @@ def register(app: typer.Typer) -> None:
                 "--uid-range", help="uids (and gids) for the tenants' users cpool-<tenant>, FIRST-LAST."
             ),
         ] = "61000-61999",
+        user_prefix: Annotated[
+            str,
+            typer.Option(
+                "--tenant-user-prefix",
+                help="Tenants' users are PREFIX<tenant> (default cpool-). A second pool on this host "
+                "takes its own (e.g. cpb-), so its tenants never share a uid or a cache with this "
+                "pool's tenants of the same name.",
+            ),
+        ] = "cpool-",
         cache_dir: Annotated[
-            Path,
+            Path | None,
             typer.Option(
                 "--cache-dir",
                 envvar="CPOOL_CACHE_ROOT",
                 help="Per-tenant caches kept between jobs (CPOOL_CACHE_DIR, e.g. the SDK's pip "
-                "environments): DIR/<tenant>, owned by the tenant's user.",
+                "environments): DIR/<tenant>, owned by the tenant's user. Default "
+                "/var/cache/computepool, or /var/cache/computepool/PREFIX with another user prefix.",
             ),
-        ] = Path("/var/cache/computepool"),  # sandbox.DEFAULT_CACHE_ROOT (not imported: start-up time)
+        ] = None,
         mps_dir: Annotated[
             Path,
             typer.Option(
@@ -221,19 +231,23 @@ def register(app: typer.Typer) -> None:
         from computepool.agent.config import AgentConfig, AgentFatal
         from computepool.agent.loop import run_agent
         from computepool.agent.sandbox import SandboxConfig
-        from computepool.agent.tenants import parse_uid_range
+        from computepool.agent.tenants import check_prefix, parse_uid_range
         from computepool.core.errors import InvalidInput
 
         os.umask(0o077)  # whatever the agent writes is its own: credential, records, logs
         try:
+            cache = Path("/var/cache/computepool")  # sandbox.DEFAULT_CACHE_ROOT (start-up time)
+            if user_prefix != "cpool-":
+                cache = cache / user_prefix.rstrip("-")
             sandbox = SandboxConfig(
                 uid_range=parse_uid_range(uid_range),
+                user_prefix=check_prefix(user_prefix),
                 single_tenant=single_tenant,
-                cache_root=cache_dir.absolute(),
+                cache_root=(cache_dir or cache).absolute(),
                 mps_root=mps_dir.absolute() if os.geteuid() == 0 else None,
             )
         except InvalidInput as e:
-            raise fail(f"--uid-range: {e.message}") from None
+            raise fail(f"--{e.where}: {e.message}") from None
 
         if address:
             from computepool.core.address import check_address

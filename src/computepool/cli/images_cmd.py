@@ -73,11 +73,15 @@ def register(app: typer.Typer) -> None:
         image: Annotated[str, typer.Argument(help="The published name.")],
         server: ServerOpt = None,
         token: TokenOpt = None,
+        json_out: JsonOpt = False,
     ) -> None:
         """Stop publishing IMAGE (admin): new requests for it are refused; running jobs go on."""
         with open_client(server, token) as pool:
             out = pool.unpublish_image(parse_image(image, "IMAGE").canonical)
-        say(f"image {out['name']} unpublished")
+        if json_out:
+            print_json(out)
+        else:
+            say(f"image {out['name']} unpublished")
 
 
 def _local_id(name: str) -> str:

@@ -145,7 +145,7 @@ def _pool(s: ServeBenchSettings, say: Say) -> Iterator[tuple[LocalProcess, PoolC
     """A server on a free loopback port with its own service port range, and `nodes` agents."""
     server = _Server("server")
     base = 20000 + 100 * secrets.randbelow(100)  # below the ephemeral range; apart from other pools
-    server.argv += ["--service-ports", f"{base}-{base + 99}"]
+    server.argv += ["--service-ports", f"{base}-{base + 99}", "--publish-ports", "30000-30999"]  # apart
     agents: list[subprocess.Popen[bytes]] = []
     say(f"starting a server and {s.nodes} agents × {s.gpus // s.nodes} simulated {DEVICE} …")
     with server, PoolClient(server.url, server.token) as admin:
