@@ -6,6 +6,7 @@ loader itself: it runs any command under the filter, and says why when it cannot
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -33,3 +34,45 @@ def test_the_loader_says_why_it_cannot_run_a_command() -> None:
     assert r.returncode == 127 and "cannot run /nonexistent/cmd" in r.stderr, r.stderr
     r = subprocess.run(syscall_filter.loader_argv()[:-1], capture_output=True, text=True)
     assert r.returncode == 2 and "usage:" in r.stderr, r.stderr
+
+
+NAMESPACES = """
+import ctypes, os, json
+libc = ctypes.CDLL(None, use_errno=True)
+def unshare(flags):
+    return "ok" if libc.unshare(flags) == 0 else os.strerror(ctypes.get_errno())
+NEWUSER, NEWNET, NEWNS, NEWPID, NEWUTS = 0x10000000, 0x40000000, 0x20000, 0x20000000, 0x04000000
+out = {
+    "user alone": unshare(NEWUSER),
+    "user+mount": unshare(NEWUSER | NEWNS),
+    "user+net+uts": unshare(NEWUSER | NEWNET | NEWUTS),
+    "user+net": unshare(NEWUSER | NEWNET),
+}
+# inside its own user namespace: no other namespace (a mount namespace would let it mount)
+out["then mount"] = unshare(NEWNS)
+out["then pid"] = unshare(NEWPID)
+out["then user"] = unshare(NEWUSER | NEWNET)
+print(json.dumps(out))
+"""
+
+
+def test_a_private_network_job_makes_its_user_and_network_namespace_and_no_other() -> None:
+    """The filter of a cooperative service's RPC server (loaded inside the sandbox's namespaces)."""
+    loader = syscall_filter.loader_argv()
+    argv = [*loader[:-1], "--private-network", loader[-1], sys.executable, "-c", NAMESPACES]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    refused = "Operation not permitted"
+    assert json.loads(r.stdout) == {
+        "user alone": refused,
+        "user+mount": refused,
+        "user+net+uts": refused,
+        "user+net": "ok",
+        "then mount": refused,
+        "then pid": refused,
+        "then user": refused,
+    }
+    # the same under the ordinary filter: no user namespace at all
+    plain = [*loader, sys.executable, "-c", NAMESPACES]
+    r = subprocess.run(plain, capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout)["user+net"] == refused

@@ -41,6 +41,7 @@ class Assignment:
     code: str | None = None  # sha256 of a tar.gz unpacked into the work dir before the start
     stdin: str | None = None  # sha256 of the blob fed to the job's stdin
     service_port: int | None = None  # a service replica's port: the agent reports who listens on it
+    private_network: bool = False  # a coop RPC server: may make its own user + network namespace
 
     @property
     def key(self) -> str:
@@ -68,6 +69,7 @@ class Assignment:
             code=str(d["code"]) if d.get("code") else None,
             stdin=str(d["stdin"]) if d.get("stdin") else None,
             service_port=int(d["service_port"]) if d.get("service_port") else None,
+            private_network=bool(d.get("private_network", False)),
         )
 
 
@@ -98,6 +100,7 @@ def assignment_json(a: Assignment) -> dict[str, Any]:
         "code": a.code,
         "stdin": a.stdin,
         "service_port": a.service_port,
+        "private_network": a.private_network,
     }
 
 

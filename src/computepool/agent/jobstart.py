@@ -148,6 +148,7 @@ class JobStarter:
                 tenant=a.tenant,
                 image=a.image,
                 image_digest=a.image_digest,
+                private_network=a.private_network,
                 ports=a.ports,
                 device_uuids=tuple(s.device.uuid for s in resolved),
                 stdin=stdin,

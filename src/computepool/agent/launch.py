@@ -113,7 +113,9 @@ class Launcher:
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         hide = hidden_dir(work, self.data_dir)
         tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
-        argv, applied = wrap(spec.command, user, work, self.host, hide, keep, cache, tmp)
+        argv, applied = wrap(
+            spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network
+        )
         if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
             return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""))
         return Launch(argv, env, work, None, ", ".join(applied))

@@ -251,8 +251,12 @@ def wrap(
     keep: Path | None = None,
     cache: Path | None = None,
     tmp_mib: int = 0,
+    private_network: bool = False,
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
+
+    `private_network` (a cooperative service's RPC server): its syscall filter is loaded inside the
+    namespaces, just before setpriv, and lets it make its own user + network namespace and no other.
 
     `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
     stay; the private /tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default size).
@@ -273,6 +277,11 @@ def wrap(
         # that exec, so the command itself is looked up and run with the tenant's rights alone
         tail = _TAIL_HANDOVER if hands_over(host) else 'exec "$@"'
         argv = [*drop, "--", "/bin/sh", "-c", tail, "cpool-job", *argv]
+    inner = private_network and host.filter_loader and host.namespaces and host.unshare is not None
+    if inner:
+        *loader, end = host.filter_loader
+        argv = [*loader, "--private-network", end, *argv]
+        applied.append(syscall_filter.SUMMARY_PRIVATE_NETWORK)
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else ""]  # fmt: skip
@@ -283,7 +292,7 @@ def wrap(
             applied.append(f"{hide} hidden")
     elif host.why_not:
         applied.append("no namespaces: " + "; ".join(host.why_not))
-    if host.filter_loader:  # outermost: the namespaces' init and setpriv run under it too
+    if host.filter_loader and not inner:  # outermost: the namespaces' init and setpriv run under it too
         argv = [*host.filter_loader, *argv]
         applied.append(syscall_filter.SUMMARY)
     elif host.filter_why_not:

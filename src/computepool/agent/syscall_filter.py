@@ -18,6 +18,15 @@ its PID namespace), and debuggers and profilers need it.
 
 `python -I -m computepool.agent.syscall_filter -- ARGV` loads the filter and execs ARGV; `-I`
 keeps a job's PYTHONPATH (this runs as root) from choosing what it imports.
+
+One kind of job, a cooperative service's RPC server (made by the pool, never asked for by a
+request), gets `--private-network`: unshare may then make one new user namespace together with a
+new network namespace (CLONE_NEWUSER|CLONE_NEWNET), which is how it keeps llama.cpp's
+unauthenticated RPC where no other process can connect. That filter is loaded inside the sandbox's
+namespaces (just before setpriv), so it can refuse every other namespace outright: clone with any
+namespace flag, unshare with any but those two, and a user namespace without a network one. Inside
+its own user namespace such a job holds capabilities over its private network stack alone (no
+mount namespace of its own, no setns).
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ if TYPE_CHECKING:  # loaded where the filter is built: the agent starts without 
     import pyseccomp as seccomp
 
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWTIME = 0x08000000, 0x20000000, 0x00000080
+OTHER_NAMESPACES = (CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWTIME)
 PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) reads the current one and changes nothing
 REFUSED = (
     "setns", "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
@@ -41,14 +54,18 @@ REFUSED = (
     "io_uring_setup", "io_uring_enter", "io_uring_register",
 )  # fmt: skip
 ABSENT = ("clone3", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr")
+SUMMARY_PRIVATE_NETWORK = (
+    "seccomp: one user + network namespace of its own (llama.cpp's RPC kept off the node), no other "
+    "namespaces, setns, keyrings, bpf, perf events, userfaultfd, umount, modules, kexec, io_uring"
+)
 SUMMARY = (
     "seccomp: no user namespaces, setns, keyrings, bpf, perf events, userfaultfd, umount, modules, "
     "kexec, io_uring, personality changes"
 )
 
 
-def job_filter() -> seccomp.SyscallFilter:
-    """The filter: everything allowed but the calls above."""
+def job_filter(private_network: bool = False) -> seccomp.SyscallFilter:
+    """The filter: everything allowed but the calls above (`private_network`: see the module)."""
     import pyseccomp as seccomp  # noqa: PLC0415 - see the TYPE_CHECKING import
 
     f = seccomp.SyscallFilter(seccomp.ALLOW)
@@ -62,8 +79,18 @@ def job_filter() -> seccomp.SyscallFilter:
     eperm = seccomp.ERRNO(errno.EPERM)
     for name in REFUSED:
         f.add_rule(eperm, name)
-    for name in ("unshare", "clone"):  # the flags are the first argument of both (x86, arm)
-        f.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    # the flags are the first argument of both (x86, arm)
+    f.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    if not private_network:
+        f.add_rule(eperm, "unshare", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    else:  # one user namespace with one network namespace; no other namespace at all
+        both = CLONE_NEWUSER | CLONE_NEWNET
+        f.add_rule(eperm, "unshare", seccomp.Arg(0, seccomp.MASKED_EQ, both, CLONE_NEWUSER))
+        for other in (*OTHER_NAMESPACES, CLONE_NEWNET):
+            rule = seccomp.Arg(0, seccomp.MASKED_EQ, other, other)
+            f.add_rule(eperm, "clone", rule)
+            if other != CLONE_NEWNET:
+                f.add_rule(eperm, "unshare", rule)
     for name in ABSENT:
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), name)
     f.add_rule(eperm, "personality", seccomp.Arg(0, seccomp.NE, PERSONALITY_QUERY))
@@ -88,11 +115,16 @@ def probe() -> tuple[tuple[str, ...], str]:
 
 
 def main(argv: Sequence[str]) -> int:
+    private_network = bool(argv) and argv[0] == "--private-network"
+    argv = argv[1:] if private_network else argv
     if len(argv) < 2 or argv[0] != "--":
-        print("usage: python -I -m computepool.agent.syscall_filter -- COMMAND [ARG...]", file=sys.stderr)
+        print(
+            "usage: python -I -m computepool.agent.syscall_filter [--private-network] -- COMMAND [ARG...]",
+            file=sys.stderr,
+        )
         return 2
     try:
-        job_filter().load()
+        job_filter(private_network).load()
     except (OSError, ImportError, RuntimeError) as e:  # the job never runs unfiltered (no libseccomp)
         print(f"cpool: cannot load the job's syscall filter: {e}", file=sys.stderr)
         return 126

@@ -334,6 +334,11 @@ class Assignment(Out):
     service_port: int | None = Field(
         default=None, description="A service replica's port: the agent reports who listens on it."
     )
+    private_network: bool = Field(
+        default=False,
+        description="A cooperative service's RPC server (made by the pool): it may make the one user "
+        "and network namespace that keeps llama.cpp's unauthenticated RPC off the node's network.",
+    )
 
 
 class Assignments(Out):

@@ -77,6 +77,7 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 code=a.request.get("code"),
                 stdin=a.request.get("stdin"),
                 service_port=a.service_port,
+                private_network=a.coop_role == "rpc",
             )
             for a in store.holding_on(s, name)
             if a.command is not None and not gangs.awaits_rank0(a, name)
