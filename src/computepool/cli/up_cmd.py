@@ -274,6 +274,14 @@ def register(app: typer.Typer) -> None:
         default_mem: Annotated[
             str | None, typer.Option("--default-mem", help="The server's --default-mem (default 1GiB).")
         ] = None,
+        user_prefix: Annotated[
+            str | None,
+            typer.Option(
+                "--tenant-user-prefix",
+                help="The agent's --tenant-user-prefix (default cpool-): a second pool on this host "
+                "takes its own, so its tenants share no uid or cache with this one's.",
+            ),
+        ] = None,
         default_pids: Annotated[
             str | None, typer.Option("--default-pids", help="The server's --default-pids (default 1024).")
         ] = None,
@@ -344,7 +352,7 @@ def register(app: typer.Typer) -> None:
         agent_argv = _cpool("agent", "--server", url, "--data-dir", str(agent_dir))
         if cgroup_base is not None:
             agent_argv += ["--cgroup-base", cgroup_base]
-        agent_argv += _given(("--publish-ports", publish_ports))
+        agent_argv += _given(("--publish-ports", publish_ports), ("--tenant-user-prefix", user_prefix))
         if tls:
             agent_argv += ["--ca", str(cert)]
         if simulate:
