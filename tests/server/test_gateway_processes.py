@@ -144,7 +144,7 @@ def test_queue_timeout_and_wake_from_zero(setup: tuple[Api, Registry, H, str]) -
     r = httpx.post(
         f"{base}/v1/completions", json={"model": "nobody", "prompt": "x"}, headers=alice, timeout=30
     )
-    assert r.status_code == 503 and 0.9 <= time.monotonic() - t0 < 5
+    assert r.status_code == 503 and time.monotonic() - t0 >= 0.9
     assert r.json()["error"]["message"] == "no replica of service 'nobody' became free within 1 s"
     assert int(r.headers["Retry-After"]) >= 1
     assert usage_of(api, "nobody", 1)["failed"] == 1
