@@ -59,7 +59,7 @@ print(json.dumps(out))
 def test_a_private_network_job_makes_its_user_and_network_namespace_and_no_other() -> None:
     """The filter of a cooperative service's RPC server (loaded inside the sandbox's namespaces)."""
     loader = syscall_filter.loader_argv()
-    argv = [*loader[:-1], "--private-network", loader[-1], sys.executable, "-c", NAMESPACES]
+    argv = [*syscall_filter.private_network_loader_argv(), sys.executable, "-c", NAMESPACES]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     refused = "Operation not permitted"

@@ -279,8 +279,7 @@ def wrap(
         argv = [*drop, "--", "/bin/sh", "-c", tail, "cpool-job", *argv]
     inner = private_network and host.filter_loader and host.namespaces and host.unshare is not None
     if inner:
-        *loader, end = host.filter_loader
-        argv = [*loader, "--private-network", end, *argv]
+        argv = [*syscall_filter.private_network_loader_argv(host.filter_loader[0]), *argv]
         applied.append(syscall_filter.SUMMARY_PRIVATE_NETWORK)
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),

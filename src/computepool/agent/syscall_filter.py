@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # loaded where the filter is built: the agent starts without libseccomp too
@@ -100,6 +101,14 @@ def job_filter(private_network: bool = False) -> seccomp.SyscallFilter:
 def loader_argv(python: str = sys.executable) -> list[str]:
     """What goes before ARGV to run it under the filter."""
     return [python, "-I", "-m", "computepool.agent.syscall_filter", "--"]
+
+
+def private_network_loader_argv(python: str = sys.executable) -> list[str]:
+    """What goes before ARGV to run it under the private-network filter, from inside the sandbox's
+    namespaces: this module's own source on the command line (it needs the standard library and
+    pyseccomp alone), since where the package lives (a checkout under /tmp, say) may be hidden
+    there. The source is code, not a secret: `ps` may show it."""
+    return [python, "-I", "-c", Path(__file__).read_text(), "--private-network", "--"]
 
 
 def probe() -> tuple[tuple[str, ...], str]:
