@@ -22,7 +22,6 @@ Containers are named and labelled per agent data dir, so several agents sharing 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import ipaddress
 import os
 import re
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
+from computepool.agent.identity import agent_id
 from computepool.agent.sandbox import tmpfs_mib
 from computepool.core.errors import InvalidInput
 from computepool.core.images import parse_image
@@ -98,7 +98,7 @@ class Podman:
         self.publish_host = publish_host
         self.cgroup_root = cgroup_root
         self.cdi_dirs = cdi_dirs
-        self.agent_id = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+        self.agent_id = agent_id(data_dir)  # the same digits as its job cgroups' directory
         self.conf_path = data_dir / CONF_FILE
         self._available: tuple[bool, str] | None = None
         self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
