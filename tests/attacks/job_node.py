@@ -1,6 +1,6 @@
-"""A real one-node pool for the job-limit attacks: `cpool server` (with the test's flags) and a root
+"""A real one-node pool for the attacks on a node: `cpool server` (with the test's flags) and a root
 `cpool agent` on loopback, data dirs under /var/tmp (a job has a /tmp of its own), tenants with
-member tokens whose users are removed at the end."""
+member tokens whose users are removed at the end, and the agent's containers removed with it."""
 
 from __future__ import annotations
 
@@ -15,15 +15,17 @@ from typing import Any
 import httpx
 from e2e_helpers import child_env, cpool, free_port, kill_jobs_under, stop, wait_for
 
+from computepool.agent.container import Podman
 from computepool.agent.tenants import remove_tenant_user
 
 ENDED = ("released", "failed", "cancelled", "preempted", "lost")
 
 
 class Node:
-    def __init__(self, root: Path, server_args: tuple[str, ...]) -> None:
+    def __init__(self, root: Path, server_args: tuple[str, ...], env: dict[str, str] | None = None) -> None:
         self.root = root
         self.server_args = server_args
+        self.env = child_env() | (env or {})  # the server's and the agent's (and `cpool` commands')
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.srv_dir, self.agent_dir = root / "srv", root / "agent"
@@ -32,7 +34,7 @@ class Node:
         self.tokens: dict[str, str] = {}
 
     def start(self) -> None:
-        env = child_env()
+        env = self.env
         with (self.root / "server.log").open("ab") as out:
             self.server = subprocess.Popen(
                 cpool("server", "--data-dir", str(self.srv_dir), "--port", str(self.port), *self.server_args),
@@ -40,8 +42,9 @@ class Node:
             )  # fmt: skip
         self.procs.append(self.server)
         wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)
-        token = (self.srv_dir / "admin-token").read_text().strip()
-        self.admin = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        self.token = (self.srv_dir / "admin-token").read_text().strip()
+        headers = {"Authorization": f"Bearer {self.token}"}
+        self.admin = httpx.Client(base_url=self.url, headers=headers, timeout=30)
         join = self.admin.post("/api/v1/join-tokens", json={}).json()["token"]
         with (self.root / "agent.log").open("ab") as out:
             self.agent = subprocess.Popen(
@@ -81,7 +84,7 @@ class Node:
 
     def cli_env(self, tenant: str) -> dict[str, str]:
         """The environment a `cpool` command of `tenant`'s member runs in."""
-        return {**child_env(), "CPOOL_SERVER": self.url, "CPOOL_TOKEN": self.tokens[tenant]}
+        return {**self.env, "CPOOL_SERVER": self.url, "CPOOL_TOKEN": self.tokens[tenant]}
 
     def submit(self, client: httpx.Client, command: list[str], **kw: Any) -> int:
         r = client.post("/api/v1/allocations", json={"command": command, "cpu_milli": 100, **kw})
@@ -101,15 +104,19 @@ class Node:
         for proc in reversed(self.procs):
             stop(proc)
         kill_jobs_under(self.root)
+        if shutil.which("podman"):
+            podman = Podman(self.agent_dir)
+            for key in podman.all_keys():
+                podman.remove(key)
         for tenant in self.tenants:
             remove_tenant_user(tenant)
 
 
 @contextmanager
-def job_node(*server_args: str) -> Iterator[Node]:
+def job_node(*server_args: str, env: dict[str, str] | None = None) -> Iterator[Node]:
     root = Path("/var/tmp") / f"cpool-jl-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o755)
-    node = Node(root, server_args)
+    node = Node(root, server_args, env)
     try:
         node.start()
         yield node

@@ -11,19 +11,14 @@ but the link means the host's `/` to whoever follows it outside).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from e2e_helpers import JOB_PYTHON, child_env, cpool, free_port, kill_jobs_under, stop, wait_for
-
-from computepool.agent.container import Podman
-from computepool.agent.tenants import remove_tenant_user
+from e2e_helpers import JOB_PYTHON, cpool, publish_image, wait_for
+from job_node import Node, job_node
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="tenant users need a root agent"),
@@ -60,92 +55,14 @@ while time.monotonic() < end:
 """
 
 
-class Node:
-    """`cpool server` and a root `cpool agent` (podman for container jobs), data dirs under /var/tmp."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.srv_dir, self.agent_dir = root / "srv", root / "agent"
-        self.env = child_env()
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> None:
-        with (self.root / "server.log").open("ab") as out:
-            self.procs.append(subprocess.Popen(
-                cpool("server", "--data-dir", str(self.srv_dir), "--port", str(self.port)),
-                stdout=out, stderr=subprocess.STDOUT, env=self.env,
-            ))  # fmt: skip
-        wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)
-        token = (self.srv_dir / "admin-token").read_text().strip()
-        self.admin = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
-        join = self.admin.post("/api/v1/join-tokens", json={}).json()["token"]
-        with (self.root / "agent.log").open("ab") as out:
-            self.procs.append(subprocess.Popen(
-                cpool("agent", "--server", self.url, "--join-token", join, "--data-dir", str(self.agent_dir),
-                      "--name", "racy", "--kill-grace-s", "1"),
-                stdout=out, stderr=subprocess.STDOUT, env=self.env,
-            ))  # fmt: skip
-        wait_for("the node", lambda: [n["state"] for n in self.admin.get("/api/v1/nodes").json()["items"]]
-                 == ["ready"], 60, self.logs)  # fmt: skip
-
-    def logs(self) -> str:
-        files = [self.root / f for f in ("server.log", "agent.log")]
-        return "\n".join(f.read_text()[-4000:] for f in files if f.exists())
-
-    def member(self, tenant: str) -> tuple[httpx.Client, str]:
-        assert self.admin.post("/api/v1/tenants", json={"name": tenant}).status_code == 201
-        user = f"m-{tenant}"
-        r = self.admin.post("/api/v1/users", json={"name": user, "tenant": tenant, "role": "member"})
-        assert r.status_code == 201, r.text
-        r = self.admin.post("/api/v1/tokens", json={"user": user})
-        assert r.status_code == 201, r.text
-        token = str(r.json()["token"])
-        client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
-        return client, token
-
-    def publish(self, image: str) -> None:
-        """Publish `image` to every tenant where the pool admits only published images."""
-        digest = subprocess.run(
-            ["podman", "image", "inspect", "--format", "{{.Id}}", image],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        r = self.admin.post("/api/v1/images", json={"name": image, "digest": f"sha256:{digest}"})
-        assert r.status_code in (200, 201, 404), r.text  # 404: this pool runs any local image
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            stop(proc)
-        kill_jobs_under(self.root)
-
-
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    root = Path("/var/tmp") / f"cpool-race-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o755)
-    n = Node(root)
-    try:
-        n.start()
+    with job_node() as n:
         yield n
-    finally:
-        n.close()
-        podman = Podman(n.agent_dir)
-        if shutil.which("podman"):
-            for key in podman.all_keys():
-                podman.remove(key)
-        shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def tenant(node: Node) -> Iterator[str]:
-    name = f"rc{uuid.uuid4().hex[:6]}"
-    yield name
-    remove_tenant_user(name)
-
-
-def _race(node: Node, tenant: str, tmp_path: Path, **job: Any) -> None:
-    client, token = node.member(tenant)
+def _race(node: Node, tmp_path: Path, **job: Any) -> None:
+    tenant, client = node.member("rc")
     r = client.post("/api/v1/allocations", json={"cpu_milli": 500, **job})
     assert r.status_code == 201, r.text + node.logs()
     aid = int(r.json()["id"])
@@ -153,7 +70,7 @@ def _race(node: Node, tenant: str, tmp_path: Path, **job: Any) -> None:
     swaps = work / "swaps"
     try:
         wait_for("the job swapping", lambda: swaps.exists(), 120, node.logs)
-        env = {**node.env, "CPOOL_SERVER": node.url, "CPOOL_TOKEN": token}
+        env = node.cli_env(tenant)
         results: list[str] = []
         for i in range(TRIES):
             path = "d/etc" if i % 4 == 3 else "d/etc/passwd"
@@ -177,12 +94,10 @@ def _race(node: Node, tenant: str, tmp_path: Path, **job: Any) -> None:
         client.post(f"/api/v1/allocations/{aid}/cancel")
 
 
-def test_a_process_job_racing_links_gets_no_host_file_back(node: Node, tenant: str, tmp_path: Path) -> None:
-    _race(node, tenant, tmp_path, command=[JOB_PYTHON, "-c", SWAP, MARK])
+def test_a_process_job_racing_links_gets_no_host_file_back(node: Node, tmp_path: Path) -> None:
+    _race(node, tmp_path, command=[JOB_PYTHON, "-c", SWAP, MARK])
 
 
-def test_a_container_job_racing_links_gets_no_host_file_back(
-    node: Node, tenant: str, tmp_path: Path, image: str
-) -> None:
-    node.publish(image)
-    _race(node, tenant, tmp_path, command=["python3", "-c", SWAP, MARK], image=image)
+def test_a_container_job_racing_links_gets_no_host_file_back(node: Node, tmp_path: Path, image: str) -> None:
+    publish_image(node.admin, image)
+    _race(node, tmp_path, command=["python3", "-c", SWAP, MARK], image=image)

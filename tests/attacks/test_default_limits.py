@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -20,14 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import JOB_PYTHON, child_env, cpool, free_port, publish_image, stop, wait_for
-
-from computepool.agent.container import Podman
-from computepool.agent.tenants import remove_tenant_user
+from e2e_helpers import JOB_PYTHON, cpool, publish_image, wait_for
+from job_node import ENDED, Node, job_node
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="tenant users and cgroups need a root agent")]
 
-ENDED = ("released", "failed", "cancelled", "preempted", "lost")
 IMAGE = "localhost/pybase:1"
 MIB = 1 << 20
 
@@ -77,83 +73,9 @@ for _ in range(600):  # held while the test reads the cgroup's limits from the h
 HOG = "import sys\nheld = b'x' * (int(sys.argv[1]) << 20)\nprint('held it all', flush=True)\n"
 
 
-class Node:
-    """`cpool server` and a root `cpool agent` whose job cgroups live under a base of this test's own."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.srv_dir, self.agent_dir = root / "srv", root / "agent"
-        self.cgroup_base = f"cpool-limits-{uuid.uuid4().hex[:8]}"
-        self.env = child_env() | {"CPOOL_CGROUP_BASE": f"/sys/fs/cgroup/{self.cgroup_base}"}
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> None:
-        with (self.root / "server.log").open("ab") as out:
-            self.procs.append(
-                subprocess.Popen(
-                    cpool("server", "--data-dir", str(self.srv_dir), "--port", str(self.port)),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=self.env,
-                )  # fmt: skip
-            )
-        wait_for("the server", lambda: httpx.get(f"{self.url}/readyz").is_success, 60, self.logs)
-        self.token = (self.srv_dir / "admin-token").read_text().strip()
-        self.admin = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=10
-        )
-        join = self.admin.post("/api/v1/join-tokens", json={}).json()["token"]
-        with (self.root / "agent.log").open("ab") as out:
-            self.procs.append(
-                subprocess.Popen(
-                    cpool(
-                        "agent",
-                        "--server",
-                        self.url,
-                        "--join-token",
-                        join,
-                        "--data-dir",
-                        str(self.agent_dir),
-                        "--name",
-                        "limits",
-                        "--kill-grace-s",
-                        "1",
-                    ),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=self.env,
-                )  # fmt: skip
-            )
-        wait_for("the node", lambda: [n["state"] for n in self.admin.get("/api/v1/nodes").json()["items"]]
-                 == ["ready"], 60, self.logs)  # fmt: skip
-
-    def logs(self) -> str:
-        return "\n".join(
-            (self.root / f).read_text()[-4000:]
-            for f in ("server.log", "agent.log")
-            if (self.root / f).exists()
-        )
-
-    def member(self, tenant: str) -> httpx.Client:
-        assert self.admin.post("/api/v1/tenants", json={"name": tenant}).status_code == 201
-        r = self.admin.post("/api/v1/users", json={"name": f"m-{tenant}", "tenant": tenant, "role": "member"})
-        assert r.status_code == 201, r.text
-        r = self.admin.post("/api/v1/tokens", json={"user": f"m-{tenant}"})
-        assert r.status_code == 201, r.text
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {r.json()['token']}"}, timeout=10
-        )
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            stop(proc)
-        for top in Path("/sys/fs/cgroup").glob(f"*/{self.cgroup_base}"):  # v1: one per controller
-            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                d.rmdir()
-            top.rmdir()
-        top = Path("/sys/fs/cgroup") / self.cgroup_base  # v2
+def _remove_cgroup_base(base: str) -> None:
+    """The test's cgroup base, wherever it lies (one per controller on v1, one on v2), deepest first."""
+    for top in [*Path("/sys/fs/cgroup").glob(f"*/{base}"), Path("/sys/fs/cgroup") / base]:
         if top.is_dir():
             for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 d.rmdir()
@@ -162,27 +84,18 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    root = Path("/var/tmp") / f"cpool-dl-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o755)
-    n = Node(root)
+    """The pool, its agent's job cgroups under a base of this test's own."""
+    base = f"cpool-limits-{uuid.uuid4().hex[:8]}"
     try:
-        n.start()
-        yield n
+        with job_node(env={"CPOOL_CGROUP_BASE": f"/sys/fs/cgroup/{base}"}) as n:
+            yield n
     finally:
-        n.close()
-        podman = Podman(n.agent_dir)
-        if shutil.which("podman"):
-            for key in podman.all_keys():
-                podman.remove(key)
-        shutil.rmtree(root, ignore_errors=True)
+        _remove_cgroup_base(base)
 
 
 @pytest.fixture
-def tenant(node: Node) -> Iterator[tuple[str, httpx.Client]]:
-    name = f"dl{uuid.uuid4().hex[:6]}"
-    client = node.member(name)
-    yield name, client
-    remove_tenant_user(name)
+def tenant(node: Node) -> tuple[str, httpx.Client]:
+    return node.member("dl")
 
 
 def _submit(client: httpx.Client, command: list[str], **kw: Any) -> int:
@@ -246,7 +159,7 @@ def _probe(
 
 
 def _cli(node: Node, *args: str) -> subprocess.CompletedProcess[str]:
-    env = child_env() | {"CPOOL_SERVER": node.url, "CPOOL_TOKEN": node.token}
+    env = node.env | {"CPOOL_SERVER": node.url, "CPOOL_TOKEN": node.token}
     return subprocess.run(cpool(*args), env=env, capture_output=True, text=True, timeout=60)
 
 
