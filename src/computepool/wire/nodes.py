@@ -195,6 +195,14 @@ class NodeJoined(Out):
     lost_after_s: float = Field(description="Heartbeat age → lost; restartable work is fenced before.")
 
 
+class PortRangeOut(Out):
+    """A range of ports the pool hands out one at a time (see agent/port_guard.py)."""
+
+    name: str = Field(description="What the pool gives its ports to: service, gang, rpc or publish.")
+    min: int
+    max: int
+
+
 class HeartbeatOut(Out):
     node: str
     state: NodeState
@@ -206,4 +214,8 @@ class HeartbeatOut(Out):
         default=None,
         description="The node's address as this heartbeat set it (absent when it set none): where "
         "replicas' endpoints dial and containers publish their ports.",
+    )
+    reserved_ports: list[PortRangeOut] = Field(
+        default_factory=list,
+        description="The pool's port ranges: a job on the node may listen there only on a port it was given.",
     )

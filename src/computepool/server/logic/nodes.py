@@ -35,6 +35,7 @@ from computepool.wire.nodes import (
     NodePatch,
     NodeSettings,
     NodeState,
+    PortRangeOut,
 )
 
 log = logging.getLogger("computepool.server")
@@ -220,7 +221,22 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> 
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         lost_after_s=ctx.settings.lost_after_s,
         address=address,
+        reserved_ports=reserved_ports(ctx.settings),
     )
+
+
+def reserved_ports(settings: ServerSettings) -> list[PortRangeOut]:
+    """The ranges whose ports the pool gives out one at a time: a job listens there on its own only."""
+    st = settings
+    return [
+        PortRangeOut(name=name, min=lo, max=hi)
+        for name, lo, hi in (
+            ("service", st.service_port_min, st.service_port_max),
+            ("gang", st.gang_port_min, st.gang_port_max),
+            ("rpc", st.rpc_port_min, st.rpc_port_max),
+            ("publish", st.publish_port_min, st.publish_port_max),
+        )
+    ]
 
 
 def list_all(ctx: Ctx) -> Items[NodeOut]:
