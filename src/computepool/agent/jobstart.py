@@ -33,7 +33,8 @@ from computepool.agent.isolation import (
 from computepool.agent.jobfiles import write_job_file
 from computepool.agent.jobspec import JobSpec
 from computepool.agent.localstate import JobRecord, JobState
-from computepool.core.allocation import Isolation, Slice
+from computepool.agent.port_guard import LISTEN_PORTS_EXTRA, ports_text
+from computepool.core.allocation import RPC_PORT_ENV, Isolation, Slice
 from computepool.core.errors import InvalidInput
 
 log = logging.getLogger("computepool.agent")
@@ -156,6 +157,11 @@ class JobStarter:
             rec = self.executor.start(spec)
             if gang is not None and gang.rank == 0:  # reported with `running`: the others dial it
                 rec.extra["master_port"] = str(gang.master_port)
+            rank0_port = gang.master_port if gang is not None and gang.rank == 0 else None
+            rpc_port = a.env.get(RPC_PORT_ENV, "")
+            given = [a.service_port, rank0_port, int(rpc_port) if rpc_port.isdigit() else None, *a.ports]
+            if any(given):  # the pool's reserved ports this job may listen on (agent/port_guard.py)
+                rec.extra[LISTEN_PORTS_EXTRA] = ports_text(given)
                 self.state.put(rec)
         except (InvalidInput, IsolationUnavailable, OSError, ValueError, KeyError) as e:
             self._record_start_failure(a, run_dir, str(e))

@@ -53,6 +53,7 @@ from computepool.agent.join import check_credential, connect, default_node_name,
 from computepool.agent.listeners import ListenerWatch, Replica
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.agent.logship import LogShipper
+from computepool.agent.port_guard import GuardedJob, PortGuard, given_ports, parse_ranges
 from computepool.agent.preparing import Preparer
 from computepool.agent.reports import Reporter
 from computepool.core.tls import TlsError
@@ -128,6 +129,7 @@ class Agent:
         self.executor.launcher.publish_host = config.address
         self.listeners = ListenerWatch(self._replicas, self._wake.set)  # who holds each replica's port
         self.reports.listeners = self.listeners.found
+        self.port_guard = PortGuard(self._guarded_jobs, self._stop_squatter)  # the pool's port ranges
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
         self.preparing = Preparer(
             lambda: self.starter.blobs, self.executor.launcher, self._wake.set, unpack=self.starter.unpack
@@ -165,6 +167,7 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.start()
         self.listeners.start()
+        self.port_guard.start()
         try:
             while not self._stop.is_set():
                 self._step()
@@ -177,6 +180,7 @@ class Agent:
             if self.watchdog is not None:
                 self.watchdog.close()
             self.listeners.close()
+            self.port_guard.close()
             for t in threads:
                 t.join(timeout=1.0)
             self.preparing.close()
@@ -266,6 +270,7 @@ class Agent:
                 answer = self.api.heartbeat(self._usage(), address, pythons)
                 address = pythons = None
                 self._learn_address(answer.get("address"))
+                self.port_guard.set_ranges(parse_ranges(answer.get("reserved_ports")))
                 interval = float(answer.get("heartbeat_interval_s") or interval)
                 self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
@@ -470,6 +475,18 @@ class Agent:
                 name = self.executor.launcher.container_engine().name(ctr) if ctr else None
                 out.append(Replica(rec.key, int(port), pids, name, self.address))
         return out
+
+    def _guarded_jobs(self) -> list[GuardedJob]:
+        """The running jobs with the reserved ports each was given, for the port guard (off this loop)."""
+        return [
+            GuardedJob(rec.key, given_ports(rec.extra), frozenset(self.executor.job_pids(rec.key)))
+            for rec in self.executor.running()
+            if not rec.stop_reason
+        ]
+
+    def _stop_squatter(self, key: str, reason: str) -> None:
+        self.executor.stop(key, reason)
+        self._wake.set()  # its end is reported with the reason
 
     def _send_reports(self) -> None:
         """Report starts and ends (raises Unreachable); stop the attempts the answer calls stale."""

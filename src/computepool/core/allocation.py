@@ -19,6 +19,10 @@ HOLDING: tuple[AllocationState, ...] = ("bound", "active")  # slices held on nod
 LIVE: tuple[AllocationState, ...] = (PENDING, *HOLDING)  # not ended: waiting or holding
 ENDED: tuple[AllocationState, ...] = ("released", "preempted", "failed", "cancelled")  # final
 
+# a cooperative RPC server's port, kept in its env: the pool picks it, and the node lets the job
+# listen there alone (agent/port_guard.py)
+RPC_PORT_ENV = "CPOOL_RPC_PORT"
+
 IsolationName = Literal["timeslice", "mps", "mig", "exclusive"]
 ISOLATIONS: tuple[IsolationName, ...] = get_args(IsolationName)
 

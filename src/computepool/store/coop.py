@@ -15,12 +15,10 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from computepool.core.allocation import LIVE
+from computepool.core.allocation import LIVE, RPC_PORT_ENV
 from computepool.store import allocations as alloc_store
 from computepool.store import logs
 from computepool.store.models import Allocation, CoopMeasurement, CoopPlan, Node, NodePeer
-
-RPC_PORT_ENV = "CPOOL_RPC_PORT"  # an RPC allocation's port, kept in its env (the pool picks ports)
 
 
 @dataclass(frozen=True)

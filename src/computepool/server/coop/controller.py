@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from computepool.core.allocation import LIVE
+from computepool.core.allocation import LIVE, RPC_PORT_ENV
 from computepool.server import topics
 from computepool.server.coop import measure
 from computepool.server.coop.measure import Speed
@@ -354,7 +354,7 @@ class CoopController:
             address = by_node[planned.node].address
             req = rpc_request(coop, spec.request, planned.node, address, port, planned.memory_mib,
                               svc.tenant, svc.name)  # fmt: skip
-            env = {coop_store.RPC_PORT_ENV: str(port), SECRET_ENV: st.secret or ""}
+            env = {RPC_PORT_ENV: str(port), SECRET_ENV: st.secret or ""}
             alloc = self._insert(s, svc, "rpc", req, env, p)
             endpoint = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
             st.rpc.append(RpcShard(alloc, planned.node, endpoint))
