@@ -1,20 +1,22 @@
 """The pool's reserved ports: a job may listen there only on a port the pool gave it.
 
 The control plane hands out the ports of its ranges one at a time: a service replica's port, a
-gang's master port, a cooperative RPC server's port, a container's published port. Process jobs
-share the node's network, so without a guard one tenant's job could bind every port of a range
-(any family, any address) and no replica, gang or RPC server of another tenant could start on the
-node again. The agent looks at the node's LISTEN sockets in those ranges on every pass: a socket
-held by a job's process that was not given that port stops the job, with the port named in its
-reason (Kubernetes' hostPort has the same rule: a pod uses only the host ports it declared).
+cooperative RPC server's port, a container's published port. Process jobs share the node's
+network, so without a guard one tenant's job could bind every port of a range (any family, any
+address) and no replica or RPC server of another tenant could start on the node again. The agent
+looks at the node's LISTEN sockets in those ranges on every pass: a socket held by a job's process
+that was not given that port stops the job, with the port named in its reason (Kubernetes' hostPort
+has the same rule: a pod uses only the host ports it declared). The gang range is not among them
+(server/logic/nodes.py `reserved_ports` says why); a gang's rank 0 may still listen on the master
+port it offers, wherever that lies.
 
 A port the kernel may hand out by itself (its ephemeral range, `net.ipv4.ip_local_port_range`,
 less `ip_local_reserved_ports`) is not policed: a job that binds port 0 may get it, and nothing
 tells that apart from a squat. The default ranges lie below the kernel's default ephemeral range
-but for the top of the RPC range; the agent says at start which reserved ports go unpoliced, and
-an operator who reserves them in the kernel (`sysctl net.ipv4.ip_local_reserved_ports=…`) has
-them policed too. A listener of no job (the node's own services) is the operator's business and
-left alone.
+but for the top of the RPC range; once it learns the ranges, the agent logs which reserved ports
+go unpoliced, and an operator who reserves them in the kernel
+(`sysctl net.ipv4.ip_local_reserved_ports=…`) has them policed too. A listener of no job (the
+node's own services) is the operator's business and left alone.
 
 The scan reads /proc/net/tcp{,6} once a pass; only a listener not seen before sends it through
 the jobs' descriptors (listeners.socket_inodes), and a socket it cannot place is looked at again
@@ -42,7 +44,7 @@ LISTEN_PORTS_EXTRA = "listen_ports"  # JobRecord.extra key: the reserved ports g
 
 @dataclass(frozen=True)
 class PortRange:
-    """One range the pool reserves (its name says for what: service, gang, rpc, publish)."""
+    """One range the pool reserves (its name says for what: service, rpc, publish)."""
 
     name: str
     lo: int

@@ -198,7 +198,7 @@ class NodeJoined(Out):
 class PortRangeOut(Out):
     """A range of ports the pool hands out one at a time (see agent/port_guard.py)."""
 
-    name: str = Field(description="What the pool gives its ports to: service, gang, rpc or publish.")
+    name: str = Field(description="What the pool gives its ports to: service, rpc or publish.")
     min: int
     max: int
 

@@ -226,13 +226,16 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> 
 
 
 def reserved_ports(settings: ServerSettings) -> list[PortRangeOut]:
-    """The ranges whose ports the pool gives out one at a time: a job listens there on its own only."""
+    """The ranges whose ports the pool gives out one at a time: a job listens there on its own only.
+
+    Not the gang range: rank 0 replaces a held master port with a free one (so holding it stops
+    nobody), and it holds torch's default rendezvous port (29500), which a single-node job's
+    `torchrun` listens on by itself."""
     st = settings
     return [
         PortRangeOut(name=name, min=lo, max=hi)
         for name, lo, hi in (
             ("service", st.service_port_min, st.service_port_max),
-            ("gang", st.gang_port_min, st.gang_port_max),
             ("rpc", st.rpc_port_min, st.rpc_port_max),
             ("publish", st.publish_port_min, st.publish_port_max),
         )
