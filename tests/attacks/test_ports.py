@@ -8,12 +8,16 @@ is given.
 - B holds both gang ports (IPv4 and IPv6) on the host: rank 0 of A's gang offers another master
   port, the other member is told it, and the gang runs to its end;
 - B asks to publish a privileged port, or one of the pool's own, from a container: 422 naming
-  `ports`.
+  `ports`;
+- on a pool whose service range lies outside the kernel's ephemeral range (so the node polices it:
+  agent/port_guard.py), B's job holding the whole range on both families is stopped with the port
+  named, and A's replicas then come ready on those very ports and stay.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -101,12 +105,17 @@ def have_ipv6() -> bool:
     return True
 
 
-def free_pair() -> int:
-    """A port P with P and P + 1 free on every address of both families."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::", 0))
-            port = int(s.getsockname()[1])
+def free_pair(low: bool = False) -> int:
+    """A port P with P and P + 1 free on every address of both families; `low`: below the
+    kernel's ephemeral range and the pool's default ranges (10000-19998), where the node polices
+    the pool's ranges."""
+    for _ in range(200):
+        if low:
+            port = random.randrange(10000, 19999)
+        else:
+            with socket.socket(socket.AF_INET6) as s:
+                s.bind(("::", 0))
+                port = int(s.getsockname()[1])
         try:
             with socket.socket(socket.AF_INET6) as a, socket.socket(socket.AF_INET6) as b:
                 a.bind(("::", port))
@@ -120,9 +129,9 @@ def free_pair() -> int:
 class Pool:
     """`cpool server` whose service ports are P, P+1 and gang ports G, G+1; two root agents."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, low: bool = False) -> None:
         self.root, self.env = root, child_env()
-        self.port, self.svc, self.gang = free_pair(), free_pair(), free_pair()
+        self.port, self.svc, self.gang = free_pair(), free_pair(low), free_pair()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.nodes = [f"pt{uuid.uuid4().hex[:6]}-{i}" for i in range(2)]
@@ -188,13 +197,12 @@ class Pool:
             stop(proc, signal.SIGTERM)
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
+def started(low: bool) -> Iterator[Pool]:
     if not have_ipv6():
         pytest.skip("this machine has no IPv6 loopback")
     root = Path("/var/tmp") / f"cpool-pt-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o755)
-    p = Pool(root)
+    p = Pool(root, low)
     try:
         p.start()
         yield p
@@ -204,6 +212,18 @@ def pool() -> Iterator[Pool]:
         for tenant in p.tenants:
             remove_tenant_user(tenant)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    """Service ports from the kernel's ephemeral range: not policed, so a squatter stays."""
+    yield from started(low=False)
+
+
+@pytest.fixture(scope="module")
+def low_pool() -> Iterator[Pool]:
+    """Service ports below the ephemeral range: the node stops a job holding one not given it."""
+    yield from started(low=True)
 
 
 def test_an_ipv6_only_squatter_on_every_replica_port_changes_nothing(pool: Pool) -> None:
@@ -287,3 +307,39 @@ def test_a_container_never_publishes_a_privileged_port_or_one_of_the_pools(pool:
     r = b.post("/api/v1/allocations", json={**job, "ports": [20000 + pool.port % 9000]})  # the publish range
     assert r.status_code == 201, r.text
     assert b.post(f"/api/v1/allocations/{r.json()['id']}/cancel").status_code == 200
+
+
+def test_a_job_holding_the_whole_service_range_is_stopped_and_the_replicas_come(low_pool: Pool) -> None:
+    pool = low_pool
+    a, b = pool.member("sa"), pool.member("sb")
+    ports = [pool.svc, pool.svc + 1]
+    squatter = pool.hold(b, "-46", ports)  # 0.0.0.0 and [::], on both nodes' host network
+
+    def ended() -> dict[str, Any] | None:
+        got = dict(b.get(f"/api/v1/allocations/{squatter}").json())
+        return got if got["state"] in ("released", "failed", "cancelled") else None
+
+    got = wait_for("B's squatter stopped by its node", ended, 60, pool.logs)
+    assert got["state"] == "failed", got
+    assert "which the pool reserves for its service range" in got["reason"], got
+    assert any(f"listened on port {p}," in got["reason"] for p in ports), got
+    wait_for("the range free again", lambda: not any(listening().get(p) for p in ports), 30, pool.logs)
+
+    engine = f"{JOB_PYTHON} {SIMENGINE} --slots 2 --ms-per-token 1"  # on 0.0.0.0:$PORT: given, kept
+    spec = {"request": {"command": ["/bin/sh", "-c", engine], "cpu_milli": 200}, "min_replicas": 2,
+            "max_replicas": 2, "startup_grace_s": 30, "drain_s": 5}  # fmt: skip
+    assert a.put("/api/v1/services/chat", json={"spec": spec}).status_code == 201
+
+    def both_ready() -> list[dict[str, Any]] | None:
+        reps = a.get("/api/v1/services/chat").json()["replicas"]
+        ready = [rep for rep in reps if rep["replica_state"] == "ready"]
+        return ready if len(ready) == 2 else None
+
+    ready = wait_for("A's two replicas ready", both_ready, 120, pool.logs)
+    assert {int(rep["endpoint"].rsplit(":", 1)[1]) for rep in ready} == set(ports)
+    r = a.post("/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    for rep in ready:  # listening on the port it was given stops nothing
+        got = a.get(f"/api/v1/allocations/{rep['allocation_id']}").json()
+        assert got["state"] == "active" and got["attempt"] == 1, got
+    assert a.delete("/api/v1/services/chat").status_code == 200

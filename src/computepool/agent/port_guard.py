@@ -121,10 +121,11 @@ class PortGuard:
         stop: Callable[[str, str], None],
         every_s: float = GUARD_EVERY_S,
         proc: Path = Path("/proc"),
+        kernel_picks: set[int] | None = None,
     ) -> None:
         self.jobs, self.stop_job, self.every_s, self.proc = jobs, stop, every_s, proc
         self._ranges: tuple[PortRange, ...] = ()
-        self._free_for_kernel = kernel_may_pick(proc)
+        self._free_for_kernel = kernel_may_pick(proc) if kernel_picks is None else kernel_picks
         self._owner: dict[int, tuple[str | None, int]] = {}  # inode → (job key or None, pass seen)
         self._stopped: set[tuple[str, int]] = set()
         self._seen: set[tuple[str, int]] = set()  # (job, port) found last pass: stopped if found again
