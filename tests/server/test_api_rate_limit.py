@@ -70,3 +70,30 @@ def test_token_buckets_wait_and_refill() -> None:
     assert b.take("other", 4.0, 2.0) is None
     b.forget({"other"})
     assert b.take("k", 4.0, 2.0) is None  # forgotten: full again
+
+
+def test_made_up_tokens_from_one_address_get_429_before_any_lookup(make_api: Callable[..., Any]) -> None:
+    api, clock = limited(make_api, auth_fail_rate_per_s=1, auth_fail_burst=3)
+    api.tenant("t")
+    known = api.user("u", "t", "member")
+    assert api.get(A, headers=known).status_code == 200  # its token is known (cached) from now on
+    bad = {"Authorization": "Bearer 999.made-up"}
+    assert [api.get(A, headers=bad).status_code for _ in range(3)] == [401] * 3
+    over = api.get(A, headers=bad)
+    assert over.status_code == 429 and over.headers["Retry-After"] == "1", over.text
+    assert "too many failed authentications from this address (1 a second, 3 at once)" in over.json()["error"]
+    assert api.get(A, headers={"Authorization": "Bearer nonsense"}).status_code == 429  # malformed too
+    assert api.get(A, headers=known).status_code == 200  # a known token still passes
+    assert api.get("/healthz").status_code == 200
+    assert api.get(A).status_code == 401  # no token at all: no lookup, nothing to limit
+    clock.t += 1.0  # one failure more may be tried
+    assert [api.get(A, headers=bad).status_code for _ in range(2)] == [401, 429]
+    clock.t += 60
+    late = api.user("u2", "t", "member")  # a token never used before: looked up once the rate allows
+    assert api.get(A, headers=late).status_code == 200
+
+
+def test_an_auth_fail_rate_of_zero_is_no_limit(make_api: Callable[..., Any]) -> None:
+    api, _ = limited(make_api, auth_fail_rate_per_s=0, auth_fail_burst=1)
+    bad = {"Authorization": "Bearer 999.made-up"}
+    assert {api.get(A, headers=bad).status_code for _ in range(10)} == {401}

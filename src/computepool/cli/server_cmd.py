@@ -103,6 +103,18 @@ def register(app: typer.Typer) -> None:
         api_burst: Annotated[
             int, typer.Option("--api-burst", help="API requests a tenant may make at once (default 500).")
         ] = 500,
+        auth_fail_rate: Annotated[
+            float,
+            typer.Option(
+                "--auth-fail-rate",
+                help="Failed authentications a second one client address may make (0: no limit); past it "
+                "and --auth-fail-burst its unknown tokens get 429 (default 10).",
+            ),
+        ] = 10.0,
+        auth_fail_burst: Annotated[
+            int,
+            typer.Option("--auth-fail-burst", help="Failed authentications one address may make at once."),
+        ] = 200,
         gateway_rpm: Annotated[
             int,
             typer.Option(
@@ -303,6 +315,8 @@ def register(app: typer.Typer) -> None:
                 log_keep_days=log_keep_days,
                 api_rate_per_s=api_rate,
                 api_burst=api_burst,
+                auth_fail_rate_per_s=auth_fail_rate,
+                auth_fail_burst=auth_fail_burst,
                 gateway_rpm=gateway_rpm,
                 gateway_burst=gateway_burst,
                 blob_dir=blob_dir.expanduser() if blob_dir else None,

@@ -25,7 +25,7 @@ from computepool.server.caches import TokenCache
 from computepool.server.context import Ctx
 from computepool.server.credentials import secret_matches, split_token
 from computepool.server.errors import ApiError, NotFound, Unauthorized
-from computepool.server.limits import check_api_rate
+from computepool.server.limits import check_api_rate, check_auth_failures, count_auth_failure
 from computepool.server.policy import HUMAN_ROLES, Action, Principal, authorize
 from computepool.wire.common import MAX_ID
 
@@ -109,7 +109,14 @@ async def _admit(request: Request, action: Action, bearer: str | None, session: 
     if hit is not None:
         principal = hit
     else:
-        principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
+        limits, settings = request.app.state.api_limits, request.app.state.settings
+        client = request.client.host if request.client and bearer else None  # no token: no lookup
+        check_auth_failures(limits, settings, client)
+        try:
+            principal = await run_in_threadpool(authenticate, request.app.state.db, bearer, caches.tokens)
+        except Unauthorized:
+            count_auth_failure(limits, settings, client)
+            raise
     request.state.principal = principal
     check_api_rate(request.app.state.api_limits, request.app.state.settings, principal)
     if session and bearer:

@@ -1,6 +1,8 @@
 """Request limits: the body cap, at the ASGI level (oversized bodies are refused before anything
-parses them), and the per-tenant API rate limit (a token bucket per tenant, checked once a caller
-is known, so that one tenant's flood cannot starve the others' calls nor the agents')."""
+parses them), the per-tenant API rate limit (a token bucket per tenant, checked once a caller is
+known, so that one tenant's flood cannot starve the others' calls nor the agents'), and the rate
+of failed authentications per client address (a flood of made-up tokens costs a database lookup
+each: past the rate an address gets 429 before any lookup, while tokens already cached still pass)."""
 
 from __future__ import annotations
 
@@ -105,6 +107,15 @@ class TokenBuckets:
             return None
         return (1.0 - b.tokens) / rate
 
+    def waiting(self, key: str, rate: float, burst: float, now: float | None = None) -> float | None:
+        """Like `take` but takes nothing: None when a token is there, else the seconds until one is."""
+        b = self._buckets.get(key)
+        if b is None:
+            return None
+        now = self.clock() if now is None else now
+        tokens = min(burst, b.tokens + max(0.0, now - b.at) * rate)
+        return None if tokens >= 1.0 else (1.0 - tokens) / rate
+
     def forget(self, keep: set[str]) -> None:
         for key in [k for k in self._buckets if k not in keep]:
             del self._buckets[key]
@@ -136,3 +147,30 @@ def check_api_rate(buckets: TokenBuckets, settings: ServerSettings, principal: P
             f"a second, {settings.api_burst} at once); retry in {seconds} s",
             headers={"Retry-After": str(seconds)},
         )
+
+
+def _auth_fail_key(client: str) -> str:
+    return f"failed authentication from {client}"
+
+
+def check_auth_failures(buckets: TokenBuckets, settings: ServerSettings, client: str | None) -> None:
+    """Raise 429 (with Retry-After), before any token lookup, for an address past its rate of failed
+    authentications (`--auth-fail-rate`, `--auth-fail-burst`)."""
+    if not client or settings.auth_fail_rate_per_s <= 0:
+        return
+    wait = buckets.waiting(
+        _auth_fail_key(client), settings.auth_fail_rate_per_s, float(settings.auth_fail_burst)
+    )
+    if wait is not None:
+        seconds = max(1, math.ceil(wait))
+        raise TooManyRequests(
+            f"too many failed authentications from this address ({settings.auth_fail_rate_per_s:g} a "
+            f"second, {settings.auth_fail_burst} at once); retry in {seconds} s",
+            headers={"Retry-After": str(seconds)},
+        )
+
+
+def count_auth_failure(buckets: TokenBuckets, settings: ServerSettings, client: str | None) -> None:
+    """One failed authentication from `client`, against its bucket."""
+    if client and settings.auth_fail_rate_per_s > 0:
+        buckets.take(_auth_fail_key(client), settings.auth_fail_rate_per_s, float(settings.auth_fail_burst))

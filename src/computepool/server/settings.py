@@ -88,6 +88,16 @@ class ServerSettings(BaseModel):
     api_burst: int = Field(
         default=500, ge=1, le=10_000_000, description="API requests a tenant may make at once above its rate."
     )
+    auth_fail_rate_per_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=1e6,
+        description="Failed authentications a second one client address may make (0: no limit); past it "
+        "and its burst, calls from there whose token is not already known get 429 before any lookup.",
+    )
+    auth_fail_burst: int = Field(
+        default=200, ge=1, le=10_000_000, description="Failed authentications an address may make at once."
+    )
     gateway_rpm: int = Field(
         default=3000,
         ge=0,
