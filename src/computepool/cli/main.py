@@ -59,6 +59,7 @@ def _register() -> None:
         alloc_cmd,
         audit_cmd,
         bench_api_cmd,
+        bench_chaos_cmd,
         bench_cmd,
         bench_cycle_cmd,
         bench_pool_cmd,
@@ -107,6 +108,7 @@ def _register() -> None:
     bench_api_cmd.register(bench_app)
     bench_cycle_cmd.register(bench_app)
     bench_pool_cmd.register(bench_app)
+    bench_chaos_cmd.register(bench_app)
 
 
 # Commands people type many times a day: only their own module is loaded and built (a third less

@@ -1,0 +1,191 @@
+"""What the chaos run checks, from outside the pool: jobs report themselves, the database is sampled.
+
+- **One copy, ever.** Every job the workload submits runs `JOB` below: it sends "alive" over UDP to
+  the run's collector every 0.2 s with its label, allocation, attempt, gang rank and pid, and
+  "done" just before it exits 0. Two processes of one label and rank whose first-to-last reports
+  overlap ran at once: a duplicate. A frozen copy says nothing while frozen, and its overlap
+  shows the moment it is thawed and speaks again.
+- **No device over capacity, no two tenants on an exclusive slice.** Every 0.5 s one query reads
+  the bound and active allocations' slices in one snapshot of the database: per device the
+  compute and memory held must fit, and an exclusive slice shares its device with nothing.
+- **Nothing acknowledged lost, no healthy job failed.** At the end every allocation the API
+  acknowledged is read back: it exists, it ended (or is still live when the run stopped short)
+  with a reason, and a job that said "done" (exited 0) is not recorded failed, nor run again
+  after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+# The job every chaos submission runs (argv: LABEL SECONDS COLLECTOR_PORT); stdlib only.
+JOB = r"""
+import os, socket, sys, time
+label, seconds, port = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+who = " ".join([label, os.environ.get("CPOOL_ALLOCATION_ID", "?"), os.environ.get("CPOOL_ATTEMPT", "?"),
+                os.environ.get("NODE_RANK", "0"), str(os.getpid())])
+def say(what):
+    try:
+        s.sendto((what + " " + who).encode(), ("127.0.0.1", port))
+    except OSError:
+        pass
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    say("alive")
+    time.sleep(0.2)
+say("done")
+"""
+
+
+@dataclass
+class Copy:
+    """One process of a job as its reports show it."""
+
+    allocation: str
+    attempt: str
+    pid: str
+    first: float
+    last: float
+    done: bool = False
+
+
+@dataclass
+class Collector:
+    """The UDP endpoint the jobs report to, on loopback, on a port the kernel picked."""
+
+    copies: dict[tuple[str, str], dict[str, Copy]] = field(default_factory=lambda: defaultdict(dict))
+    done: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
+
+    def __post_init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.5)
+        self.port = int(self.sock.getsockname()[1])
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-collector", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw, _ = self.sock.recvfrom(512)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.note(raw.decode(errors="replace").split(), time.monotonic())
+
+    def note(self, f: list[str], now: float) -> None:
+        if len(f) != 6 or f[0] not in ("alive", "done"):
+            return
+        what, label, alloc, attempt, rank, pid = f
+        with self._lock:
+            c = self.copies[(label, rank)].get(pid)
+            if c is None:
+                c = self.copies[(label, rank)][pid] = Copy(alloc, attempt, pid, now, now)
+            c.last = now
+            if what == "done":
+                c.done = True
+                self.done[label].append((attempt, rank))
+
+    def duplicates(self) -> list[str]:
+        """Labels and ranks with two processes whose report spans overlap."""
+        out = []
+        with self._lock:
+            for (label, rank), by_pid in self.copies.items():
+                spans = sorted(by_pid.values(), key=lambda c: c.first)
+                for a, b in zip(spans, spans[1:], strict=False):
+                    if b.first < a.last:
+                        out.append(
+                            f"two copies of {label} (allocation {a.allocation}, rank {rank}) ran at once: "
+                            f"attempt {a.attempt} pid {a.pid} and attempt {b.attempt} pid {b.pid} "
+                            f"overlapped {a.last - b.first:.1f} s"
+                        )
+        return out
+
+    def finished(self, label: str) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self.done.get(label, []))
+
+    def attempts(self, label: str) -> set[str]:
+        with self._lock:
+            return {
+                c.attempt for (lb, _), by_pid in self.copies.items() if lb == label for c in by_pid.values()
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self._thread.join(timeout=2)
+
+
+class CapacitySampler:
+    """Samples the held slices every `every_s` in one database snapshot (see the module)."""
+
+    QUERY = "SELECT a.id, a.tenant_id, a.slices FROM allocations a WHERE a.state IN ('bound', 'active')"
+
+    def __init__(self, dsn: str, every_s: float = 0.5) -> None:
+        self.dsn, self.every_s = dsn, every_s
+        self.violations: list[str] = []
+        self.samples = 0
+        self._devices: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-capacity", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        while not self._stop.wait(self.every_s):
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=2)
+                if not self._devices:
+                    rows = conn.execute("SELECT uuid, memory_mib FROM devices").fetchall()
+                    self._devices = {str(u): int(m) for u, m in rows}
+                self.check(conn.execute(self.QUERY).fetchall())
+            except psycopg.Error:  # the database is down (a fault): sample again when it is back
+                with contextlib.suppress(Exception):
+                    if conn is not None:
+                        conn.close()
+                conn = None
+
+    def check(self, rows: list[tuple[Any, ...]]) -> None:
+        self.samples += 1
+        compute: dict[str, int] = defaultdict(int)
+        memory: dict[str, int] = defaultdict(int)
+        holders: dict[str, set[tuple[int, int, bool]]] = defaultdict(set)
+        for alloc_id, tenant_id, slices in rows:
+            for sl in slices or []:
+                dev = str(sl["device_uuid"])
+                compute[dev] += int(sl.get("compute_milli") or 0)
+                memory[dev] += int(sl.get("memory_mib") or 0)
+                holders[dev].add((int(alloc_id), int(tenant_id), sl.get("isolation") == "exclusive"))
+        for dev, held in holders.items():
+            why = []
+            if compute[dev] > 1000:
+                why.append(f"compute {compute[dev]}/1000 milli")
+            if dev in self._devices and memory[dev] > self._devices[dev]:
+                why.append(f"memory {memory[dev]}/{self._devices[dev]} MiB")
+            if len(held) > 1 and any(ex for _, _, ex in held):
+                why.append("an exclusive slice shared")
+            if why:
+                ids = sorted(a for a, _, _ in held)
+                note = f"device {dev} over capacity ({', '.join(why)}) held by allocations {ids}"
+                if note not in self.violations:
+                    self.violations.append(note)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
