@@ -25,6 +25,7 @@ ALLOWED = {
     "sdk": {"core", "wire", "client"},
     "serving": set(),  # engines and traces that run as a tenant's job: nothing of the pool's
     "discovery": set(),  # signed LAN announcements: shared by the agent, the server and benchmarks
+    "chaos": set(),  # a pool under faults, seen from outside: its processes, HTTP and database
 }
 
 
