@@ -6,12 +6,18 @@ Public API: `AgentApi`, `ApiError`, `Unreachable`, `Credential`, `load_credentia
 Every connection starts at the agent (NAT-friendly: the server never dials a node). Failures
 come in two kinds the loop treats differently: `Unreachable` (network, timeouts, 5xx — retry
 with backoff, workloads carry on) and `ApiError` (a 4xx: the server understood and refused).
+
+The control plane may be several replicas (`--server` repeated, and those its answers name): a
+call moves to the next one when a replica refuses the connection or answers 503, and stays with
+the one that answers (client/servers.py). A call that went out unanswered is not resent here; the
+loop's next try goes to the next replica (every call the loop repeats is safe to repeat).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import ssl
 import stat
@@ -21,6 +27,7 @@ from typing import Any, BinaryIO
 
 import httpx
 
+from computepool.client.servers import ServerList, split_servers
 from computepool.core.tls import (
     TlsError,
     client_context,
@@ -30,6 +37,7 @@ from computepool.core.tls import (
     split_pin,
 )
 
+log = logging.getLogger("computepool.agent")
 API = "/api/v1"
 CREDENTIAL_FILE = "node.json"
 
@@ -109,6 +117,7 @@ def server_verify(
     """
     if ca is not None:
         return client_context(ca)
+    server = split_servers(server)[0]  # the replicas of one pool present one certificate
     saved = data_dir / SERVER_CERT_FILE
     if saved.exists():
         return client_context(saved, pinned=True)
@@ -140,11 +149,17 @@ class AgentApi:
         transport: httpx.BaseTransport | None = None,
         verify: ssl.SSLContext | bool = True,
     ):
-        self.server = server.rstrip("/")
+        """`server`: the control plane's URL, or several comma-separated (its replicas)."""
+        self.servers = ServerList(split_servers(server))
         self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.server, timeout=timeout_s, transport=transport, verify=verify)
+        self._http = httpx.Client(timeout=timeout_s, transport=transport, verify=verify)
         self._headers: dict[str, str] = {}
         self.name = ""
+
+    @property
+    def server(self) -> str:
+        """The replica in use now."""
+        return self.servers.current
 
     def use(self, cred: Credential) -> None:
         self.name = cred.name
@@ -153,24 +168,54 @@ class AgentApi:
     def close(self) -> None:
         self._http.close()
 
+    def learn(self, answer: dict[str, Any]) -> None:
+        """Keep the replicas a join or heartbeat answer names (absent: a server that names none)."""
+        urls = answer.get("servers")
+        if isinstance(urls, list) and self.servers.learn(str(u) for u in urls):
+            log.info("control plane replicas: %s", ", ".join(self.servers.urls))
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request on the first replica that takes it: a refused connection or a 503 moves on
+        to the next (a 503's replica is left alone for its Retry-After); anything else ends here."""
+        from computepool.client.http import retry_after_s  # noqa: PLC0415 - the CLI's client, lazily
+
+        tried: list[str] = []
+        for base in self.servers.order():
+            if self.servers.wait_s(base) > 0:
+                tried.append(f"{base}: unavailable (Retry-After)")
+                continue
+            try:
+                r = self._http.request(method, base + path, **kw)
+            except httpx.HTTPError as e:
+                self.servers.failed(base)
+                tls = describe_tls_failure(e)
+                tried.append(f"{base}: {tls or f'{type(e).__name__}: {e}'.rstrip(': ')}")
+                if tls is None and isinstance(
+                    e, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+                ):
+                    continue  # it never went out: another replica may take it
+                raise Unreachable("; ".join(tried)) from None
+            if r.status_code == 503:
+                self.servers.failed(base, retry_after_s(r, 0))
+                tried.append(f"{base}: HTTP 503: {_error_text(r)}")
+                continue
+            if r.status_code >= 500:
+                self.servers.failed(base)
+                raise Unreachable(f"{base}: HTTP {r.status_code}: {_error_text(r)}")
+            self.servers.worked(base)
+            return r
+        raise Unreachable("; ".join(tried))
+
     def _call(
         self, method: str, path: str, *, auth: bool = True, timeout: float | None = None, **kw: Any
     ) -> Any:
-        try:
-            r = self._http.request(
-                method,
-                path,
-                headers=self._headers if auth else None,
-                timeout=timeout if timeout is not None else self.timeout_s,
-                **kw,
-            )
-        except httpx.HTTPError as e:
-            tls = describe_tls_failure(e)
-            if tls is not None:  # retried like an outage (jobs carry on), but said plainly
-                raise Unreachable(f"{self.server}: {tls}") from None
-            raise Unreachable(f"{self.server}: {type(e).__name__}: {e}".rstrip(": ")) from None
-        if r.status_code >= 500:
-            raise Unreachable(f"{self.server}: HTTP {r.status_code}: {_error_text(r)}")
+        r = self._send(
+            method,
+            path,
+            headers=self._headers if auth else None,
+            timeout=timeout if timeout is not None else self.timeout_s,
+            **kw,
+        )
         if r.status_code >= 400:
             raise ApiError(r.status_code, _error_text(r))
         try:
@@ -181,8 +226,10 @@ class AgentApi:
     # ---- the calls ---------------------------------------------------------------------------
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`POST /nodes/join` → {node, credential, heartbeat_interval_s}."""
-        return dict(self._call("POST", f"{API}/nodes/join", auth=False, json=body))
+        """`POST /nodes/join` → {node, credential, heartbeat_interval_s, servers}."""
+        out = dict(self._call("POST", f"{API}/nodes/join", auth=False, json=body))
+        self.learn(out)
+        return out
 
     def heartbeat(
         self,
@@ -197,7 +244,9 @@ class AgentApi:
             body["address"] = address
         if pythons is not None:
             body["pythons"] = pythons
-        return dict(self._call("POST", f"{API}/nodes/{self.name}/heartbeat", json=body))
+        out = dict(self._call("POST", f"{API}/nodes/{self.name}/heartbeat", json=body))
+        self.learn(out)
+        return out
 
     def assignments(self, since: int | None, wait_s: float) -> dict[str, Any]:
         """Long-poll: answers at once when the list changed after `since`, else after about `wait_s`."""
@@ -222,12 +271,7 @@ class AgentApi:
     # ---- blobs and file requests (agent/blobs.py) ----------------------------------------------
 
     def _raw(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self._http.request(method, API + path, headers=self._headers, **kw)
-        except httpx.HTTPError as e:
-            raise Unreachable(f"{self.server}: {type(e).__name__}: {e}".rstrip(": ")) from None
-        if r.status_code >= 500:
-            raise Unreachable(f"{self.server}: HTTP {r.status_code}: {_error_text(r)}")
+        r = self._send(method, API + path, headers=self._headers, **kw)
         if r.status_code >= 400:
             raise ApiError(r.status_code, _error_text(r))
         return r

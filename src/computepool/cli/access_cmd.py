@@ -22,7 +22,8 @@ from computepool.cli.pool_cmd import (
     table,
 )
 from computepool.client import ClientConfig, PoolClient, resolve_config, save_config
-from computepool.client.config import load_config, normalise_server
+from computepool.client.config import load_config
+from computepool.client.servers import join_servers, split_servers
 from computepool.core.errors import InvalidInput
 
 
@@ -80,7 +81,7 @@ def register_login(app: typer.Typer) -> None:
         if not saved:
             say("not logged in")
             return
-        server = normalise_server(saved.get("server", "http://127.0.0.1:8470"))
+        server = join_servers(split_servers(saved.get("server", "http://127.0.0.1:8470")))
         save_config(ClientConfig(server, None, saved.get("ca")))
         say(f"token removed from {path}")
 

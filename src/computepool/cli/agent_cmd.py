@@ -63,8 +63,13 @@ def register(app: typer.Typer) -> None:
     @app.command("agent")
     def agent(
         server: Annotated[
-            str,
-            typer.Option("--server", envvar="CPOOL_SERVER", help="Control plane URL, e.g. http://pool:8470."),
+            list[str],
+            typer.Option(
+                "--server",
+                envvar="CPOOL_SERVER",
+                help="Control plane URL, e.g. http://pool:8470; repeat it (or separate URLs by commas) "
+                "for several replicas. The agent also uses the replicas the control plane names.",
+            ),
         ],
         join_token: Annotated[
             str | None,
@@ -264,14 +269,16 @@ def register(app: typer.Typer) -> None:
         discovery_options = _discovery(discovery, discovery_address, discovery_port, peer, no_discovery_mdns)
         if log_level.lower() not in LOG_LEVELS:
             raise fail(f"--log-level: unknown level {log_level!r}")
-        if not server.startswith(("http://", "https://")):
-            raise fail(f"--server: expected an http:// or https:// URL, got {server!r}")
+        urls = [u.strip() for item in server for u in item.split(",") if u.strip()]
+        for url in urls or [""]:
+            if not url.startswith(("http://", "https://")):
+                raise fail(f"--server: expected an http:// or https:// URL, got {url!r}")
         if ca is not None and not ca.expanduser().is_file():
             raise fail(f"--ca: no such file {ca}")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         config = AgentConfig(
-            server=server,
+            server=",".join(dict.fromkeys(u.rstrip("/") for u in urls)),
             data_dir=data_dir.expanduser(),
             join_token=join_token or None,
             ca=ca.expanduser().absolute() if ca else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -266,7 +267,10 @@ def wait_for_binding(
 
     On a timeout the request is withdrawn (cancelled) so nothing keeps waiting unseen.
     """
+    from computepool.cli.logstream import follower
+
     alloc_id = alloc["id"]
+    rider = follower(f"allocation {alloc_id}")  # answers on binding; a control plane away is waited for
     deadline = None if timeout is None else time.monotonic() + timeout
     spinner: AbstractContextManager[Any] = nullcontext()
     live = not quiet and err_console.is_terminal
@@ -291,7 +295,7 @@ def wait_for_binding(
                 err_console.print(line, highlight=False, markup=False, soft_wrap=True)
             last_line = line
             pause = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-            alloc = pool.get_allocation(alloc_id, wait=pause, state=PENDING)  # answers on binding
+            alloc = rider.call(partial(pool.get_allocation, alloc_id, wait=pause, state=PENDING))
     return alloc
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 from computepool.cli.common import console, err_console, print_json
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.client import resolve_config
+from computepool.client.servers import ServerArg
 from computepool.core.errors import InvalidInput
 
 if TYPE_CHECKING:  # aiohttp and friends load only when a benchmark runs
@@ -22,7 +23,7 @@ AllowRemote = Annotated[bool, typer.Option("--allow-remote", help="Allow a serve
 
 
 def _target(
-    server: str | None, token: str | None, allow_remote: bool, local: LocalProcess | None
+    server: ServerArg, token: str | None, allow_remote: bool, local: LocalProcess | None
 ) -> tuple[str, str]:
     from computepool.client.bench import is_loopback
 

@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from computepool.cli.common import err_console
 from computepool.client import PoolClient
+from computepool.client.follow import OutageRider
 
 WAIT_S = 10.0
 NO_WAIT_PAUSE_S = 0.2  # against a server that answers at once instead of long-polling
@@ -22,6 +24,20 @@ def _write(fd: TextIO, data: str) -> None:
     if data:
         fd.write(data)
         fd.flush()
+
+
+def follower(what: str) -> OutageRider:
+    """Rides out a control-plane outage while following `what`, saying so once on stderr."""
+
+    def gone(e: Exception) -> None:
+        err_console.print(
+            f"{e}; still following {what}, retrying", highlight=False, markup=False, style="dim"
+        )
+
+    def back() -> None:
+        err_console.print(f"control plane back; following {what}", highlight=False, markup=False, style="dim")
+
+    return OutageRider(on_outage=gone, on_back=back)
 
 
 def copy_output(
@@ -37,12 +53,16 @@ def copy_output(
 
     Without `follow`, every page up to what is stored now (a long log is not cut at one page).
     `first` sees the first answer before anything is written (to say whose output it is).
-    Returns the last answer: its state, exit code and reason say how the job ended.
+    Returns the last answer: its state, exit code and reason say how the job ended. While
+    following, a control plane that restarts or fails over is waited for (`follower`).
     """
     offsets = {"stdout": 0, "stderr": 0}
+    rider = follower(f"job {alloc_id}") if follow else OutageRider(outage_s=0)
     while True:
-        out = pool.allocation_logs(
-            alloc_id, offsets["stdout"], offsets["stderr"], rank=rank, wait=wait if follow else None
+        out = rider.call(
+            lambda: pool.allocation_logs(
+                alloc_id, offsets["stdout"], offsets["stderr"], rank=rank, wait=wait if follow else None
+            )
         )
         if first is not None:
             first(out)

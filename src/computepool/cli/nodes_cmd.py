@@ -21,6 +21,7 @@ from computepool.cli.pool_cmd import (
     table,
 )
 from computepool.client import PoolClient, PoolError
+from computepool.client.servers import ServerArg
 from computepool.core.allocation import HOLDING
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_mib
@@ -143,7 +144,7 @@ def register(app: typer.Typer) -> None:
     )
     app.add_typer(nodes, name="nodes")
 
-    def list_nodes(server: str | None, token: str | None, json_out: bool) -> None:
+    def list_nodes(server: ServerArg, token: str | None, json_out: bool) -> None:
         with open_client(server, token) as pool:
             items = pool.list_nodes()
             if json_out:

@@ -25,15 +25,17 @@ from computepool.client import (
     ServerUnreachable,
     resolve_config,
 )
+from computepool.client.servers import ServerArg
 from computepool.core.errors import InvalidInput
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 ServerOpt = Annotated[
-    str | None,
+    list[str] | None,
     typer.Option(
         "--server",
-        help="Pool server URL (else $CPOOL_SERVER, the `cpool login` config, http://127.0.0.1:8470).",
+        help="Pool server URL; repeat it (or separate URLs by commas) for several replicas "
+        "(else $CPOOL_SERVER, the `cpool login` config, http://127.0.0.1:8470).",
         show_default=False,
     ),
 ]
@@ -69,7 +71,7 @@ def pool_command(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def open_client(server: str | None, token: str | None, timeout: float = 30.0) -> PoolClient:
+def open_client(server: ServerArg, token: str | None, timeout: float = 30.0) -> PoolClient:
     return PoolClient.from_config(resolve_config(server, token), timeout=timeout)
 
 

@@ -44,6 +44,7 @@ from computepool.cli.pool_cmd import (
 from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, WorkdirOpt
 from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
+from computepool.client.servers import ServerArg
 from computepool.core.errors import InvalidInput
 
 USAGE_BY = {
@@ -259,7 +260,7 @@ def register(app: typer.Typer) -> None:
     services = typer.Typer(help="Model services: list (the default), show one's replicas, gateway usage.")
     app.add_typer(services, name="services")
 
-    def list_services(server: str | None, token: str | None, json_out: bool) -> None:
+    def list_services(server: ServerArg, token: str | None, json_out: bool) -> None:
         with open_client(server, token) as pool:
             items = pool.services()
         if json_out:

@@ -43,6 +43,16 @@ def register(app: typer.Typer) -> None:
         ] = None,
         host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8470,
+        advertise_url: Annotated[
+            str | None,
+            typer.Option(
+                "--advertise-url",
+                envvar="CPOOL_ADVERTISE_URL",
+                help="Where agents reach this replica, e.g. https://cp-2:8470: published so that agents "
+                "given another replica's URL find it (default: from --host and --port, unless --host is "
+                "0.0.0.0 or ::).",
+            ),
+        ] = None,
         heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Node heartbeat interval.")] = 5.0,
         suspect_s: Annotated[float, typer.Option("--suspect-s", help="Heartbeat age → suspect.")] = 20.0,
         lost_s: Annotated[float, typer.Option("--lost-s", help="Heartbeat age → lost.")] = 60.0,
@@ -316,6 +326,7 @@ def register(app: typer.Typer) -> None:
                 api_rate_per_s=api_rate,
                 api_burst=api_burst,
                 auth_fail_rate_per_s=auth_fail_rate,
+                advertise_url=advertise_url.rstrip("/") if advertise_url else None,
                 auth_fail_burst=auth_fail_burst,
                 gateway_rpm=gateway_rpm,
                 gateway_burst=gateway_burst,

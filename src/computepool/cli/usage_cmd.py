@@ -21,6 +21,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
+from computepool.client.servers import ServerArg
 from computepool.core.errors import InvalidInput
 from computepool.core.usage import ENERGY_ITEM, USAGE_BY
 
@@ -156,7 +157,7 @@ def register(app: typer.Typer) -> None:
     prices = typer.Typer(help=f"Prices: per GPU-hour of a device model, and per kWh ({ENERGY_ITEM}).")
     app.add_typer(prices, name="prices")
 
-    def list_prices(server: str | None, token: str | None, json_out: bool) -> None:
+    def list_prices(server: ServerArg, token: str | None, json_out: bool) -> None:
         with open_client(server, token) as pool:
             items = pool.prices()
         if json_out:

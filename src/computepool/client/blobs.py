@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import httpx
 
-from computepool.client.errors import PoolError, ServerUnreachable
+from computepool.client.errors import PoolError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -26,13 +26,24 @@ FILES_WAIT_S = 20.0
 
 
 class BlobMethods:
-    """Mixed into PoolClient (which provides `_http`, `server`, `timeout` and `request`)."""
+    """Mixed into PoolClient (which provides `server`, `timeout`, `send` and `request`)."""
 
-    _http: httpx.Client
-    server: str
     timeout: float
 
     if TYPE_CHECKING:
+
+        @property
+        def server(self) -> str: ...  # PoolClient's
+
+        def send(
+            self,
+            method: str,
+            url: str,
+            *,
+            headers: dict[str, str] | None = None,
+            timeout: float | None = None,
+            **kw: Any,
+        ) -> httpx.Response: ...  # PoolClient's
 
         def request(
             self,
@@ -48,13 +59,9 @@ class BlobMethods:
     def _raw(
         self, method: str, path: str, *, content: bytes | None = None, timeout: float | None = None
     ) -> httpx.Response:
-        from computepool.client.http import error_from_response, transport_cause  # noqa: PLC0415 - cycle
+        from computepool.client.http import error_from_response  # noqa: PLC0415 - cycle
 
-        wait = timeout if timeout is not None else self.timeout
-        try:
-            r = self._http.request(method, API + path, content=content, timeout=wait)
-        except httpx.TransportError as e:
-            raise ServerUnreachable(self.server, transport_cause(e, wait)) from None
+        r = self.send(method, API + path, content=content, timeout=timeout)
         if r.status_code == 404 and method == "HEAD":
             return r
         if not r.is_success:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from computepool.client.servers import ServerArg, join_servers, split_servers
 from computepool.core.errors import InvalidInput
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
@@ -20,9 +21,13 @@ _SAVED = ("server", "token", "ca")
 
 @dataclass(frozen=True)
 class ClientConfig:
-    server: str
+    server: str  # one URL, or several comma-separated (replicas of one control plane)
     token: str | None
     ca: str | None = None  # PEM file of the CA (or the self-signed certificate) an https server must match
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return split_servers(self.server)
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:
@@ -32,16 +37,6 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
     if explicit:
         return Path(explicit).expanduser()
     return Path("~/.config/computepool/config.json").expanduser()
-
-
-def normalise_server(server: str) -> str:
-    """Accept `host:port` as well as a URL; refuse anything that is not http(s)."""
-    s = server.strip().rstrip("/")
-    if "://" not in s:
-        s = f"http://{s}"
-    if not s.startswith(("http://", "https://")) or len(s.split("://", 1)[1]) == 0:
-        raise InvalidInput("server", f"expected an http:// or https:// URL, got {server!r}")
-    return s
 
 
 def load_config(path: Path) -> dict[str, str]:
@@ -62,16 +57,19 @@ def load_config(path: Path) -> dict[str, str]:
 
 
 def resolve_config(
-    server: str | None = None,
+    server: ServerArg = None,
     token: str | None = None,
     env: Mapping[str, str] | None = None,
     ca: str | None = None,
 ) -> ClientConfig:
     """Each setting from the first place that has it: the argument, the environment, the file.
 
-    The saved CA only goes with the saved server: a server named elsewhere needs its own CA.
+    `server` (and $CPOOL_SERVER, and the saved one) may name several URLs, comma-separated or as a
+    list: the replicas of one control plane. The saved CA only goes with the saved servers: a
+    server named elsewhere needs its own CA.
     """
     env = os.environ if env is None else env
+    server = join_servers(split_servers(server)) or None
     saved: dict[str, str] = {}
     if (
         not (server or env.get(ENV_SERVER))
@@ -79,11 +77,15 @@ def resolve_config(
         or not (ca or env.get(ENV_CA))
     ):
         saved = load_config(config_path(env))
-    chosen_server = normalise_server(server or env.get(ENV_SERVER) or saved.get("server") or DEFAULT_SERVER)
+    chosen_server = join_servers(
+        split_servers(server or env.get(ENV_SERVER) or saved.get("server") or DEFAULT_SERVER)
+    )
+    if not chosen_server:
+        raise InvalidInput("server", "no control plane URL given")
     chosen_token = token or env.get(ENV_TOKEN) or saved.get("token") or None
     saved_ca = (
         saved.get("ca")
-        if saved.get("server") and normalise_server(saved["server"]) == chosen_server
+        if saved.get("server") and join_servers(split_servers(saved["server"])) == chosen_server
         else None
     )
     chosen_ca = ca or env.get(ENV_CA) or saved_ca or None

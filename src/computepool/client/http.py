@@ -22,10 +22,11 @@ import httpx
 
 from computepool.client.alerts import AlertMethods
 from computepool.client.blobs import BlobMethods
-from computepool.client.config import ClientConfig, normalise_server
+from computepool.client.config import ClientConfig
 from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.client.images import ImageMethods
 from computepool.client.peers import PeerMethods
+from computepool.client.servers import ServerArg, ServerList, may_resend, split_servers
 from computepool.client.services import ServiceMethods
 from computepool.client.usage import UsageMethods
 from computepool.core.allocation import ENDED, PENDING
@@ -103,23 +104,26 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
 
 
 class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMethods, ImageMethods):
-    """A connection to one pool server with one bearer token.
+    """A connection to one pool's control plane (one URL, or several replicas) with one bearer token.
 
-    A 503 (database away) or 429 (over the tenant's API rate) is retried up to `retries` times,
-    waiting as the server's Retry-After says (at most 10 s each); everything else is raised at once.
+    A 503 (database away, replica going) or 429 (over the tenant's API rate) is retried up to
+    `retries` times per URL, waiting as the server's Retry-After says (at most 10 s each); with
+    several URLs a refused connection or a 503 moves the call to the next, and the client stays with
+    the one that answered. Everything else is raised at once.
     """
 
     def __init__(
         self,
-        server: str,
+        server: ServerArg,
         token: str | None = None,
         timeout: float = 30.0,
         retries: int = 3,
         sleep: Callable[[float], None] = time.sleep,
         ca: str | None = None,
     ) -> None:
-        """`ca`: a PEM file the server's certificate must chain to (else the system's CAs)."""
-        self.server = normalise_server(server)
+        """`server`: a URL, a comma-separated list or a list of URLs; `ca`: a PEM file the server's
+        certificate must chain to (else the system's CAs)."""
+        self.servers = ServerList(split_servers(server))
         self.token = token
         self.timeout = timeout
         self.retries = max(0, retries)
@@ -128,7 +132,12 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
         if token:
             headers["Authorization"] = f"Bearer {token}"
         verify = client_context(Path(ca)) if ca else True
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout, verify=verify)
+        self._http = httpx.Client(headers=headers, timeout=timeout, verify=verify)
+
+    @property
+    def server(self) -> str:
+        """The URL in use now (the last that answered)."""
+        return self.servers.current
 
     @classmethod
     def from_config(cls, cfg: ClientConfig, timeout: float = 30.0) -> PoolClient:
@@ -162,25 +171,7 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
         url = API + path if api else path
         hdrs = dict(headers or {})
         query = {k: v for k, v in (params or {}).items() if v is not None}
-        replayable = method in ("GET", "PUT", "DELETE") or "Idempotency-Key" in hdrs
-        attempt, reconnected = 0, False
-        while True:  # bounded: `retries` 503s plus one reconnect
-            try:
-                r = self._http.request(method, url, json=json, params=query, headers=hdrs)
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-                # a kept-alive connection the server had closed: resend once if that cannot double it
-                if replayable and not reconnected:
-                    reconnected = True
-                    continue
-                raise ServerUnreachable(self.server, transport_cause(e, self.timeout)) from None
-            except httpx.TransportError as e:
-                cause = transport_cause(e, self.timeout)
-                raise ServerUnreachable(self.server, cause, tls=describe_tls_failure(e) is not None) from None
-            if r.status_code in (429, 503) and attempt < self.retries:  # neither was acted on
-                self._sleep(retry_after_s(r, attempt))
-                attempt += 1
-                continue
-            break
+        r = self.send(method, url, json=json, params=query, headers=hdrs)
         if r.is_success:
             return r.json() if r.content else None
         err = error_from_response(r)
@@ -192,6 +183,71 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
         elif r.status_code == 401 and not self.token:
             err = PoolError(401, f"{err.message}; no token: run `cpool login` or set CPOOL_TOKEN", err.field)
         raise err
+
+    def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        **kw: Any,
+    ) -> httpx.Response:
+        """One request to `url` (a path on the server) on whichever URL answers; the response as is.
+
+        A refused connection moves on to the next URL at once. A request that went out but got no
+        answer is sent again (first to the same URL: a kept-alive connection the server had closed,
+        then to the next) only if that cannot do it twice (`may_resend`). A 503 moves on too and
+        that URL is left alone for its Retry-After; a 429 waits its Retry-After.
+        """
+        hdrs = dict(headers or {})
+        wait = timeout if timeout is not None else self.timeout
+        busy = 0  # 503/429 answers so far
+        unreachable: dict[str, str] = {}  # URL -> why, in this call
+        resent: set[str] = set()
+        said: tuple[str, float] | None = None  # the last 503's URL and its Retry-After
+        while True:
+            base = next((u for u in self.servers.order() if u not in unreachable), None)
+            if base is None:
+                urls = list(unreachable)
+                cause = (
+                    "; ".join(f"{u}: {c}" for u, c in unreachable.items())
+                    if len(urls) > 1
+                    else unreachable[urls[0]]
+                )
+                raise ServerUnreachable(self.servers.describe(), cause)
+            # back to the URL that just said 503 (no other to try): wait as it said
+            pause = said[1] if said is not None and said[0] == base else self.servers.wait_s(base)
+            said = None
+            if pause > 0:
+                self._sleep(pause)
+            try:
+                r = self._http.request(method, base + url, headers=hdrs, timeout=wait, **kw)
+            except httpx.TransportError as e:
+                tls = describe_tls_failure(e)
+                if tls is not None:
+                    raise ServerUnreachable(base, tls, tls=True) from None
+                sent = not isinstance(e, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+                if not may_resend(method, hdrs, sent):
+                    self.servers.failed(base)
+                    raise ServerUnreachable(base, transport_cause(e, wait)) from None
+                stale = isinstance(e, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+                if sent and stale and base not in resent:
+                    resent.add(base)  # most likely a kept-alive connection the server had closed
+                    continue
+                self.servers.failed(base)
+                unreachable[base] = transport_cause(e, wait)
+                continue
+            if r.status_code in (429, 503) and busy < self.retries * len(self.servers):
+                busy += 1  # neither was acted on
+                if r.status_code == 503:
+                    said = (base, retry_after_s(r, busy - 1))
+                    self.servers.failed(base, said[1])
+                else:
+                    self._sleep(retry_after_s(r, busy - 1))
+                continue
+            self.servers.worked(base)
+            return r
 
     def _items(self, path: str, params: Mapping[str, Any] | None = None) -> list[JSON]:
         return list(self.request("GET", path, params=params)["items"])

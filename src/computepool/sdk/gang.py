@@ -85,8 +85,9 @@ class GangHandle(pool_mod.Handle[R]):
 
     def poll(self, wait_s: float) -> None:
         """One long-poll of rank 0's output: written to our stdout and stderr; settled once ended."""
-        out = self.fn.pool.client.allocation_logs(
-            self.id, self.offset, self.err_offset, rank=0, wait=round(max(0.0, min(wait_s, LOG_WAIT_S)), 3)
+        client, wait = self.fn.pool.client, round(max(0.0, min(wait_s, LOG_WAIT_S)), 3)
+        out = self.fn.pool.rider.call(
+            lambda: client.allocation_logs(self.id, self.offset, self.err_offset, rank=0, wait=wait)
         )
         for name, fd in (("stdout", sys.stdout), ("stderr", sys.stderr)):
             part = out.get(name) or {}
@@ -98,7 +99,7 @@ class GangHandle(pool_mod.Handle[R]):
         self.err_offset = int((out.get("stderr") or {}).get("next", self.err_offset))
         self.state = str(out.get("state") or self.state)
         if out.get("ended"):
-            self.allocation = self.fn.pool.client.get_allocation(self.id)
+            self.allocation = self.fn.pool.rider.call(lambda: client.get_allocation(self.id))
             self.outcome = {"outcomes": self._outcomes()}
 
     def result(self, timeout: float | None = None) -> R:

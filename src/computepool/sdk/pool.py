@@ -17,6 +17,7 @@ import copy
 import functools
 import json
 import linecache
+import logging
 import re
 import sys
 import threading
@@ -30,13 +31,16 @@ import cloudpickle
 
 from computepool.client.config import resolve_config
 from computepool.client.errors import PoolError
+from computepool.client.follow import OutageRider
 from computepool.client.http import PoolClient
 from computepool.client.options import build_request
+from computepool.client.servers import ServerArg
 from computepool.core.errors import InvalidInput
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
 from computepool.sdk.packing import pack_call, pack_shipment, shipment
 from computepool.wire.allocations import AllocationCreate
 
+log = logging.getLogger("computepool.sdk")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -71,7 +75,7 @@ class Pool:
 
     def __init__(
         self,
-        server: str | None = None,
+        server: ServerArg = None,
         token: str | None = None,
         ca: str | None = None,
         timeout: float = 30.0,
@@ -79,6 +83,8 @@ class Pool:
         cfg = resolve_config(server, token, ca=ca)
         self.client = PoolClient.from_config(cfg, timeout=max(timeout, POLL_S + 15))
         self.server = cfg.server
+        # results are read again while the control plane restarts or fails over: the calls run on
+        self.rider = OutageRider(on_outage=lambda e: log.warning("%s; waiting for it", e))
 
     @overload
     def function(self, fn: Callable[P, R], /, **options: Any) -> RemoteFunction[P, R]: ...
@@ -299,7 +305,10 @@ class RemoteFunction(Generic[P, R]):
             "output_from": {str(h.id): h.offset for h in open_},
             "stderr_from": {str(h.id): h.err_offset for h in open_ if h.err_offset},
         }
-        answer = self.pool.client.request("POST", f"/functions/{self.register()}/results", json=body)
+        fid = self.register()
+        answer = self.pool.rider.call(
+            lambda: self.pool.client.request("POST", f"/functions/{fid}/results", json=body)
+        )
         by_id = {h.id: h for h in open_}
         for c in answer["calls"]:
             h = by_id.get(int(c["id"]))

@@ -45,6 +45,7 @@ from computepool.server.logic.service_controller import ServiceController
 from computepool.server.loops import Loops, Periodic
 from computepool.server.policy import Action
 from computepool.server.reclaim import Reclaimer
+from computepool.server.replicas import Replicas
 from computepool.server.routers import api_routers, health
 from computepool.server.routers.blobs import RAW_UPLOADS
 from computepool.server.routers.functions import LARGE_BODIES, LARGE_BODY_BYTES
@@ -197,6 +198,7 @@ def _periodics(state: State) -> list[Periodic]:
         LogLimits(state.db, state.settings).periodic(),
         *state.alert_engine.periodic(),
         Periodic("audit-watch", CHECKPOINT_EVERY_S, _AuditWatcher(state).step, first_at_start=True),
+        state.replicas.periodic(),
     ]
     if state.db.dialect == "sqlite":  # the log folded back into the file, off the write path
         loops.append(Periodic("checkpoint", CHECKPOINT_EVERY_S, state.db.checkpoint, quiet=True))
@@ -225,6 +227,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         await loops.stop()
+        await run_in_threadpool(state.replicas.withdraw)
         await alert_engine.stop()
         await gateway.stop()
         await state.coop_controller.stop()
@@ -247,6 +250,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.caches = Caches.create(settings.token_cache_s, settings.shape_cache_s)
     app.state.metrics = metrics.Metrics(app.state.db, settings)
     app.state.leadership = leadership = Leadership(app.state.db)
+    app.state.replicas = Replicas(app.state.db, settings)  # this replica's URL, the live ones
     app.state.controller = Controller(
         app.state.db,
         settings,

@@ -23,6 +23,12 @@ class ServerSettings(BaseModel):
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535, description="TCP port to listen on.")
+    advertise_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s,]+$",
+        description="Where agents and the other replicas reach this replica, published in the database "
+        "(default: from host and port unless the host is a wildcard address).",
+    )
     heartbeat_interval_s: float = Field(default=5.0, gt=0, le=3600, description="How often nodes report.")
     suspect_after_s: float = Field(
         default=20.0, gt=0, description="Heartbeat age after which a node is suspect."

@@ -334,6 +334,16 @@ class SchedulerLease(Base):
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+class ControlPlaneUrl(Base):
+    """A control-plane replica's reachable URL, as it last published it: agents learn the
+    replicas from these (rows not renewed for a while belong to replicas that are gone)."""
+
+    __tablename__ = "control_plane_urls"
+
+    url: Mapped[str] = mapped_column(String(512), primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class Blob(Base):
     """A content-addressed blob a tenant holds (code archive, stdin, fetched files); the bytes are a
     file under the server's data dir, shared by every tenant that holds them, counted for each."""

@@ -193,6 +193,10 @@ class NodeJoined(Out):
     credential: str = Field(description="The node's bearer token; shown only in this answer.")
     heartbeat_interval_s: float
     lost_after_s: float = Field(description="Heartbeat age → lost; restartable work is fenced before.")
+    servers: list[str] = Field(
+        default_factory=list,
+        description="The control plane's live replicas (their advertised URLs): agents move among them.",
+    )
 
 
 class PortRangeOut(Out):
@@ -218,4 +222,8 @@ class HeartbeatOut(Out):
     reserved_ports: list[PortRangeOut] = Field(
         default_factory=list,
         description="The pool's port ranges: a job on the node may listen there only on a port it was given.",
+    )
+    servers: list[str] = Field(
+        default_factory=list,
+        description="The control plane's live replicas (their advertised URLs): agents move among them.",
     )

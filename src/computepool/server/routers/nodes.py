@@ -42,7 +42,8 @@ def create_join_token(
 def join(
     body: NodeJoin, request: Request, ctx: Annotated[Ctx, Depends(unauthenticated(Action.NODE_JOIN))]
 ) -> NodeJoined:
-    return nodes.join(ctx, body, request.client.host if request.client else None)
+    out = nodes.join(ctx, body, request.client.host if request.client else None)
+    return out.model_copy(update={"servers": request.app.state.replicas.urls()})
 
 
 @router.post("/nodes/{name}/heartbeat", summary="A node reports it is alive (node credential)")
@@ -53,7 +54,8 @@ def heartbeat(
     body: Heartbeat | None = None,
 ) -> HeartbeatOut:
     peer = request.client.host if request.client else None
-    return nodes.heartbeat(ctx, name, body or Heartbeat(), peer)
+    out = nodes.heartbeat(ctx, name, body or Heartbeat(), peer)
+    return out.model_copy(update={"servers": request.app.state.replicas.urls()})
 
 
 @router.get("/nodes", summary="Nodes with their devices and state")
