@@ -4,6 +4,7 @@ already have been carried out to a second replica (unless it carries an idempote
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import uuid
@@ -15,6 +16,7 @@ import pytest
 from poolkit import Cli, PoolServer
 
 from computepool.client import PoolClient, PoolError, ServerUnreachable
+from computepool.client.aio import AioApi
 from computepool.client.servers import ServerList, split_servers
 from computepool.core.errors import InvalidInput
 from computepool.wire.allocations import AllocationCreate
@@ -176,3 +178,12 @@ def test_a_post_that_may_have_arrived_goes_to_no_second_server(server: PoolServe
         alloc = pool.create_allocation(req, idempotency_key=name)
         assert seen and pool.server == server.url
         assert pool.create_allocation(req, idempotency_key=name)["id"] == alloc["id"]
+
+
+def test_the_benchmarks_async_client_moves_on_too(server: PoolServer) -> None:
+    async def whoami() -> tuple[str, str]:
+        async with AioApi(f"{_closed_url()},{server.url}", server.token, 2, 10) as api:
+            return (await api.call("GET", "/whoami"))["name"], api.server
+
+    name, used = asyncio.run(whoami())
+    assert name and used == server.url

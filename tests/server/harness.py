@@ -167,3 +167,4 @@ def heartbeat_ago(api: Api, node: str, seconds: float) -> None:
     with api.app.state.db.write() as s:
         at = db_now(s) - timedelta(seconds=seconds)
         s.execute(update(Node).where(Node.name == node).values(last_heartbeat_at=at))
+    api.app.state.leadership.observed_since(at)  # the leader has watched the node as long

@@ -103,7 +103,7 @@ def test_device_unhealthy_from_a_heartbeat_and_member_sees_only_its_tenant(api: 
     assert len(p.run().resolved) == 2
     assert firing(api, "device-unhealthy") == []
     # members read rules but change nothing and see no webhooks
-    assert len(api.ok("GET", RULES, headers=alice)["items"]) == 10
+    assert len(api.ok("GET", RULES, headers=alice)["items"]) == 11
     assert api.put(f"{RULES}/node-lost", json={"enabled": False}, headers=alice).status_code == 403
     assert api.get("/api/v1/webhooks", headers=alice).status_code == 403
     assert api.post("/api/v1/webhooks", json={"url": "http://x/"}, headers=alice).status_code == 403
@@ -112,8 +112,9 @@ def test_device_unhealthy_from_a_heartbeat_and_member_sees_only_its_tenant(api: 
 def test_rules_are_retuned_and_bad_settings_refused(api: Api) -> None:
     rules = {r["name"]: r for r in api.ok("GET", RULES)["items"]}
     assert list(rules) == [
-        "node-suspect", "node-lost", "device-unhealthy", "slice-memory-killed", "idle-devices",
-        "fragmentation", "tenant-at-limit", "job-failing", "leader-changed", "audit-chain-broken",
+        "node-suspect", "node-lost", "nodes-silent", "device-unhealthy", "slice-memory-killed",
+        "idle-devices", "fragmentation", "tenant-at-limit", "job-failing", "leader-changed",
+        "audit-chain-broken",
     ]  # fmt: skip
     assert rules["node-lost"]["threshold"] == api.settings.lost_after_s
     assert rules["idle-devices"] == {

@@ -55,7 +55,21 @@ def register(app: typer.Typer) -> None:
         ] = None,
         heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Node heartbeat interval.")] = 5.0,
         suspect_s: Annotated[float, typer.Option("--suspect-s", help="Heartbeat age → suspect.")] = 20.0,
-        lost_s: Annotated[float, typer.Option("--lost-s", help="Heartbeat age → lost.")] = 60.0,
+        lost_s: Annotated[
+            float,
+            typer.Option(
+                "--lost-s",
+                help="Heartbeat age → lost; restartable work rides out an outage of the control plane "
+                "or its database a little shorter than this (its node's fence time).",
+            ),
+        ] = 60.0,
+        lost_brake_share: Annotated[
+            float,
+            typer.Option(
+                "--lost-brake-share",
+                help="When more than this share of nodes are silent together, declare none lost (1: off).",
+            ),
+        ] = 0.5,
         token_cache_s: Annotated[
             float,
             typer.Option(
@@ -315,6 +329,7 @@ def register(app: typer.Typer) -> None:
                 heartbeat_interval_s=heartbeat_s,
                 suspect_after_s=suspect_s,
                 lost_after_s=lost_s,
+                lost_brake_share=lost_brake_share,
                 token_cache_s=token_cache_s,
                 log_level=log_level.lower(),
                 max_body_bytes=max_body_bytes,

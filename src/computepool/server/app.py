@@ -231,6 +231,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await alert_engine.stop()
         await gateway.stop()
         await state.coop_controller.stop()
+        state.leadership.close()  # a standby takes over at once
         db.dispose()
 
 

@@ -78,6 +78,7 @@ class PoolCollector(Collector):
             telemetry = _telemetry(s)
             firing = _firing(s)
         yield from self._allocation(snap, pending)
+        yield from self._brake(snap)
         yield from self._devices(telemetry, snap.now or datetime.now(UTC))
         yield from self._alerts(firing)
 
@@ -134,6 +135,19 @@ class PoolCollector(Collector):
         for tenant in sorted(snap.weights):
             pend.add_metric([tenant], pending.get(tenant, 0))
         yield pend
+
+    def _brake(self, snap: scheduling.Snapshot) -> Iterator[Metric]:
+        """How many nodes are silent, and whether that many stop the pool declaring any lost."""
+        silent = GaugeMetricFamily(
+            "cpool_nodes_silent", "Nodes without a heartbeat for suspect_after_s (suspect or lost)."
+        )
+        silent.add_metric([], snap.silent)
+        brake = GaugeMetricFamily(
+            "cpool_node_lost_brake",
+            "1 while more than lost_brake_share of the nodes are silent together: no node is declared lost.",
+        )
+        brake.add_metric([], 1.0 if snap.braked else 0.0)
+        yield from (silent, brake)
 
     def _devices(self, rows: Sequence[Any], now: datetime) -> Iterator[Metric]:
         """What heartbeats carry, per device, and each node's state and heartbeat age."""

@@ -34,6 +34,16 @@ class ServerSettings(BaseModel):
         default=20.0, gt=0, description="Heartbeat age after which a node is suspect."
     )
     lost_after_s: float = Field(default=60.0, gt=0, description="Heartbeat age after which a node is lost.")
+    lost_brake_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="When more than this share of the nodes are silent together, no node is declared "
+        "lost (the control plane's own trouble is likelier); 1 turns the brake off.",
+    )
+    lost_brake_min_nodes: int = Field(
+        default=2, ge=1, description="The brake needs at least this many silent nodes: one is a failure."
+    )
     retry_after_s: int = Field(default=2, ge=1, le=600, description="Retry-After sent with 503 answers.")
     token_cache_s: float = Field(
         default=1.0, ge=0, le=60, description="Seconds a checked token is trusted without a query (0: never)."

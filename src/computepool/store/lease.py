@@ -21,10 +21,14 @@ def _lease_row(session: Session) -> SchedulerLease | None:
     return session.execute(stmt).scalar_one_or_none()
 
 
-def acquire_lease(session: Session, holder: str, now: datetime, ttl_s: float) -> int | None:
+def acquire_lease(
+    session: Session, holder: str, now: datetime, ttl_s: float, *, take_over: bool = False
+) -> int | None:
     """Hold (or renew) the lease; the term when this holder schedules, None when another does.
 
     Taking the lease over from an expired holder bumps the term, which fences its commits out.
+    `take_over`: take it at once even before it expires — the caller knows the holder is gone
+    (it has just won the advisory lock that holder kept while alive); the new term fences it.
     """
     row = _lease_row(session)
     expires = now + timedelta(seconds=ttl_s)
@@ -34,7 +38,7 @@ def acquire_lease(session: Session, holder: str, now: datetime, ttl_s: float) ->
         return 1
     if row.holder == holder:
         row.expires_at = expires
-    elif row.expires_at <= now:
+    elif take_over or row.expires_at <= now:
         row.holder, row.term, row.expires_at = holder, row.term + 1, expires
     else:
         return None

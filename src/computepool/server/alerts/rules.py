@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from computepool.core.allocation import HOLDING, PENDING
 from computepool.core.quantities import format_duration
-from computepool.server.scheduling.snapshot import Snapshot
+from computepool.server.scheduling.snapshot import Snapshot, lost_brake
 from computepool.server.settings import ServerSettings
 from computepool.store.alerts import DeviceSeen, EndSeen, HeldAlloc, NodeSeen, RuleSetting
 
@@ -107,6 +107,24 @@ def node_lost(facts: Facts, rs: RuleSetting) -> list[Finding]:
         )
         for n in facts.nodes
         if _age(facts, n.last_heartbeat_at) >= rs.threshold
+    ]
+
+
+def nodes_silent(facts: Facts, rs: RuleSetting) -> list[Finding]:
+    """More than the threshold share of the nodes silent together: the brake holds, no node is
+    declared lost (and no work moved) until enough of them report again."""
+    quiet = facts.settings.suspect_after_s
+    silent = [n.name for n in facts.nodes if _age(facts, n.last_heartbeat_at) >= quiet]
+    share = min(max(rs.threshold, 0.0), 1.0)
+    if not lost_brake(len(silent), len(facts.nodes), share, facts.settings.lost_brake_min_nodes):
+        return []
+    return [
+        Finding(
+            "pool",
+            f"{len(silent)} of {len(facts.nodes)} nodes silent together (more than {share:.0%}): no node is "
+            "declared lost until more of them report; check the control plane's network and database",
+            detail={"silent": sorted(silent), "nodes": len(facts.nodes), "share": share},
+        )
     ]
 
 
@@ -364,6 +382,9 @@ RULES: tuple[Rule, ...] = (
          "(and younger than node-lost's).", node_suspect, lambda s: s.suspect_after_s, 0),
     Rule("node-lost", "critical", "s", "A node's last heartbeat is older than the threshold: the pool "
          "treats it as lost.", node_lost, lambda s: s.lost_after_s, 0),
+    Rule("nodes-silent", "critical", "share", "More than the threshold share of the nodes are silent "
+         "together: the pool declares none lost until more report (its own trouble is likelier).",
+         nodes_silent, lambda s: s.lost_brake_share, 0),
     Rule("device-unhealthy", "critical", "", "A device's heartbeat reports it unhealthy (NVML errors, "
          "XID events).", device_unhealthy, lambda s: 0.0, 0),
     Rule("slice-memory-killed", "warning", "s", "An allocation was stopped by the node's GPU memory "

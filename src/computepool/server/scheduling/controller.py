@@ -1,4 +1,13 @@
-"""The scheduling loop of one server process: lease → snapshot → decide → fenced commit."""
+"""The scheduling loop of one server process: lease → snapshot → decide → fenced commit.
+
+Nodes are judged lost by what this leader has observed: silence counts from the later of a
+node's last heartbeat and the moment this replica last began to lead with a working database
+(`Leadership.since`), never from rows that aged while the database or the control plane was away.
+When more than `lost_brake_share` of the nodes are silent together, the silence is more likely
+the control plane's (its network, its database) than theirs: no node is declared lost until
+enough report again (Kubernetes' node-lifecycle disruption mode), said once in the log, and on
+/metrics and by the `nodes-silent` alert rule.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+
+from sqlalchemy.exc import DBAPIError
 
 from computepool.server import topics
 from computepool.server.hub import Hub
@@ -23,6 +34,7 @@ from computepool.store.db import Database, db_now
 log = logging.getLogger("computepool.server")
 
 CYCLE_INTERVAL_S = 1.0
+STANDBY_POLL_S = 0.25  # how often a standby tries the leader's advisory lock (PostgreSQL)
 
 
 @dataclass
@@ -61,6 +73,8 @@ class Controller:
         self.auto = True  # tests turn the background loop off and call run_once
         self._lock = threading.Lock()
         self._snapshots = SnapshotCache()
+        self._periodic: Periodic | None = None
+        self.braked = False  # whether the last cycle held back lost-node decisions
 
     @property
     def holder(self) -> str:
@@ -78,52 +92,86 @@ class Controller:
     def term(self) -> int | None:
         return self.leadership.term
 
+    def _lost_before(self, now: datetime) -> datetime:
+        """Heartbeats before this may mean lost. Until this leader has watched for lost_after_s no
+        node is lost; a node silent for long before then costs a cycle that decides nothing."""
+        lost_after = timedelta(seconds=self.settings.lost_after_s)
+        since = self.leadership.since or now
+        return now - lost_after if since <= now - lost_after else since - lost_after
+
     def run_once(self) -> CycleReport:
         """One cycle (thread-safe; cycles of one process never overlap)."""
         with self._lock:
-            t0 = time.perf_counter()
-            term = self.leadership.renewed_term()
-            if term is None:
-                return CycleReport(leader=False)
-            with self.db.read() as s:
-                lost_before = db_now(s) - timedelta(seconds=self.settings.lost_after_s)
-                if not store.needs_cycle(s, lost_before):  # idle pool: nothing pending, no node lost
-                    return CycleReport(True, term, time.perf_counter() - t0, 0.0, 0, CommitResult())
-                snap = self._snapshots.load(s, self.settings)
-            t1 = time.perf_counter()
-            plan = decide(snap)
-            t2 = time.perf_counter()
             try:
-                ports = (self.settings.gang_port_min, self.settings.gang_port_max)
-                result = commit(self.db, plan, self.holder, term, gang_ports=ports)
-            except LostLease:
-                self.leadership.lost()
-                if self.leadership.acquire() != term:  # another replica schedules now
-                    return CycleReport(leader=False)
+                return self._cycle()
+            except DBAPIError:
+                self.leadership.lost()  # what this leader observes counts again from its next renewal
                 raise
-            t3 = time.perf_counter()
-            elapsed = t3 - t0
-            if self.observe is not None:
-                self.observe(elapsed)
-            self.hub.notify(*topics.nodes(result.nodes), *topics.ended(result.stopped))
-            self.hub.notify(*topics.allocs(result.bound))
-            if result.requeued:  # moved work waits in the queue: place it without waiting a second
-                self.hub.wake_scheduler()
-            pending = sum(1 for a in snap.live if a.state == "pending")
-            return CycleReport(True, term, elapsed, t2 - t1, pending, result, t1 - t0, t3 - t2)
+
+    def _cycle(self) -> CycleReport:
+        t0 = time.perf_counter()
+        term = self.leadership.renewed_term()
+        if term is None:
+            return CycleReport(leader=False)
+        with self.db.read() as s:
+            if not store.needs_cycle(s, self._lost_before(db_now(s))):  # idle: nothing pending, no node lost
+                return CycleReport(True, term, time.perf_counter() - t0, 0.0, 0, CommitResult())
+            snap = self._snapshots.load(s, self.settings, observed_since=self.leadership.since)
+        self._set_brake(snap.braked, snap.silent, len(snap.nodes))
+        t1 = time.perf_counter()
+        plan = decide(snap)
+        t2 = time.perf_counter()
+        try:
+            ports = (self.settings.gang_port_min, self.settings.gang_port_max)
+            result = commit(self.db, plan, self.holder, term, gang_ports=ports)
+        except LostLease:
+            self.leadership.lost()
+            if self.leadership.acquire() != term:  # another replica schedules now
+                return CycleReport(leader=False)
+            raise
+        t3 = time.perf_counter()
+        elapsed = t3 - t0
+        if self.observe is not None:
+            self.observe(elapsed)
+        self.hub.notify(*topics.nodes(result.nodes), *topics.ended(result.stopped))
+        self.hub.notify(*topics.allocs(result.bound))
+        if result.requeued:  # moved work waits in the queue: place it without waiting a second
+            self.hub.wake_scheduler()
+        pending = sum(1 for a in snap.live if a.state == "pending")
+        return CycleReport(True, term, elapsed, t2 - t1, pending, result, t1 - t0, t3 - t2)
+
+    def _set_brake(self, braked: bool, silent: int, total: int) -> None:
+        """Say once when the brake engages and once when it lets go."""
+        if braked and not self.braked:
+            log.warning(
+                "scheduling: %d of %d nodes are silent together (more than lost_brake_share %g): "
+                "declaring no node lost until more of them report",
+                silent,
+                total,
+                self.settings.lost_brake_share,
+            )
+        elif self.braked and not braked:
+            log.warning("scheduling: enough nodes report again: lost nodes are declared as usual")
+        self.braked = braked
 
     def periodic(self) -> Periodic:
-        """A cycle when `Hub.wake_scheduler` says something changed, else every interval."""
-        return Periodic(
+        """A cycle when `Hub.wake_scheduler` says something changed, else every interval; a
+        standby on PostgreSQL tries the leader's lock every STANDBY_POLL_S instead."""
+        self._periodic = Periodic(
             "scheduler",
             self.interval_s,
             self._step,
             wake=lambda: self.hub.scheduler_event,
             enabled=lambda: self.auto,
         )
+        return self._periodic
 
     def _step(self) -> None:
         try:
             self.run_once()
         except LostLease as e:
             log.info("scheduling: %s", e)
+        finally:
+            if self._periodic is not None:
+                fast = self.leadership.fast and not self.leader
+                self._periodic.every_s = STANDBY_POLL_S if fast else self.interval_s

@@ -1,15 +1,15 @@
 """Every decision of one cycle, from the snapshot alone (no I/O, no clock).
 
-Allocations on lost or removed nodes are stopped (restartable ones requeued), restartable ones
-on draining nodes are moved; the bound ones are held in a `World`; pending requests are served
-across tenants by weighted dominant-resource share (tenants whose next request stays within
-their guarantee first), within a tenant by priority then age; each is checked against its
-tenant's limits and placed by `scheduler.placement.Scheduler` with the `default` policy — the
-same code as the simulator. A request within its tenant's guarantee that does not fit may
-preempt other tenants' *borrowed* capacity (usage above guarantee): lowest priority, then
-least elapsed, and only as many as needed, tried in a `Statement` that rolls back when the
-claim fails. Before any of it, the oldest waiting gang gets a reservation (`backfill`): the rest
-keeps off its nodes unless its time limit ends before the gang could start.
+Allocations on lost or removed nodes are stopped (restartable ones and jobs that never started
+requeued), restartable ones on draining nodes are moved; the bound ones are held in a `World`;
+pending requests are served across tenants by weighted dominant-resource share (tenants whose next
+request stays within their guarantee first), within a tenant by priority then age; each is checked
+against its tenant's limits and placed by `scheduler.placement.Scheduler` with the `default` policy
+— the same code as the simulator. A request within its tenant's guarantee that does not fit may
+preempt other tenants' *borrowed* capacity (usage above guarantee): lowest priority, then least
+elapsed, and only as many as needed, tried in a `Statement` that rolls back when the claim fails.
+Before any of it, the oldest waiting gang gets a reservation (`backfill`): the rest keeps off its
+nodes unless its time limit ends before the gang could start.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def build_world(snap: Snapshot) -> tuple[World, list[Live], list[Stop]]:
             why = "lost" if gone[0] in world.by_name else "removed from the pool"
             member = f" (rank {a.nodes.index(gone[0])} of the gang)" if len(a.nodes) > 1 else ""
             reason = f"node {gone[0]}{member} {why}"
-            stops.append(Stop(a.id, a.attempt, a.tenant, a.nodes, "failed", reason, requeue=a.restartable))
+            # a one-node job bound but never reported running never started: it may start elsewhere
+            again = a.restartable or (a.state == "bound" and a.has_command and len(a.nodes) == 1)
+            stops.append(Stop(a.id, a.attempt, a.tenant, a.nodes, "failed", reason, requeue=again))
             continue
         drained = next((n for n in a.nodes if world.by_name[n].draining), None)
         if drained is not None and a.restartable:  # moved: requeued, placed elsewhere this cycle

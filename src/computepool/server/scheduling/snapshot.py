@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -46,10 +46,13 @@ class NodeSnap:
     taints: Mapping[str, str] = field(default_factory=dict)
     dedicated_to: str | None = None  # tenant name
     lending: bool = True
+    fresh: bool = True  # heard from within two heartbeat intervals
 
     @property
     def schedulable(self) -> bool:
-        return self.state == "ready" and not self.cordoned
+        """New work goes only to a node heard from lately: one that missed two heartbeats may be
+        gone, and work bound to it would wait until the node is declared lost."""
+        return self.state == "ready" and self.fresh and not self.cordoned
 
 
 @dataclass
@@ -84,6 +87,8 @@ class Snapshot:
     live: list[Live]
     now: datetime | None = None  # the database's clock when read: time limits' ends are measured from it
     topology_label: str | None = None  # the node label gangs prefer to share (ServerSettings)
+    silent: int = 0  # nodes not heard from for suspect_after_s
+    braked: bool = False  # so many are silent that none is declared lost (`lost_brake`)
 
 
 def node_state(age_s: float, settings: ServerSettings) -> str:
@@ -91,6 +96,28 @@ def node_state(age_s: float, settings: ServerSettings) -> str:
     if age_s < settings.suspect_after_s:
         return "ready"
     return "suspect" if age_s < settings.lost_after_s else "lost"
+
+
+def lost_brake(silent: int, total: int, share: float, min_nodes: int) -> bool:
+    """Whether `silent` of `total` nodes quiet together more likely means the control plane's
+    own trouble (its network, its database) than theirs: then none is declared lost."""
+    return silent >= min_nodes and silent > share * total
+
+
+def _node_states(
+    beats: list[datetime], now: datetime, since: datetime | None, settings: ServerSettings
+) -> tuple[list[str], list[bool], int, bool]:
+    """Each node's state, whether it is fresh, how many are silent, and whether the brake holds.
+    Silence counts from no earlier than `since` (what the leader has observed); freshness from
+    the heartbeat alone."""
+    fresh_after = now - timedelta(seconds=2 * settings.heartbeat_interval_s)
+    start = since or datetime.min.replace(tzinfo=now.tzinfo)
+    states = [node_state(max(0.0, (now - max(b, start)).total_seconds()), settings) for b in beats]
+    silent = sum(1 for st in states if st != "ready")
+    braked = lost_brake(silent, len(states), settings.lost_brake_share, settings.lost_brake_min_nodes)
+    if braked:
+        states = ["suspect" if st == "lost" else st for st in states]
+    return states, [b >= fresh_after for b in beats], silent, braked
 
 
 def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
@@ -131,7 +158,15 @@ class SnapshotCache:
         self._devices: dict[tuple[int, str, datetime], tuple[DevSnap, ...]] = {}
         self._live: dict[int, Live] = {}
 
-    def load(self, s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
+    def load(
+        self,
+        s: Session,
+        settings: ServerSettings,
+        *,
+        live: bool = True,
+        observed_since: datetime | None = None,
+    ) -> Snapshot:
+        """`observed_since`: the leader's `Leadership.since` (silence counts from no earlier)."""
         now = db_now(s)
         node_rows = sql.node_rows(s)
         keys = {(r[0], r[1], r[6]): r[0] for r in node_rows}
@@ -143,27 +178,29 @@ class SnapshotCache:
             )
         for gone in set(self._devices) - set(keys):
             del self._devices[gone]
+        states, fresh, silent, braked = _node_states([r[4] for r in node_rows], now, observed_since, settings)
         nodes = [
             NodeSnap(
                 name=name,
                 cpu_milli=cpu,
                 memory_mib=mem,
                 devices=self._devices[(nid, name, joined)],
-                state=node_state(max(0.0, (now - beat).total_seconds()), settings),
+                state=states[k],
                 cordoned=cordoned,
                 draining=draining,
                 labels=labels or {},
                 taints=taints or {},
                 dedicated_to=owner,
                 lending=bool(lending),
+                fresh=fresh[k],
             )
-            for (nid, name, cpu, mem, beat, cordoned, joined, draining, labels, taints, owner, lending) in (
-                node_rows
+            for k, (nid, name, cpu, mem, _, cordoned, joined, draining, labels, taints, owner, lending) in (
+                enumerate(node_rows)
             )
         ]
         weights, quotas = sql.tenants_and_quotas(s)
         if not live:
-            return Snapshot(nodes, weights, quotas, [], now, settings.topology_label)
+            return Snapshot(nodes, weights, quotas, [], now, settings.topology_label, silent, braked)
         heads = store.live_heads(s)
         stale = [
             i
@@ -183,4 +220,4 @@ class SnapshotCache:
             keep[i] = a
             current.append(a)
         self._live = keep
-        return Snapshot(nodes, weights, quotas, current, now, settings.topology_label)
+        return Snapshot(nodes, weights, quotas, current, now, settings.topology_label, silent, braked)
