@@ -17,7 +17,7 @@ from poolkit import Cli, PoolServer
 
 from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.aio import AioApi
-from computepool.client.servers import ServerList, split_servers
+from computepool.core.servers import ServerList, split_servers
 from computepool.core.errors import InvalidInput
 from computepool.wire.allocations import AllocationCreate
 

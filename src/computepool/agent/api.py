@@ -9,7 +9,7 @@ with backoff, workloads carry on) and `ApiError` (a 4xx: the server understood a
 
 The control plane may be several replicas (`--server` repeated, and those its answers name): a
 call moves to the next one when a replica refuses the connection or answers 503, and stays with
-the one that answers (client/servers.py). A call that went out unanswered is not resent here; the
+the one that answers (core/servers.py). A call that went out unanswered is not resent here; the
 loop's next try goes to the next replica (every call the loop repeats is safe to repeat).
 """
 
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from computepool.client.servers import ServerList, split_servers
+from computepool.core.servers import ServerList, retry_after, split_servers
 from computepool.core.tls import (
     TlsError,
     client_context,
@@ -177,8 +177,6 @@ class AgentApi:
     def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """One request on the first replica that takes it: a refused connection or a 503 moves on
         to the next (a 503's replica is left alone for its Retry-After); anything else ends here."""
-        from computepool.client.http import retry_after_s  # noqa: PLC0415 - the CLI's client, lazily
-
         tried: list[str] = []
         for base in self.servers.order():
             if self.servers.wait_s(base) > 0:
@@ -196,7 +194,7 @@ class AgentApi:
                     continue  # it never went out: another replica may take it
                 raise Unreachable("; ".join(tried)) from None
             if r.status_code == 503:
-                self.servers.failed(base, retry_after_s(r, 0))
+                self.servers.failed(base, retry_after(r.headers.get("Retry-After"), 0))
                 tried.append(f"{base}: HTTP 503: {_error_text(r)}")
                 continue
             if r.status_code >= 500:

@@ -23,7 +23,7 @@ from computepool.cli.pool_cmd import (
 )
 from computepool.client import ClientConfig, PoolClient, resolve_config, save_config
 from computepool.client.config import load_config
-from computepool.client.servers import join_servers, split_servers
+from computepool.core.servers import join_servers, split_servers
 from computepool.core.errors import InvalidInput
 
 

@@ -21,7 +21,7 @@ from computepool.cli.pool_cmd import (
     table,
 )
 from computepool.client import PoolClient, PoolError
-from computepool.client.servers import ServerArg
+from computepool.core.servers import ServerArg
 from computepool.core.allocation import HOLDING
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_mib

@@ -25,7 +25,7 @@ from computepool.client import (
     ServerUnreachable,
     resolve_config,
 )
-from computepool.client.servers import ServerArg
+from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
 
 F = TypeVar("F", bound=Callable[..., Any])

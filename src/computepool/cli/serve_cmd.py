@@ -44,7 +44,7 @@ from computepool.cli.pool_cmd import (
 from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, WorkdirOpt
 from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
-from computepool.client.servers import ServerArg
+from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
 
 USAGE_BY = {

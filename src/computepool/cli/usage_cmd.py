@@ -21,7 +21,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
-from computepool.client.servers import ServerArg
+from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
 from computepool.core.usage import ENERGY_ITEM, USAGE_BY
 

@@ -5,7 +5,7 @@ server; httpx's async client spent a whole core on ~250 requests/s there, so the
 generated measured the client, not the server. aiohttp's client costs several times less per
 request. Errors are the same as `PoolClient`'s: `PoolError` for an HTTP error answer,
 `ServerUnreachable` for no answer; several URLs are used as `PoolClient` uses them
-(client/servers.py: on to the next on a refused connection or a 503, never resending what may have
+(core/servers.py: on to the next on a refused connection or a 503, never resending what may have
 been carried out unless it is safe to repeat).
 """
 
@@ -21,8 +21,8 @@ import aiohttp
 
 from computepool.client.config import ENV_CA
 from computepool.client.errors import ServerUnreachable
-from computepool.client.http import API, MAX_RETRY_WAIT_S, error_from_parts
-from computepool.client.servers import ServerList, may_resend, split_servers
+from computepool.client.http import API, error_from_parts
+from computepool.core.servers import ServerList, may_resend, retry_after, split_servers
 from computepool.core.tls import client_context, describe_tls_failure
 
 
@@ -76,7 +76,7 @@ class AioApi:
                 ) as r:
                     text = await r.text()
                     if r.status == 503 and len(self.servers) > 1:
-                        self.servers.failed(base, _retry_after(r.headers.get("Retry-After")))
+                        self.servers.failed(base, retry_after(r.headers.get("Retry-After"), 0))
                         tried.append(f"{base}: HTTP 503")
                         continue
                     if r.status >= 400:
@@ -103,10 +103,3 @@ class AioApi:
     def server(self) -> str:
         """The URL in use now."""
         return self.servers.current
-
-
-def _retry_after(value: str | None) -> float:
-    try:
-        return min(max(float(value or 1.0), 0.05), MAX_RETRY_WAIT_S)
-    except ValueError:
-        return 1.0

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from computepool.client.servers import ServerArg, join_servers, split_servers
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerArg, join_servers, split_servers
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
 ENV_SERVER = "CPOOL_SERVER"

@@ -7,7 +7,6 @@ back as `PoolError` (the server's message and field) or `ServerUnreachable` (no 
 
 from __future__ import annotations
 
-import email.utils
 import json
 import time
 import uuid
@@ -26,10 +25,16 @@ from computepool.client.config import ClientConfig
 from computepool.client.errors import PoolError, ServerUnreachable
 from computepool.client.images import ImageMethods
 from computepool.client.peers import PeerMethods
-from computepool.client.servers import ServerArg, ServerList, may_resend, split_servers
 from computepool.client.services import ServiceMethods
 from computepool.client.usage import UsageMethods
 from computepool.core.allocation import ENDED, PENDING
+from computepool.core.servers import (
+    ServerArg,
+    ServerList,
+    may_resend,
+    retry_after,
+    split_servers,
+)
 from computepool.core.tls import client_context, describe_tls_failure
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
@@ -39,7 +44,6 @@ API = "/api/v1"
 JSON = dict[str, Any]
 AllocId = int | str
 ENDED_STATES = frozenset(ENDED)  # for membership tests; the states are core's
-MAX_RETRY_WAIT_S = 10.0
 
 
 def _version() -> str:
@@ -78,18 +82,7 @@ def error_from_parts(status: int, reason: str | None, text: str) -> PoolError:
 def retry_after_s(r: httpx.Response, attempt: int) -> float:
     """Seconds to wait before retrying a 503 or 429: the server's Retry-After (seconds or a date),
     bounded."""
-    value = r.headers.get("Retry-After", "").strip()
-    wait: float | None = None
-    if value:
-        try:
-            wait = float(value)
-        except ValueError:
-            when = email.utils.parsedate_to_datetime(value) if value else None
-            if when is not None:
-                wait = (when - datetime.now(when.tzinfo)).total_seconds()
-    if wait is None:
-        wait = 0.5 * 2**attempt
-    return min(max(wait, 0.05), MAX_RETRY_WAIT_S)
+    return retry_after(r.headers.get("Retry-After"), attempt)
 
 
 def transport_cause(e: httpx.TransportError, timeout: float) -> str:

@@ -9,9 +9,11 @@ acted on goes to no second server unless it carries an idempotency key the serve
 
 from __future__ import annotations
 
+import email.utils
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
 
 from computepool.core.errors import InvalidInput
 
@@ -19,6 +21,7 @@ from computepool.core.errors import InvalidInput
 ServerArg = str | Sequence[str] | None
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_RETRY_WAIT_S = 10.0
 
 
 def normalise_server(server: str) -> str:
@@ -49,6 +52,26 @@ def split_servers(value: ServerArg) -> tuple[str, ...]:
 def join_servers(urls: Iterable[str]) -> str:
     """The list as one `CPOOL_SERVER` value."""
     return ",".join(urls)
+
+
+def retry_after(value: str | None, attempt: int) -> float:
+    """Seconds a 503 or 429 asks to wait: its Retry-After (seconds or an HTTP date), else a backoff
+    by `attempt`; bounded (at least 50 ms, at most 10 s)."""
+    text = (value or "").strip()
+    wait: float | None = None
+    if text:
+        try:
+            wait = float(text)
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(text)
+            except (TypeError, ValueError):
+                when = None
+            if when is not None:
+                wait = (when - datetime.now(when.tzinfo)).total_seconds()
+    if wait is None:
+        wait = 0.5 * 2**attempt
+    return min(max(wait, 0.05), MAX_RETRY_WAIT_S)
 
 
 def may_resend(method: str, headers: dict[str, str] | None, sent: bool) -> bool:

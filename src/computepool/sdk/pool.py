@@ -34,7 +34,7 @@ from computepool.client.errors import PoolError
 from computepool.client.follow import OutageRider
 from computepool.client.http import PoolClient
 from computepool.client.options import build_request
-from computepool.client.servers import ServerArg
+from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
 from computepool.sdk.packing import pack_call, pack_shipment, shipment
