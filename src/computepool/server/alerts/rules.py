@@ -82,6 +82,12 @@ def _human(seconds: float) -> str:
     return format_duration(max(1, round(seconds)))
 
 
+def _silent(facts: Facts) -> list[str]:
+    """Nodes without a heartbeat for suspect_after_s: what the scheduler's brake counts."""
+    quiet = facts.settings.suspect_after_s
+    return [n.name for n in facts.nodes if _age(facts, n.last_heartbeat_at) >= quiet]
+
+
 def node_suspect(facts: Facts, rs: RuleSetting) -> list[Finding]:
     upper = facts.lost_after_s
     out = []
@@ -99,6 +105,10 @@ def node_suspect(facts: Facts, rs: RuleSetting) -> list[Finding]:
 
 
 def node_lost(facts: Facts, rs: RuleSetting) -> list[Finding]:
+    """Nodes silent for the threshold; none while the brake holds (`nodes-silent` says why)."""
+    s = facts.settings
+    if lost_brake(len(_silent(facts)), len(facts.nodes), s.lost_brake_share, s.lost_brake_min_nodes):
+        return []
     return [
         Finding(
             f"node/{n.name}",
@@ -112,9 +122,9 @@ def node_lost(facts: Facts, rs: RuleSetting) -> list[Finding]:
 
 def nodes_silent(facts: Facts, rs: RuleSetting) -> list[Finding]:
     """More than the threshold share of the nodes silent together: the brake holds, no node is
-    declared lost (and no work moved) until enough of them report again."""
-    quiet = facts.settings.suspect_after_s
-    silent = [n.name for n in facts.nodes if _age(facts, n.last_heartbeat_at) >= quiet]
+    declared lost (and no work moved) until enough of them report again. It fires after 30 s:
+    nodes whose heartbeats aged while the control plane itself was down report again sooner."""
+    silent = _silent(facts)
     share = min(max(rs.threshold, 0.0), 1.0)
     if not lost_brake(len(silent), len(facts.nodes), share, facts.settings.lost_brake_min_nodes):
         return []
@@ -384,7 +394,7 @@ RULES: tuple[Rule, ...] = (
          "treats it as lost.", node_lost, lambda s: s.lost_after_s, 0),
     Rule("nodes-silent", "critical", "share", "More than the threshold share of the nodes are silent "
          "together: the pool declares none lost until more report (its own trouble is likelier).",
-         nodes_silent, lambda s: s.lost_brake_share, 0),
+         nodes_silent, lambda s: s.lost_brake_share, 30),
     Rule("device-unhealthy", "critical", "", "A device's heartbeat reports it unhealthy (NVML errors, "
          "XID events).", device_unhealthy, lambda s: 0.0, 0),
     Rule("slice-memory-killed", "warning", "s", "An allocation was stopped by the node's GPU memory "
