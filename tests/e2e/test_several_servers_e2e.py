@@ -91,7 +91,7 @@ def _run_output(tmp: Path) -> str:
 def test_cpool_run_ends_with_the_jobs_code_through_a_restart(tmp_path: Path, gate: Path) -> None:
     data, port = tmp_path / "srv", free_port()
     url = f"http://127.0.0.1:{port}"
-    agent = run = None
+    agent = run = logs = None
     server = _start_server(data, port, tmp_path / "server.log")
     try:
         wait_for("the server", lambda: (data / "admin-token").exists() and Pool(url, data).ready(), 30)
@@ -104,8 +104,13 @@ def test_cpool_run_ends_with_the_jobs_code_through_a_restart(tmp_path: Path, gat
         run = _follow(tmp_path, url, token, gate)
         out = lambda: _run_output(tmp_path)  # noqa: E731
         wait_for("the job's first line", lambda: "job started" in out(), 60, out)
+        job = re.findall(r"job (\d+)", (tmp_path / "run.err").read_text())[0]
+        logs = subprocess.Popen(
+            cpool("logs", "-f", job), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**child_env(), "CPOOL_SERVER": url, "CPOOL_TOKEN": token},
+        )  # fmt: skip
 
-        server.send_signal(signal.SIGKILL)  # the control plane dies under its follower
+        server.send_signal(signal.SIGKILL)  # the control plane dies under its followers
         server.wait(timeout=10)
         wait_for("the follower to notice", lambda: "cannot reach" in out() or run.poll() is not None, 30, out)
         assert run.poll() is None, out()
@@ -115,9 +120,12 @@ def test_cpool_run_ends_with_the_jobs_code_through_a_restart(tmp_path: Path, gat
         wait_for("the server again", lambda: Pool(url, data).ready(), 30)
         assert run.wait(timeout=120) == EXIT, out()
         assert "job ending" in out()
+        followed, said = logs.communicate(timeout=120)
+        assert logs.returncode == EXIT and "job ending" in followed, followed + said
     finally:
-        if run is not None and run.poll() is None:
-            run.kill()
+        for p in (run, logs):
+            if p is not None and p.poll() is None:
+                p.kill()
         if agent is not None:
             stop(agent)
         stop(server)
