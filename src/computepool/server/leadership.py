@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from datetime import datetime
@@ -112,6 +113,8 @@ class Leadership:
         self._renewed = 0.0
         self._checked = 0.0  # when a standby last read the lease
         self._lock = AdvisoryLock(db.url) if db.dialect == "postgresql" else None
+        self._mutex = threading.Lock()  # one thread at a time on the lock's connection
+        self._owed = False  # the lock was won from a holder that is gone: take the lease over
         self.since: datetime | None = None
 
     @property
@@ -119,28 +122,32 @@ class Leadership:
         """Whether a standby should try often: a dead leader's lock is released at once."""
         return self._lock is not None
 
-    def _take_lock(self) -> bool:
-        """Try the advisory lock (PostgreSQL); whether it was won just now (its holder is gone)."""
+    def _take_lock(self) -> None:
+        """Try the advisory lock (PostgreSQL); won just now, its last holder is gone (`_owed`)."""
         if self._lock is None:
-            return False
+            return
         before = self._lock.held
-        return self._lock.hold() and not before
+        held = self._lock.hold()
+        self._owed = held and (self._owed or not before)
 
     def acquire(self) -> int | None:
         """Take or renew the lease in the database; the term, or None while another replica holds it."""
-        return self._acquire(self._take_lock())
+        with self._mutex:
+            self._take_lock()
+            return self._acquire()
 
-    def _acquire(self, fresh: bool) -> int | None:
-        was = self.term
+    def _acquire(self) -> int | None:
+        was, take_over = self.term, self._owed
         self._checked = time.monotonic()
         try:
             with self.db.write() as s:
                 now = db_now(s)
-                term = lease.acquire_lease(s, self.holder, now, self.ttl_s, take_over=fresh)
+                term = lease.acquire_lease(s, self.holder, now, self.ttl_s, take_over=take_over)
         except Exception:
             self._term = None  # the database failed us: lead again only from a fresh renewal
             raise
-        if term is None and self._lock is not None and self._lock.held and not fresh:
+        self._owed = False
+        if term is None and self._lock is not None and self._lock.held and not take_over:
             log.info("leadership: another replica took the lease; giving up the advisory lock")
             self._lock.release()
         self._term, self._renewed = term, time.monotonic()
@@ -155,11 +162,12 @@ class Leadership:
         the database, so a lease lost meanwhile writes nothing."""
         if self._term is not None and time.monotonic() - self._renewed < self.ttl_s / 3:
             return self._term
-        fresh = self._take_lock()
-        standby = self._lock is not None and not self._lock.held and self.term is None
-        if standby and time.monotonic() - self._checked < STANDBY_CHECK_S:
-            return None  # the leader lives (it holds the lock): its lease is read once a second
-        return self._acquire(fresh)
+        with self._mutex:
+            self._take_lock()
+            standby = self._lock is not None and not self._lock.held and self.term is None
+            if standby and time.monotonic() - self._checked < STANDBY_CHECK_S:
+                return None  # the leader lives (it holds the lock): its lease is read once a second
+            return self._acquire()
 
     def lost(self) -> None:
         """A fenced write found the term gone, or the database failed: lead no more until the next
@@ -173,7 +181,8 @@ class Leadership:
     def close(self) -> None:
         """Give the advisory lock up (a standby takes over at once) and close its connection."""
         if self._lock is not None:
-            self._lock.close()
+            with self._mutex:
+                self._lock.close()
 
     @property
     def leader(self) -> bool:
