@@ -83,9 +83,11 @@ class Collector:
                 continue
             except OSError:
                 return
-            self.note(raw.decode(errors="replace").split(), time.monotonic())
+            self.note(raw.decode(errors="replace"), time.monotonic())
 
-    def note(self, f: list[str], now: float) -> None:
+    def note(self, line: str, now: float) -> None:
+        """One report, "alive|done LABEL ALLOCATION ATTEMPT RANK PID", heard at `now`."""
+        f = line.split()
         if len(f) != 6 or f[0] not in ("alive", "done"):
             return
         what, label, alloc, attempt, rank, pid = f
@@ -134,11 +136,11 @@ class CapacitySampler:
 
     QUERY = "SELECT a.id, a.tenant_id, a.slices FROM allocations a WHERE a.state IN ('bound', 'active')"
 
-    def __init__(self, dsn: str, every_s: float = 0.5) -> None:
+    def __init__(self, dsn: str, every_s: float = 0.5, devices: dict[str, int] | None = None) -> None:
         self.dsn, self.every_s = dsn, every_s
         self.violations: list[str] = []
         self.samples = 0
-        self._devices: dict[str, int] = {}
+        self._devices: dict[str, int] = dict(devices or {})  # uuid → memory MiB (read once if none)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-capacity", daemon=True)
 

@@ -81,6 +81,8 @@ class Run:
         self.errors: list[str] = []  # answers that break the contract (5xx other than 503, 507 aside)
         self.faults: Counter[str] = Counter()
         self.failover: list[float] = []
+        self.log: list[str] = []  # what each fault did, in order, seconds since the run began
+        self.t0 = time.monotonic()
         self._lock = threading.Lock()
 
     # ---- set up ------------------------------------------------------------------------------
@@ -179,7 +181,13 @@ class Run:
     def inject(self, kind: str, scale: float) -> None:
         c = self.cluster
         self.faults[kind] += 1
-        self.say(f"fault: {kind}")
+        began = time.monotonic()
+
+        def note(what: str) -> None:
+            line = f"{began - self.t0:6.1f}s {kind}: {what} ({time.monotonic() - began:.1f} s)"
+            self.log.append(line)
+            self.say(line)
+
         if kind in ("leader_kill", "standby_kill"):
             leader = c.leader()
             names = [n for n in c.parts if n.startswith("server-")]
@@ -189,11 +197,11 @@ class Run:
             part = c.parts[target]
             t0 = time.monotonic()
             part.kill()
-            if kind == "leader_kill":
-                took = self.time_to_bind(t0)
-                if took is not None:
-                    self.failover.append(took)
+            took = self.time_to_bind(t0) if kind == "leader_kill" else None
+            if took is not None:
+                self.failover.append(took)
             part.start(c.env)
+            note(f"{target} killed" + (f", next bind after {took:.2f} s" if took is not None else ""))
         elif kind == "leader_freeze":
             target = c.leader()
             if target is None:
@@ -202,25 +210,30 @@ class Run:
             part.signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(5, 20) * scale)
             part.signal(signal.SIGCONT)
+            note(f"{target} frozen")
         elif kind == "agent_kill":
             part = self.rng.choice(c.agents_())
             part.kill()
             time.sleep(self.rng.uniform(2, 10))
             part.start(c.env)
+            note(f"{part.name} killed, restarted")
         elif kind == "agent_freeze":
             part = self.rng.choice(c.agents_())
             part.signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(5, 30) * scale)
             part.signal(signal.SIGCONT)
+            note(f"{part.name} frozen")
         elif kind == "freeze_node":
             part = self.rng.choice(c.agents_())
             c.freeze_node(part)
             time.sleep(max(c.lost_s + 2, self.rng.uniform(10, 40) * scale))
             c.thaw_node(part)
+            note(f"{part.name} with its jobs frozen")
         elif kind == "database_stop":
             c.pg.stop("immediate")
             time.sleep(self.rng.uniform(5, 120) * scale)
             c.pg.start()
+            note("PostgreSQL stopped")
         elif kind == "disk_full":
             if c.blob_mount is None:
                 self.faults[kind] -= 1  # no tmpfs of our own here: nothing was injected
@@ -231,6 +244,7 @@ class Run:
                 self.upload()
             time.sleep(self.rng.uniform(5, 20) * scale)
             filler.unlink(missing_ok=True)
+            note("blob dir full")
 
     def time_to_bind(self, t0: float, timeout: float = 60) -> float | None:
         """Seconds from `t0` (a leader's death) to the first bind of a job submitted after it."""
@@ -337,6 +351,7 @@ def run_chaos(
     scale = min(1.0, max(0.25, minutes / 6))
     try:
         run.setup()
+        run.t0 = time.monotonic()
         say(f"pool up: {len(run.cluster.urls)} replicas, {run.cluster.agents} agents; {run.cluster.root}")
         plan = run.plan()
         started = time.monotonic()
@@ -369,7 +384,9 @@ def run_chaos(
             },
             "lost": lost,
             "duplicates": len(dup),
+            "restarts": sum(max(0, int(f.get("attempt") or 1) - 1) for f in final.values()),
             "capacity_samples": run.sampler.samples if run.sampler else 0,
+            "fault_log": run.log,
             "seed": seed,
             "minutes": minutes,
         }
