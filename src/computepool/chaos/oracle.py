@@ -2,7 +2,7 @@
 
 - **One copy, ever.** Every job the workload submits runs `JOB` below: it sends "alive" over UDP to
   the run's collector every 0.2 s with its label, allocation, attempt, gang rank and pid, and
-  "done" just before it exits 0. Two processes of one label and rank whose first-to-last reports
+  "done" just before it exits 0. Like a job that checkpoints, it takes 3 s to stop on SIGTERM. Two processes of one label and rank whose first-to-last reports
   overlap ran at once: a duplicate. A frozen copy says nothing while frozen, and its overlap
   shows the moment it is thawed and speaks again.
 - **No device over capacity, no two tenants on an exclusive slice.** Every 0.5 s one query reads
@@ -28,7 +28,7 @@ import psycopg
 
 # The job every chaos submission runs (argv: LABEL SECONDS COLLECTOR_PORT); stdlib only.
 JOB = r"""
-import os, socket, sys, time
+import os, signal, socket, sys, time
 label, seconds, port = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 who = " ".join([label, os.environ.get("CPOOL_ALLOCATION_ID", "?"), os.environ.get("CPOOL_ATTEMPT", "?"),
@@ -39,7 +39,11 @@ def say(what):
     except OSError:
         pass
 end = time.monotonic() + seconds
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
 while time.monotonic() < end:
+    if stopping and time.monotonic() - stopping[0] > 3:  # a checkpoint on SIGTERM takes a while
+        sys.exit(143)
     say("alive")
     time.sleep(0.2)
 say("done")

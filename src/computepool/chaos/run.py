@@ -226,7 +226,7 @@ class Run:
         elif kind == "freeze_node":
             part = self.rng.choice(c.agents_())
             c.freeze_node(part)
-            time.sleep(max(c.lost_s + 2, self.rng.uniform(10, 40) * scale))
+            time.sleep(max(c.lost_s * 2, self.rng.uniform(10, 40) * scale))  # past lost: work moves
             c.thaw_node(part)
             note(f"{part.name} with its jobs frozen")
         elif kind == "database_stop":
