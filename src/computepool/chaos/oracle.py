@@ -2,9 +2,10 @@
 
 - **One copy, ever.** Every job the workload submits runs `JOB` below: it sends "alive" over UDP to
   the run's collector every 0.2 s with its label, allocation, attempt, gang rank and pid, and
-  "done" just before it exits 0. Like a job that checkpoints, it takes 3 s to stop on SIGTERM. Two processes of one label and rank whose first-to-last reports
-  overlap ran at once: a duplicate. A frozen copy says nothing while frozen, and its overlap
-  shows the moment it is thawed and speaks again.
+  "done" just before it exits 0; like a job that checkpoints, it takes 3 s to stop on SIGTERM.
+  Two processes of one label and rank whose first-to-last reports overlap ran at once: a
+  duplicate. A frozen copy says nothing while frozen, and its overlap shows the moment it is
+  thawed and speaks again.
 - **No device over capacity, no two tenants on an exclusive slice.** Every 0.5 s one query reads
   the bound and active allocations' slices in one snapshot of the database: per device the
   compute and memory held must fit, and an exclusive slice shares its device with nothing.
