@@ -110,3 +110,33 @@ def saved_assignment(run_dir: Path) -> Assignment | None:
         return Assignment.parse(json.loads((run_dir / ASSIGNMENT_FILE).read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def refusal(
+    answer: Mapping[str, Any],
+    sent: float,
+    now: float,
+    fence_s: float | None,
+    rejoined: float | None,
+    overdue: bool,
+) -> str | None:
+    """Why an assignments answer must not be acted on (None: it may); times on the agent's clock.
+
+    An answer can sit in the node's socket while the node is frozen, and the pool may meanwhile
+    have failed or moved what it lists. The server says how long it held the poll before reading
+    the assignments (`held_s`, measured on its own monotonic clock): the answer was read no
+    earlier than `sent + held_s` here (`sent`: when the agent sent the poll), whatever the two
+    clocks say, so its age is at most `now - sent - held_s`. Refused: an answer that may be older
+    than the fence, one asked for before contact was lost and regained, any while contact is
+    overdue. The agent then polls again and gets the pool's current view."""
+    if overdue:
+        return "no confirmed contact with the control plane within the fence time"
+    if rejoined is not None and sent < rejoined:
+        return "asked for before this node lost and regained contact with the control plane"
+    held = answer.get("held_s")
+    if held is None:
+        return None  # a server that does not say: only the checks above apply
+    age = now - sent - float(held)
+    if fence_s is not None and age > fence_s:
+        return f"it may be {age:.1f} s old, more than the fence time ({fence_s:g} s)"
+    return None

@@ -15,8 +15,14 @@ copies of one job run at once. Three parts make that so:
 - the supervisor (`python -m computepool.agent.fencing …`): one small process per restartable
   job, in its own session, so it outlives an agent that is killed. It watches the contact file
   and, once the deadline has passed, marks the attempt fenced, sends SIGTERM to the job's process
-  group, and SIGKILL after the grace period (its cgroup's processes and its container too). It
+  group, and SIGKILL at deadline + grace (its cgroup's processes and its container too). It
   exits when the job ends. The agent, while alive, applies the same deadline itself.
+
+SIGKILL is due at deadline + grace whatever the time now: a node that was frozen (SIGSTOP, a
+paused VM) and thawed past that moment kills at once, with no SIGTERM the job could handle while
+the pool already runs its next attempt elsewhere, and waits until the job's processes are gone.
+A deadline that passed without contact is kept in the contact file as `lapsed`: every job that
+ran through it is fenced even when a heartbeat answered after the thaw moves the deadline on.
 
 A fenced attempt is reported as `lost` with the fence as its reason, which the control plane
 answers by requeueing the work (as attempt + 1). Work that is not restartable is never fenced:
@@ -112,8 +118,12 @@ class Contact:
         self.fence_s = fence_s
         self.timeouts: Timeouts | None = None  # None until the control plane has said its timeouts
         self.contact: float | None = None
+        self.lapsed: float | None = None  # the last deadline that passed before contact came back
+        self.rejoined: float | None = None  # when contact came back after that (this process only)
         saved = _read_json(self.path)
         if saved is not None:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self.lapsed = float(saved["lapsed"]) if saved.get("lapsed") is not None else None
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self.contact = float(saved["contact"])
                 self.timeouts = self._timeouts(float(saved["lost_after_s"]), float(saved["heartbeat_s"]))
@@ -142,10 +152,18 @@ class Contact:
     def grace_s(self) -> float:
         return self.timeouts.grace_s if self.timeouts is not None else self.kill_grace_s
 
-    def touch(self, sent_at: float) -> None:
-        """A heartbeat sent at `sent_at` was answered: move the deadline on (never back)."""
+    def touch(self, sent_at: float, now: float | None = None) -> None:
+        """A heartbeat sent at `sent_at` was answered: move the deadline on (never back).
+
+        If the deadline in force passed before this answer came, the node was out of contact long
+        enough for the pool to move its work: that deadline is kept as `lapsed` (every job that ran
+        through it is fenced) and `rejoined` says from when the pool's answers can be trusted again."""
+        now = now_s() if now is None else now
         if self.contact is not None and sent_at <= self.contact:
             return
+        d = self.deadline()
+        if d is not None and now >= d:
+            self.lapsed, self.rejoined = d, now
         self.contact = sent_at
         self._save()
 
@@ -160,9 +178,16 @@ class Contact:
     def reason(self) -> str:
         return fence_reason(self.fence or 0.0)
 
+    def kill_at(self, started: float) -> float | None:
+        """When a restartable job that started at `started` (CLOCK_BOOTTIME) must be dead: the
+        deadline in force + grace once it has passed, or a lapsed deadline it ran through + grace;
+        None while it may run on."""
+        return fence_kill_at(self.deadline(), self.lapsed, started, self.grace_s, now_s())
+
     def _save(self) -> None:
         t = self.timeouts
         data: dict[str, Any] = {"contact": self.contact, "deadline": self.deadline(), "fence_s": self.fence}
+        data["lapsed"] = self.lapsed
         if t is not None:
             data.update(lost_after_s=t.lost_after_s, heartbeat_s=t.heartbeat_interval_s)
         _write_private(self.path, json.dumps(data))
@@ -175,12 +200,36 @@ def fence_reason(fence_s: float) -> str:
     )
 
 
+def fence_kill_at(
+    deadline: float | None, lapsed: float | None, started: float, grace_s: float, now: float
+) -> float | None:
+    """SIGKILL time of a job started at `started` (all on CLOCK_BOOTTIME), None if it may run on."""
+    if deadline is not None and now >= deadline:
+        return deadline + grace_s
+    if lapsed is not None and started < lapsed:
+        return lapsed + grace_s  # it ran through a lapse: the pool may have started it elsewhere
+    return None
+
+
+def boot_time_of(create_time: float) -> float:
+    """A process's start (psutil's create_time, wall clock) on CLOCK_BOOTTIME."""
+    return now_s() - max(0.0, time.time() - create_time)
+
+
 def read_deadline(path: Path) -> float | None:
+    return _read_float(path, "deadline")
+
+
+def read_lapsed(path: Path) -> float | None:
+    return _read_float(path, "lapsed")
+
+
+def _read_float(path: Path, field: str) -> float | None:
     data = _read_json(path)
-    if data is None or data.get("deadline") is None:
+    if data is None or data.get(field) is None:
         return None
     try:
-        return float(data["deadline"])
+        return float(data[field])
     except (TypeError, ValueError):
         return None
 
@@ -272,15 +321,21 @@ def alive(pid: int, create_time: float) -> bool:
 
 
 def _members(t: Target) -> set[int]:
-    """The job's processes: its group (born after the leader, so no reused group id) and cgroup."""
+    """The job's live processes (zombies are dead already): its group (born after the leader, so
+    no reused group id) and cgroup."""
     pids: set[int] = set()
-    for p in psutil.process_iter(["pid", "create_time"]):
+    for p in psutil.process_iter(["pid", "create_time", "status"]):
         with contextlib.suppress(OSError, psutil.Error):
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
             if os.getpgid(p.pid) == t.pgid and p.info["create_time"] >= t.create_time - 0.05:
                 pids.add(p.pid)
     for path in t.cgroups:
         with contextlib.suppress(OSError, ValueError):
-            pids |= {int(x) for x in (Path(path) / "cgroup.procs").read_text().split()}
+            for pid in (int(x) for x in (Path(path) / "cgroup.procs").read_text().split()):
+                with contextlib.suppress(psutil.Error):
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        pids.add(pid)
     return pids - {os.getpid()}
 
 
@@ -292,34 +347,58 @@ def _podman(t: Target, *args: str) -> None:
         subprocess.run(["podman", *args], env=env, capture_output=True, timeout=60, check=False)
 
 
-def kill_job(t: Target, grace_s: float) -> None:
-    """SIGTERM to everything of the job, SIGKILL to what is left after `grace_s`."""
-    if t.container:
-        _podman(t, "kill", "--signal", "TERM", t.container)
-    for pid in _members(t):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-    end = time.monotonic() + grace_s
-    while time.monotonic() < end and _members(t):
+def kill_job(t: Target, grace_s: float, kill_at: float | None = None, confirm_s: float = 60.0) -> bool:
+    """SIGTERM to everything of the job, SIGKILL to what is left at `kill_at` (CLOCK_BOOTTIME;
+    default: `grace_s` from now). Past `kill_at` already (a thawed node): SIGKILL at once, no
+    SIGTERM. Returns whether the job's processes were seen gone within `confirm_s` after SIGKILL."""
+    kill_at = now_s() + grace_s if kill_at is None else kill_at
+    if now_s() < kill_at:
+        if t.container:
+            _podman(t, "kill", "--signal", "TERM", t.container)
+        for pid in _members(t):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        while now_s() < kill_at and _members(t):
+            time.sleep(0.05)
+    end = time.monotonic() + confirm_s
+    _sigkill(t)
+    if t.container:  # SIGKILL to its processes, then the container itself goes
+        _podman(t, "kill", "--signal", "KILL", t.container)
+        _podman(t, "rm", "--force", "--ignore", "--time=0", t.container)
+    while _members(t) or alive(t.pid, t.create_time):  # confirmed dead, not just signalled
+        if time.monotonic() >= end:
+            return False
         time.sleep(0.05)
+        _sigkill(t)
+    return True
+
+
+def _sigkill(t: Target) -> None:
+    """SIGKILL to the job's processes: its group first (one call), its cgroup, each member."""
+    if alive(t.pid, t.create_time):  # the leader is ours, so is its group id
+        with contextlib.suppress(OSError):
+            os.killpg(t.pgid, signal.SIGKILL)
+    for path in t.cgroups:
+        with contextlib.suppress(OSError):
+            (Path(path) / "cgroup.kill").write_text("1")  # cgroup v2: every member, forks included
     for pid in _members(t):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    if t.container:
-        _podman(t, "rm", "--force", "--ignore", "--time=0", t.container)
 
 
 def supervise(data_dir: Path, t: Target, grace_s: float, poll_s: float = POLL_S) -> str:
     """Watch until the job ends ('ended') or the deadline passes ('fenced', after killing it)."""
     contact = data_dir / CONTACT_FILE
+    started = boot_time_of(t.create_time)
     last = read_deadline(contact)
     while alive(t.pid, t.create_time):
         deadline = read_deadline(contact)
         last = deadline if deadline is not None else last
-        if last is not None and now_s() >= last:
+        kill_at = fence_kill_at(last, read_lapsed(contact), started, grace_s, now_s())
+        if kill_at is not None:
             saved = _read_json(contact) or {}
             mark_fenced(data_dir, t.key, fence_reason(float(saved.get("fence_s") or 0.0)))
-            kill_job(t, grace_s)
+            kill_job(t, grace_s, kill_at)
             return "fenced"
         time.sleep(poll_s)
     return "ended"

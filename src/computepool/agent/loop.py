@@ -41,7 +41,7 @@ from computepool.agent.api import (
     load_credential,
     server_verify,
 )
-from computepool.agent.assignment import Assignment, saved_assignment
+from computepool.agent.assignment import Assignment, refusal, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
@@ -135,6 +135,9 @@ class Agent:
             lambda: self.starter.blobs, self.executor.launcher, self._wake.set, unpack=self.starter.unpack
         )
         self._desired: dict[str, Assignment] | None = None  # None until the first answer
+        self._desired_sent = 0.0  # when the poll that said it was sent (CLOCK_BOOTTIME)
+        self._held: dict[str, set[int] | None] = {}  # devices of the jobs being stopped, by key
+        self._waiting: set[str] = set()  # attempts held back until such a job is gone
         self._stale: set[str] = set()
         self._term = 0
         self._version: int | None = None
@@ -306,14 +309,22 @@ class Agent:
         for key, proc in list(self._supervisors.items()):
             if proc.poll() is not None:
                 del self._supervisors[key]
-        if not self.contact.overdue():
+        if not self.contact.overdue() and self.contact.lapsed is None:
             return
         for rec in self.executor.running():
-            if rec.extra.get("restartable") == "1" and not rec.stop_reason:
+            if rec.extra.get("restartable") != "1":
+                continue
+            kill_at = self.contact.kill_at(fencing.boot_time_of(rec.create_time))
+            if kill_at is None:
+                continue
+            left = kill_at - fencing.now_s()  # past deadline + grace (a thawed node): SIGKILL now
+            if not rec.stop_reason:
                 reason = self.contact.reason()
                 fencing.mark_fenced(self.config.data_dir, rec.key, reason)
                 log.warning("%s %s", rec.key, reason)
-                self.executor.stop(rec.key, reason, self.contact.grace_s)
+                self.executor.stop(rec.key, reason, max(0.0, left))
+            elif left <= 0:
+                self.executor.stop(rec.key, rec.stop_reason, 0.0)  # a stop under way: escalate
 
     def _supervise(self, rec: JobRecord) -> None:
         """Start the fence supervisor of a restartable job (once per attempt while it runs)."""
@@ -330,6 +341,7 @@ class Agent:
     def _assignments_loop(self) -> None:
         backoff = Backoff(max_s=self.config.max_backoff_s)
         while not self._stop.is_set():
+            sent = fencing.now_s()  # an answer's age is measured from here, on this node's clock
             try:
                 answer = self.api.assignments(self._version, self.config.poll_wait_s)
             except Unreachable as e:
@@ -348,9 +360,16 @@ class Agent:
                 continue
             self._note_outage("assignments", None)
             backoff.reset()
-            self._take_assignments(answer)
+            c = self.contact
+            why = refusal(answer, sent, fencing.now_s(), c.fence, c.rejoined, c.overdue())
+            if why is not None:  # a stale answer: start nothing from it, ask again for the truth
+                log.warning("refusing an assignments answer (%s); asking again", why)
+                self._version = None
+                self._stop.wait(min(1.0, self.cred.heartbeat_interval_s))
+                continue
+            self._take_assignments(answer, sent)
 
-    def _take_assignments(self, answer: Mapping[str, Any]) -> None:
+    def _take_assignments(self, answer: Mapping[str, Any], sent: float) -> None:
         term = int(answer.get("term") or 0)
         with self._lock:
             if term < self._term:  # fencing: a deposed leader's view must not stop or start anything
@@ -367,7 +386,7 @@ class Agent:
                     log.error("unreadable assignment %r: %s", item, e)
                     continue
                 desired[a.key] = a
-            self._desired = desired
+            self._desired, self._desired_sent = desired, sent
         self.files.submit(answer.get("files") or [])  # users' file requests: packed on their own thread
         self._wake.set()
 
@@ -398,6 +417,7 @@ class Agent:
 
     def _ended(self, rec: JobRecord) -> None:
         self.reports.running_unreported.discard(rec.key)
+        self._held.pop(rec.key, None)
         self._fenced(rec)
         if self.watchdog is not None:
             self.watchdog.unwatch(rec.key)
@@ -420,28 +440,59 @@ class Agent:
         with self._lock:
             desired = None if self._desired is None else dict(self._desired)
             stale, self._stale = self._stale, set()
-        if desired is None:
-            return  # never stop anything before the control plane has said what it wants
+            rejoined = self.contact.rejoined
+            if rejoined is not None and self._desired_sent < rejoined:
+                desired = None  # said before contact was lost: the pool may have moved on since
         live = {rec.key: rec for rec in self.executor.running()}
         for key, rec in live.items():
             if rec.stop_reason:
                 continue
-            if key in stale:
+            if key in stale:  # the pool said so in a report's answer: stopped even without a list
                 self.executor.stop(key, "stopped: the control plane no longer assigns this attempt (stale)")
-            elif key not in desired:
+            elif desired is not None and key not in desired:
                 self.executor.stop(key, "stopped: no longer assigned to this node by the control plane")
+        if desired is None:
+            return  # never stop anything else before the control plane has said what it wants
         overdue = self.contact.overdue()
         self.preparing.forget(k for k in desired if k not in stale)  # withdrawn: never started
+        # jobs this node no longer owns still hold their devices until they are seen dead
+        leaving = [k for k, rec in live.items() if rec.stop_reason or k in stale or k not in desired]
+        self._waiting &= set(desired)
         for key, a in desired.items():
             if key in live or key in stale or self.state.get(key) is not None:
                 continue  # running, or already ran here: an attempt is never started twice
-            if overdue and a.restartable:
-                continue  # the pool may have moved it already: never start a second copy
+            if overdue:
+                continue  # the pool may have failed or moved it already: start nothing now
+            holder = self._holder(a, leaving, live)
+            if holder is not None:  # started once the old job on its devices is gone (next passes)
+                if key not in self._waiting:
+                    self._waiting.add(key)
+                    log.info("%s waits for %s to end: it still holds a device of this node", key, holder)
+                continue
+            self._waiting.discard(key)
             ready = self.preparing.check(a)  # its blobs and image fetched off this thread first
             if ready.failure:
                 self.starter.fail(a, ready.failure)
             elif ready.ready:
                 self._start(a)
+
+    def _devices(self, a: Assignment) -> set[int]:
+        return {int(s["device_index"]) for s in a.slices if s.get("node") in (None, self.name)}
+
+    def _holder(self, a: Assignment, leaving: list[str], live: Mapping[str, JobRecord]) -> str | None:
+        """A job being stopped (one this node no longer owns) that still holds a device of `a`:
+        two tenants must never run on one device, not even for a stop's grace period."""
+        wanted = self._devices(a)
+        if not wanted:
+            return None
+        for key in leaving:
+            old = self._held.get(key)
+            if old is None:
+                saved = saved_assignment(Path(live[key].run_dir))
+                old = self._held[key] = self._devices(saved) if saved is not None else None
+            if old is None or old & wanted:  # unknown: assume it holds them
+                return key
+        return None
 
     def _start(self, a: Assignment) -> None:
         started = self.starter.start(a)

@@ -346,6 +346,11 @@ class Assignments(Out):
         description="Opaque; changes whenever this node's assignments change. Pass as since."
     )
     term: int = Field(description="The scheduler term now in force.")
+    held_s: float | None = Field(
+        default=None,
+        description="Seconds the server held this poll before reading the assignments (its monotonic "
+        "clock): the agent bounds the answer's age by its own clock, from when it sent the poll.",
+    )
     assignments: list[Assignment]
     files: list[PendingFile] = Field(
         default_factory=list, description="File requests this node's agent should answer (packed job files)."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -27,12 +28,14 @@ async def assignments(
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for a change.")] = 0,
     since: Annotated[int | None, Query(ge=0, lt=2**63, description="The version last seen.")] = None,
 ) -> Assignments:
+    received = time.monotonic()
+
+    def read() -> Assignments:  # stamped with how long the poll was held before this read
+        held = time.monotonic() - received
+        return agent_reports.assignments(ctx, name).model_copy(update={"held_s": int(held * 1000) / 1000})
+
     return await long_poll(
-        hub,
-        topics.node(name),
-        wait,
-        lambda: agent_reports.assignments(ctx, name),
-        lambda out: since is None or out.version != since,
+        hub, topics.node(name), wait, read, lambda out: since is None or out.version != since
     )
 
 
