@@ -4,6 +4,7 @@ away); and when more than `lost_brake_share` of the nodes are silent together, n
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -89,7 +90,10 @@ def test_a_database_outage_longer_than_lost_after_fails_no_healthy_job(
     finally:
         postgres.start()
     _age_rows(api, 300)  # the outage "lasted" longer than lost_after_s: no heartbeat got through
-    cycle(api)
+    deadline = time.monotonic() + 30
+    while not cycle(api).leader:  # leading again once the lease is renewed
+        assert time.monotonic() < deadline, "the replica did not lead again after the outage"
+        time.sleep(0.2)
     assert get(api, job["id"])["state"] == "active"
     assert leadership.since > watched_from  # silence counts from the leader's return
 

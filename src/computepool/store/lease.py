@@ -22,13 +22,14 @@ def _lease_row(session: Session) -> SchedulerLease | None:
 
 
 def acquire_lease(
-    session: Session, holder: str, now: datetime, ttl_s: float, *, take_over: bool = False
+    session: Session, holder: str, now: datetime, ttl_s: float, *, take_over_from: str | None = None
 ) -> int | None:
     """Hold (or renew) the lease; the term when this holder schedules, None when another does.
 
     Taking the lease over from an expired holder bumps the term, which fences its commits out.
-    `take_over`: take it at once even before it expires — the caller knows the holder is gone
-    (it has just won the advisory lock that holder kept while alive); the new term fences it.
+    `take_over_from`: take it at once, before it expires, if that replica still holds it — the
+    caller knows its session is gone (it could take the advisory lock that replica holds while it
+    lives); the new term fences it out.
     """
     row = _lease_row(session)
     expires = now + timedelta(seconds=ttl_s)
@@ -38,7 +39,7 @@ def acquire_lease(
         return 1
     if row.holder == holder:
         row.expires_at = expires
-    elif take_over or row.expires_at <= now:
+    elif row.holder == take_over_from or row.expires_at <= now:
         row.holder, row.term, row.expires_at = holder, row.term + 1, expires
     else:
         return None
