@@ -1,6 +1,6 @@
 """Failover on PostgreSQL: a leader that dies hands over at once (its advisory lock goes with its
 connection), long before its lease would expire; a frozen leader is fenced out by the term and,
-once thawed, writes nothing and leaves the lease (and the lock) with its successor."""
+once thawed, writes nothing and leaves the lease with its successor."""
 
 from __future__ import annotations
 
