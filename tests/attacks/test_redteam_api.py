@@ -194,3 +194,24 @@ def test_the_dashboard_shows_another_tenants_allocation_as_missing(node: Node, v
     assert f"allocation &#39;{victim.alloc}&#39; not found" in got.text
     assert _page(got, victim.alloc) == _page(want, MISSING)
     assert not [s for s in victim.secrets if s in got.text]
+
+
+def test_another_tenants_blob_named_as_code_or_stdin_is_refused_like_an_unknown_one(
+    node: Node, victim: Victim
+) -> None:
+    """The node fetches what a request names with its own credential: the server must refuse, at
+    admission, a request, a function's or a service's request naming a blob B never uploaded."""
+    _, b = node.member("vc")
+    unknown = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
+    cmd = ["/bin/sh", "-c", "cat; ls"]
+    for field in ("code", "stdin"):
+        for path, method, wrap in (
+            ("/api/v1/allocations", "POST", lambda req: req),
+            ("/api/v1/functions", "POST", lambda req: {"name": "steal", "request": req}),
+            ("/api/v1/services/steal", "PUT", lambda req: {"spec": {"request": req, "min_replicas": 1}}),
+        ):
+            got = b.request(method, path, json=wrap({"command": cmd, "cpu_milli": 100, field: victim.blob}))
+            want = b.request(method, path, json=wrap({"command": cmd, "cpu_milli": 100, field: unknown}))
+            assert got.status_code == want.status_code == 422, (path, field, got.text)
+            assert got.text.replace(victim.blob, "<x>") == want.text.replace(unknown, "<x>"), got.text
+    assert b.get("/api/v1/allocations").json()["items"] == []
