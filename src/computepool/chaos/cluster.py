@@ -1,11 +1,12 @@
 """The pool a chaos run faults: server replicas on one PostgreSQL, root agents with simulated GPUs.
 
 Everything runs as real processes under one directory of the run. Each agent and everything it
-starts (supervisors, jobs) lives under a cgroup of the run's own (`<cgroup root>/node-N`: the
-agent in `agent/`, its jobs below `jobs/` through `--cgroup-base`), so a whole node freezes and
-thaws with one write to `cgroup.freeze`, as a hung machine would; without cgroup v2 the node is
-frozen by SIGSTOP of the agent's process tree. Replicas share the first one's key files, as a
-deployment's do.
+starts (supervisors, jobs) stays in a freezer cgroup of the run's own, so a whole node freezes
+and thaws with one write, as a hung machine would: on cgroup v2 `<root>/cpool-chaos-ID/node-N`
+(the agent in `agent/`, its jobs below `jobs/` through `--cgroup-base`) and `cgroup.freeze`; on
+a v1 or hybrid host the v1 freezer's `cpool-chaos-ID/node-N` (the agent's job cgroups touch no
+freezer, so its jobs stay there) and `freezer.state`; with neither, SIGSTOP of the agent's
+tree. Replicas share the first one's key files, as a deployment's do.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Part:
     name: str
     argv: list[str]
     log: Path
-    cgroup: Path | None = None  # an agent's own cgroup (the node's is its parent)
+    cgroup: Path | None = None  # the cgroup an agent is put in (see NodeFreezer)
     proc: subprocess.Popen[bytes] | None = None
     frozen: bool = False
 
@@ -112,7 +113,7 @@ class Cluster:
         self.pg = TempPostgres(self.root / "pg")
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("CPOOL_SERVER", None)
-        self.cgroup: Path | None = CGROUP_ROOT / f"cpool-chaos-{self.run_id}"
+        self.freezer = NodeFreezer(f"cpool-chaos-{self.run_id}")
 
     # ---- start and stop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -166,15 +167,12 @@ class Cluster:
             self.wait(f"{part.name} ready", functools.partial(self._ready, self.urls[i]), 90, part)
             if i == 0:
                 self.admin_token = (data / "admin-token").read_text().strip()
-        self._make_cgroups()
+        self.freezer.make(self.agents)
         join = self.call("POST", "/api/v1/join-tokens", json={"single_use": False})["token"]
         for i in range(self.agents):
             name = f"chaos{self.run_id}-{i}"
             data = self.root / f"agent-{i}"
-            base = "none"
-            own: Path | None = None
-            if self.cgroup is not None:
-                own, base = self.cgroup / f"node-{i}" / "agent", str(self.cgroup / f"node-{i}" / "jobs")
+            own, base = self.freezer.agent_cgroup(i), self.freezer.jobs_base(i)
             servers = [a for u in self.urls for a in ("--server", u)]
             part = Part(
                 name,
@@ -201,46 +199,10 @@ class Cluster:
             part.start(self.env)
         self.wait("every node ready", lambda: len(self.ready_nodes()) == self.agents, 120)
 
-    def _make_cgroups(self) -> None:
-        """The run's cgroup per node (agent leaf + jobs base); None when cgroup v2 is not writable."""
-        assert self.cgroup is not None
-        try:
-            self.cgroup.mkdir()
-            (self.cgroup / "cgroup.subtree_control").write_text("+cpu +memory +pids")
-            for i in range(self.agents):
-                node = self.cgroup / f"node-{i}"
-                node.mkdir()
-                (node / "cgroup.subtree_control").write_text("+cpu +memory +pids")
-                (node / "agent").mkdir()
-        except OSError:
-            self._remove_cgroups()
-            self.cgroup = None
-
-    def _remove_cgroups(self) -> None:
-        if self.cgroup is None or not self.cgroup.exists():
-            return
-        with contextlib.suppress(OSError):
-            (self.cgroup / "cgroup.freeze").write_text("0")
-        for sub in sorted(self.cgroup.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if sub.is_dir():
-                with contextlib.suppress(OSError):
-                    (sub / "cgroup.kill").write_text("1")
-        deadline = time.monotonic() + 20
-        for sub in sorted(self.cgroup.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            while sub.is_dir():
-                try:
-                    sub.rmdir()
-                except OSError:
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.1)
-        with contextlib.suppress(OSError):
-            self.cgroup.rmdir()
-
     def close(self) -> None:
         for part in self.parts.values():
             part.kill()
-        self._remove_cgroups()
+        self.freezer.remove()
         for i in range(self.agents):  # jobs outside any cgroup of ours (no cgroup v2): by their dirs
             for p in psutil.process_iter(["cmdline"]):
                 with contextlib.suppress(psutil.Error):
@@ -317,7 +279,7 @@ class Cluster:
     def freeze_node(self, part: Part) -> None:
         """The agent, its supervisors and its jobs, all stopped at once."""
         if part.cgroup is not None:
-            (part.cgroup.parent / "cgroup.freeze").write_text("1")
+            self.freezer.freeze(part.cgroup, True)
         else:
             for p in self._tree(part):
                 with contextlib.suppress(psutil.Error):
@@ -326,7 +288,7 @@ class Cluster:
 
     def thaw_node(self, part: Part) -> None:
         if part.cgroup is not None:
-            (part.cgroup.parent / "cgroup.freeze").write_text("0")
+            self.freezer.freeze(part.cgroup, False)
         else:
             for p in self._tree(part):
                 with contextlib.suppress(psutil.Error):
@@ -353,3 +315,75 @@ class ApiRefused(RuntimeError):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"{status}: {body}")
         self.status, self.body = status, body
+
+
+class NodeFreezer:
+    """A freezer cgroup per node of the run (see the module); `kind` None: none could be made."""
+
+    def __init__(self, name: str) -> None:
+        self.kind: str | None = None
+        if (CGROUP_ROOT / "cgroup.controllers").is_file():
+            self.kind, self.root = "v2", CGROUP_ROOT / name
+        elif (CGROUP_ROOT / "freezer" / "freezer.state").exists() or (CGROUP_ROOT / "freezer").is_dir():
+            self.kind, self.root = "v1", CGROUP_ROOT / "freezer" / name
+        else:
+            self.root = CGROUP_ROOT / name
+
+    def make(self, nodes: int) -> None:
+        try:
+            if self.kind == "v2":
+                self.root.mkdir()
+                (self.root / "cgroup.subtree_control").write_text("+cpu +memory +pids")
+                for i in range(nodes):
+                    (self.root / f"node-{i}").mkdir()
+                    (self.root / f"node-{i}" / "cgroup.subtree_control").write_text("+cpu +memory +pids")
+                    (self.root / f"node-{i}" / "agent").mkdir()
+            elif self.kind == "v1":
+                self.root.mkdir()
+                for i in range(nodes):
+                    (self.root / f"node-{i}").mkdir()
+        except OSError:
+            self.remove()
+            self.kind = None
+
+    def agent_cgroup(self, i: int) -> Path | None:
+        if self.kind == "v2":
+            return self.root / f"node-{i}" / "agent"
+        return self.root / f"node-{i}" if self.kind == "v1" else None
+
+    def jobs_base(self, i: int) -> str:
+        """The agent's --cgroup-base: below the node's cgroup on v2, the agent's default else."""
+        return str(self.root / f"node-{i}" / "jobs") if self.kind == "v2" else "/sys/fs/cgroup/computepool"
+
+    def freeze(self, agent_cgroup: Path, frozen: bool) -> None:
+        if self.kind == "v2":
+            (agent_cgroup.parent / "cgroup.freeze").write_text("1" if frozen else "0")
+        elif self.kind == "v1":
+            (agent_cgroup / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+
+    def remove(self) -> None:
+        """Thaw, kill what is left inside, remove the cgroups."""
+        if self.kind is None or not self.root.is_dir():
+            return
+        dirs = sorted(
+            (p for p in self.root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+        )
+        for d in [*dirs, self.root]:
+            with contextlib.suppress(OSError):
+                if self.kind == "v2":
+                    (d / "cgroup.freeze").write_text("0")
+                    (d / "cgroup.kill").write_text("1")
+                else:
+                    (d / "freezer.state").write_text("THAWED")
+                    for pid in (d / "cgroup.procs").read_text().split():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        for d in [*dirs, self.root]:
+            while d.is_dir():
+                try:
+                    d.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
