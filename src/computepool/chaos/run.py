@@ -170,13 +170,14 @@ class Run:
 
     # ---- faults ------------------------------------------------------------------------------
     def plan(self) -> list[str]:
-        """The faults of the run, in order: every kind once (shuffled), then more at random."""
+        """The faults of the run, in order: every kind once (shuffled), then more at random, one
+        every ~40 s in all (a run too short for them all ends with those it got to)."""
         slots = max(1, int(self.minutes * 60 // 40))  # one fault every ~40 s
         kinds = list(self.kinds)
         self.rng.shuffle(kinds)
         while len(kinds) < slots:
             kinds.append(self.rng.choice(self.kinds))
-        return kinds[: max(slots, min(len(self.kinds), slots))]
+        return kinds
 
     def inject(self, kind: str, scale: float) -> None:
         c = self.cluster
@@ -358,14 +359,23 @@ def run_chaos(
         length = minutes * 60
         every = length / (len(plan) + 1)
         fault: threading.Thread | None = None
-        while time.monotonic() - started < length or (fault is not None and fault.is_alive()):
-            due = int((time.monotonic() - started) // every)
-            if plan and due >= 1 and (fault is None or not fault.is_alive()) and run.faults.total() < due:
-                kind = plan.pop(0)
-                fault = threading.Thread(target=run.inject, args=(kind, scale), daemon=True)
+        injected = 0
+        every_kind = len(kinds)  # each kind once, even if the run must go on past `minutes` for it
+
+        def busy() -> bool:
+            return fault is not None and fault.is_alive()
+
+        while time.monotonic() - started < length or busy() or (plan and injected < every_kind):
+            elapsed = time.monotonic() - started
+            if elapsed < length:
+                due = int(elapsed // every)
+            else:  # past the end: only the kinds not injected yet, one after another
+                due = injected + 1 if injected < every_kind else injected
+            if plan and due > injected and not busy():
+                fault = threading.Thread(target=run.inject, args=(plan.pop(0), scale), daemon=True)
                 fault.start()
-            if time.monotonic() - started < length:
-                run.operate()
+                injected += 1
+            run.operate()  # the workload goes on as long as faults do
             time.sleep(run.rng.uniform(0.2, 0.8))
         run.heal()
         say("healed; draining")
