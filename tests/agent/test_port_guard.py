@@ -19,6 +19,7 @@ from computepool.agent.port_guard import (
     port_list,
     ports_text,
 )
+from computepool.agent.sockets import bound_port
 
 
 def low_listener() -> socket.socket:
@@ -98,3 +99,28 @@ def test_ports_outside_the_ranges_or_the_kernels_to_give_are_not_policed() -> No
         guard.set_ranges((PortRange("rpc", port, port),))  # the same, policed: stopped
         guard.scan(), guard.scan()
         assert stopped == ["8.1"]
+
+
+def test_a_socket_bound_on_a_reserved_port_without_listening_is_found_too() -> None:
+    for _ in range(200):
+        s = socket.socket()
+        try:
+            s.bind(("0.0.0.0", random.randrange(10000, 19999)))  # holds the port; no table lists it
+            break
+        except OSError:
+            s.close()
+    with s:
+        port = int(s.getsockname()[1])
+        assert bound_port(os.getpid(), s.fileno()) == port
+        assert s.getsockname()[1] == port  # the job's socket is as it was
+        stopped: list[tuple[str, str]] = []
+        guard = PortGuard(
+            lambda: [GuardedJob("9.1", frozenset(), frozenset({os.getpid()}))],
+            lambda key, why: stopped.append((key, why)),
+        )
+        guard.set_ranges((PortRange("publish", port, port),))
+        assert guard.scan() == []
+        assert guard.scan() == [("9.1", port)]
+        assert stopped[0][1].startswith(f"bound port {port}, which the pool reserves for its publish range")
+    with socket.socket() as fresh:  # not bound: no port
+        assert bound_port(os.getpid(), fresh.fileno()) is None

@@ -343,3 +343,57 @@ def test_a_job_holding_the_whole_service_range_is_stopped_and_the_replicas_come(
         got = a.get(f"/api/v1/allocations/{rep['allocation_id']}").json()
         assert got["state"] == "active" and got["attempt"] == 1, got
     assert a.delete("/api/v1/services/chat").status_code == 200
+
+
+# B's job: binds every port given on both families and never listens (a bound socket holds its
+# port against every later bind, yet no /proc/net table lists it)
+BIND_ONLY = r"""
+import socket, sys, threading
+held = []
+for port in map(int, sys.argv[1:]):
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((host, port))
+        held.append(s)
+print("bound", len(held), flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_job_binding_the_service_range_without_listening_is_stopped_too(low_pool: Pool) -> None:
+    pool = low_pool
+    a, b = pool.member("ba"), pool.member("bb")
+    ports = [pool.svc, pool.svc + 1]
+    r = b.post(
+        "/api/v1/allocations",
+        json={"command": [JOB_PYTHON, "-c", BIND_ONLY, *map(str, ports)], "cpu_milli": 100},
+    )
+    assert r.status_code == 201, r.text
+    squatter = int(r.json()["id"])
+
+    def ended() -> dict[str, Any] | None:
+        got = dict(b.get(f"/api/v1/allocations/{squatter}").json())
+        return got if got["state"] in ("released", "failed", "cancelled") else None
+
+    got = wait_for("B's binder stopped by its node", ended, 60, pool.logs)
+    assert got["state"] == "failed", got
+    assert any(
+        f"bound port {p}, which the pool reserves for its service range" in got["reason"] for p in ports
+    )
+    assert "bound 4" in b.get(f"/api/v1/allocations/{squatter}/logs").json()["stdout"]["data"]
+
+    engine = f"{JOB_PYTHON} {SIMENGINE} --slots 2 --ms-per-token 1"
+    spec = {"request": {"command": ["/bin/sh", "-c", engine], "cpu_milli": 200}, "min_replicas": 2,
+            "max_replicas": 2, "startup_grace_s": 30, "drain_s": 5}  # fmt: skip
+    assert a.put("/api/v1/services/bound", json={"spec": spec}).status_code == 201
+
+    def both_ready() -> list[dict[str, Any]] | None:
+        reps = a.get("/api/v1/services/bound").json()["replicas"]
+        ready = [rep for rep in reps if rep["replica_state"] == "ready"]
+        return ready if len(ready) == 2 else None
+
+    ready = wait_for("A's two replicas ready", both_ready, 120, pool.logs)
+    assert {int(rep["endpoint"].rsplit(":", 1)[1]) for rep in ready} == set(ports)
+    assert a.delete("/api/v1/services/bound").status_code == 200

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from computepool.agent.listeners import listening, socket_inodes
+from computepool.agent.sockets import bound_port, socket_fds, tabled_sockets
 
 log = logging.getLogger("computepool.agent")
 
@@ -129,6 +130,7 @@ class PortGuard:
         self._owner: dict[int, tuple[str | None, int]] = {}  # inode → (job key or None, pass seen)
         self._stopped: set[tuple[str, int]] = set()
         self._seen: set[tuple[str, int]] = set()  # (job, port) found last pass: stopped if found again
+        self._looked: dict[int, tuple[int | None, int]] = {}  # untabled socket → (bound port, pass)
         self._pass = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -171,6 +173,11 @@ class PortGuard:
                 if r is not None:
                     for inode in sockets:
                         suspects[inode] = (port, r)
+        jobs = list(self.jobs()) if self.ranges else []
+        hidden = self._bound_only(jobs)  # inode → (port, range, job): bound, never listening
+        for inode, (port, r, holder) in hidden.items():
+            suspects[inode] = (port, r)
+            self._owner[inode] = (holder, self._pass)
         self._owner = {i: o for i, o in self._owner.items() if i in suspects}
         if not suspects:
             self._seen = set()
@@ -181,7 +188,6 @@ class PortGuard:
             if i not in self._owner
             or (self._owner[i][0] is None and self._pass - self._owner[i][1] >= RETRY_UNPLACED_PASSES)
         }
-        jobs = list(self.jobs())
         if unplaced:
             for i in unplaced:
                 self._owner[i] = (None, self._pass)
@@ -205,8 +211,8 @@ class PortGuard:
             if any(k == key for k, _ in stopped):
                 continue
             reason = (
-                f"listened on port {port}, which the pool reserves for its {r.name} range "
-                f"({r.lo}-{r.hi}) and did not give this job"
+                f"{'bound' if inode in hidden else 'listened on'} port {port}, which the pool reserves "
+                f"for its {r.name} range ({r.lo}-{r.hi}) and did not give this job"
             )
             log.warning("%s: %s; stopping it", key, reason)
             self.stop_job(key, reason)
@@ -214,6 +220,34 @@ class PortGuard:
         live = set(given)
         self._stopped = {(k, p) for k, p in self._stopped if k in live}
         return stopped
+
+    def _bound_only(self, jobs: list[GuardedJob]) -> dict[int, tuple[int, PortRange, str]]:
+        """The jobs' TCP sockets bound to a policed port but listening nowhere: such a socket holds
+        its port against every later bind, yet no /proc/net table lists it. Only sockets no table
+        lists are looked into (through a copy of the descriptor: sockets.bound_port), each once,
+        and one still unbound again a few passes later."""
+        out: dict[int, tuple[int, PortRange, str]] = {}
+        if not jobs:
+            self._looked = {}
+            return out
+        tabled = tabled_sockets(self.proc)
+        looked: dict[int, tuple[int | None, int]] = {}
+        for job in jobs:
+            for pid in job.pids:
+                for inode, fd in socket_fds(pid, self.proc).items():
+                    if inode in tabled:
+                        continue
+                    port, at = self._looked.get(inode, (None, -RETRY_UNPLACED_PASSES))
+                    if inode not in self._looked or (
+                        port is None and self._pass - at >= RETRY_UNPLACED_PASSES
+                    ):
+                        port, at = bound_port(pid, fd), self._pass
+                    looked[inode] = (port, at)
+                    r = self.policed(port) if port else None
+                    if r is not None and port is not None:
+                        out[inode] = (port, r, job.key)
+        self._looked = looked
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
