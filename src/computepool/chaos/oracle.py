@@ -11,7 +11,9 @@
   compute and memory held must fit, and an exclusive slice shares its device with nothing.
 - **Nothing acknowledged lost, no healthy job failed.** At the end every allocation the API
   acknowledged is read back: it exists, it ended (or is still live when the run stopped short)
-  with a reason, and a job that said "done" (exited 0) is not recorded failed, nor run again
+  with a reason, and a job that said "done" (exited 0) is not recorded failed — unless the
+  reason is its node lost and a fault did silence that node (the pool cannot know better then;
+  work that cannot restart runs on through the silence and may still exit 0) — nor run again
   after.
 """
 

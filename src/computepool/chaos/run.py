@@ -81,6 +81,7 @@ class Run:
         self.errors: list[str] = []  # answers that break the contract (5xx other than 503, 507 aside)
         self.faults: Counter[str] = Counter()
         self.failover: list[float] = []
+        self.silenced: set[str] = set()  # nodes a fault silenced: "node lost" is true of them
         self.log: list[str] = []  # what each fault did, in order, seconds since the run began
         self.t0 = time.monotonic()
         self._lock = threading.Lock()
@@ -214,18 +215,21 @@ class Run:
             note(f"{target} frozen")
         elif kind == "agent_kill":
             part = self.rng.choice(c.agents_())
+            self.silenced.add(part.name)
             part.kill()
             time.sleep(self.rng.uniform(2, 10))
             part.start(c.env)
             note(f"{part.name} killed, restarted")
         elif kind == "agent_freeze":
             part = self.rng.choice(c.agents_())
+            self.silenced.add(part.name)
             part.signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(5, 30) * scale)
             part.signal(signal.SIGCONT)
             note(f"{part.name} frozen")
         elif kind == "freeze_node":
             part = self.rng.choice(c.agents_())
+            self.silenced.add(part.name)
             c.freeze_node(part)
             time.sleep(max(c.lost_s * 2, self.rng.uniform(10, 40) * scale))  # past lost: work moves
             c.thaw_node(part)
@@ -304,7 +308,9 @@ class Run:
             elif not got["reason"] and got["state"] != "released":
                 v.append(f"allocation {s.id} ended {got['state']} without a reason")
             done = self.collector.finished(s.label)
-            if done and got["state"] == "failed" and s.kind != "gang":
+            reason = str(got["reason"])
+            was_silenced = any(f"node {n} lost" in reason for n in self.silenced)
+            if done and got["state"] == "failed" and s.kind != "gang" and not was_silenced:
                 v.append(
                     f"allocation {s.id} exited 0 (attempt {done[0][0]}) but was recorded failed: "
                     f"{got['reason']}"
