@@ -72,6 +72,7 @@ class Run:
     ):
         self.rng = random.Random(seed)
         self.minutes, self.kinds, self.say = minutes, kinds, say
+        self.scale = min(1.0, max(0.25, minutes / 6))  # a short run's faults and long jobs shrink
         self.cluster = Cluster(root)
         self.collector = Collector()
         self.sampler: CapacitySampler | None = None
@@ -103,7 +104,7 @@ class Run:
         label = f"j{uuid.uuid4().hex[:10]}"
         restartable = kind in ("long-restartable", "gang")
         seconds = {"short": self.rng.uniform(0.5, 4), "probe": 0.5, "exclusive": self.rng.uniform(2, 10)}.get(
-            kind, self.rng.uniform(15, 60)
+            kind, self.rng.uniform(15, 60) * self.scale  # long work: shorter on a short run
         )
         body: dict[str, Any] = {
             "command": ["python3", "-c", JOB, label, f"{seconds:.1f}", str(self.collector.port)],
@@ -355,7 +356,7 @@ def run_chaos(
     own = root is None
     root = root or Path(tempfile.mkdtemp(prefix="cpool-chaos-", dir="/var/tmp"))
     run = Run(root, seed, minutes, kinds, say)
-    scale = min(1.0, max(0.25, minutes / 6))
+    scale = run.scale
     try:
         run.setup()
         run.t0 = time.monotonic()
