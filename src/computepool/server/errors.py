@@ -65,6 +65,12 @@ class Invalid(ApiError):
     status = 422
 
 
+class InsufficientStorage(ApiError):
+    """The server's disk is full where the request would write (the message names which store)."""
+
+    status = 507
+
+
 class TooManyRequests(ApiError):
     """Over a rate limit: retry after the seconds its Retry-After header says."""
 

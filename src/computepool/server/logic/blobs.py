@@ -15,6 +15,7 @@ clients re-send), and a read of it says what is wrong instead of a bare 404.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session
 from computepool.core.tarsafe import is_sha256
 from computepool.server import topics
 from computepool.server.context import Ctx
-from computepool.server.errors import ApiError, Conflict, Invalid, NotFound
+from computepool.server.errors import ApiError, Conflict, InsufficientStorage, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic.audit import record
 from computepool.server.policy import Role, Target, authorize
@@ -110,7 +111,10 @@ def _over_tenant(ctx: Ctx, tenant: str, used: int, size: int) -> str:
 async def _stream(ctx: Ctx, chunks: AsyncIterator[bytes]) -> tuple[store.TempBlob, str]:
     """The body into a temp file under the per-upload cap; (temp, sha256). Raises TooLarge."""
     cap = _upload_cap(ctx)
-    tmp = await run_in_threadpool(store.new_temp, _dir(ctx))
+    try:
+        tmp = await run_in_threadpool(store.new_temp, _dir(ctx))
+    except OSError as e:
+        raise _full(e) from None
     try:
         async for chunk in chunks:
             if tmp.size + len(chunk) > cap:
@@ -118,10 +122,24 @@ async def _stream(ctx: Ctx, chunks: AsyncIterator[bytes]) -> tuple[store.TempBlo
             if chunk:
                 await run_in_threadpool(tmp.write, chunk)
         sha = await run_in_threadpool(tmp.finish)
+    except OSError as e:
+        tmp.discard()  # nothing half-written stays
+        raise _full(e) from None
     except BaseException:
         tmp.discard()
         raise
     return tmp, sha
+
+
+def _full(e: OSError) -> Exception:
+    """507 for a full disk (or quota), naming the store; any other OSError as it was."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorage(
+            "the blob store is full (no space left in the server's --blob-dir); nothing was kept, "
+            "retry later or ask an operator to free space",
+            "body",
+        )
+    return e
 
 
 # --- uploads ------------------------------------------------------------------------------------
