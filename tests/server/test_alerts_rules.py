@@ -42,9 +42,11 @@ def test_a_node_is_suspect_or_lost_never_both_and_only_when_silent(ages: list[fl
     suspect = {x.subject for x in node_suspect(f, BY_NAME["node-suspect"].default(SETTINGS))}
     lost = {x.subject for x in node_lost(f, BY_NAME["node-lost"].default(SETTINGS))}
     assert not suspect & lost
+    silent = sum(1 for a in ages if a >= 20.0)
+    braked = silent >= SETTINGS.lost_brake_min_nodes and silent > SETTINGS.lost_brake_share * len(ages)
     for n in nodes:
         age = (NOW - n.last_heartbeat_at).total_seconds()
-        assert (f"node/{n.name}" in lost) == (age >= 60.0)
+        assert (f"node/{n.name}" in lost) == (age >= 60.0 and not braked)  # the brake: none lost
         assert (f"node/{n.name}" in suspect) == (20.0 <= age < 60.0)
 
 
