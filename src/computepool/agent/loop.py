@@ -305,14 +305,16 @@ class Agent:
 
     def _fence(self) -> None:
         """Out of contact for the fence time: stop restartable work before the pool restarts it
-        elsewhere (the per-job supervisors do the same should this agent be dead)."""
+        elsewhere (the per-job supervisors do the same should this agent be dead), and any job whose
+        start the pool never acknowledged: to the pool it never ran, and it is requeued once the
+        node is lost."""
         for key, proc in list(self._supervisors.items()):
             if proc.poll() is not None:
                 del self._supervisors[key]
         if not self.contact.overdue() and self.contact.lapsed is None:
             return
         for rec in self.executor.running():
-            if rec.extra.get("restartable") != "1":
+            if rec.extra.get("restartable") != "1" and rec.key not in self.reports.running_unreported:
                 continue
             kill_at = self.contact.kill_at(fencing.boot_time_of(rec.create_time))
             if kill_at is None:
