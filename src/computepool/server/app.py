@@ -43,6 +43,7 @@ from computepool.server.logic.function_workers import Sweeper
 from computepool.server.logic.log_limits import LogLimits
 from computepool.server.logic.service_controller import ServiceController
 from computepool.server.loops import Loops, Periodic
+from computepool.server.outage import OutageNotes
 from computepool.server.policy import Action
 from computepool.server.reclaim import Reclaimer
 from computepool.server.replicas import Replicas
@@ -220,7 +221,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await gateway.start()
     alert_engine: AlertEngine = state.alert_engine
     alert_engine.start()
-    loops = Loops(_periodics(state), state.leadership)
+    loops = Loops(_periodics(state), state.leadership, state.outage)
     loops.start()
     log.info("control plane ready (database: %s)", db.dialect)
     try:
@@ -248,6 +249,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.audit_problem = None  # what is wrong with the audit chain, once a check found it
     app.state.audit_checked = False
     app.state.hub = Hub()
+    app.state.outage = OutageNotes()  # the database's outages, one line each (loops and API alike)
     app.state.caches = Caches.create(settings.token_cache_s, settings.shape_cache_s)
     app.state.metrics = metrics.Metrics(app.state.db, settings)
     app.state.leadership = leadership = Leadership(app.state.db)

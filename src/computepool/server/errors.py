@@ -130,7 +130,11 @@ def install_handlers(app: FastAPI, on_denied: Any = None) -> None:
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     async def _db_down(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("database unavailable: %s", type(exc).__name__)
+        notes = getattr(request.app.state, "outage", None)
+        if notes is not None:
+            notes.failed(f"{request.method} {request.url.path}", exc)  # once per outage (outage.py)
+        else:
+            log.warning("database unavailable: %s", type(exc).__name__)
         retry = str(request.app.state.settings.retry_after_s)
         return JSONResponse(
             error_body("database unavailable, retry later"), status_code=503, headers={"Retry-After": retry}

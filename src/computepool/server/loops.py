@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from computepool.server.leadership import Leadership
+from computepool.server.outage import DB_DOWN, OutageNotes
 
 log = logging.getLogger("computepool.server")
 
@@ -43,10 +44,13 @@ class Periodic:
 class Loops:
     """Every background loop of one server process, started and stopped together."""
 
-    def __init__(self, loops: list[Periodic], leadership: Leadership | None = None) -> None:
+    def __init__(
+        self, loops: list[Periodic], leadership: Leadership | None = None, outage: OutageNotes | None = None
+    ) -> None:
         if leadership is None and any(p.leader_only for p in loops):
             raise ValueError("leader-only loops need the process's Leadership")
         self.leadership = leadership
+        self.outage = outage or OutageNotes()
         self.loops = loops
         self._stopping = asyncio.Event()
 
@@ -92,11 +96,16 @@ class Loops:
                 await cast(Callable[[], Awaitable[object]], p.step)()
             else:
                 await asyncio.to_thread(p.step)
+        except DB_DOWN as e:  # the database away: one line per outage (outage.py), not a traceback
+            self.outage.failed(f"the {p.name} loop", e)
+            log.debug("%s: step failed", p.name, exc_info=True)
         except Exception:
             if p.quiet:
                 log.debug("%s: step skipped", p.name, exc_info=True)
             else:
                 log.exception("%s: step failed", p.name)
+        else:
+            self.outage.answered()
 
     async def _wait(self, p: Periodic) -> None:
         stop = asyncio.ensure_future(self._stopping.wait())
