@@ -132,7 +132,7 @@ def test_a_job_runs_as_its_tenant_with_nothing_of_the_agent(
     assert seen["pid"] < 10 and max(seen["procs"]) < 10  # its own PID namespace: only its processes
     assert seen["tmp"] == []  # a private /tmp
     assert seen["agent_dir"] == ["runs"]  # the agent's files are hidden: only the way to its own dir
-    assert "own PID and mount namespaces" in done.limits and f"user {user.pw_name}" in done.limits
+    assert "own PID, mount, IPC and UTS namespaces" in done.limits and f"user {user.pw_name}" in done.limits
     assert "seccomp: no user namespaces" in done.limits  # syscall_filter.py: the attacks test it
     # the layout: the job's dir is its own; the agent's files around it are root's
     assert (work.stat().st_uid, stat.S_IMODE(work.stat().st_mode)) == (user.pw_uid, 0o700)
@@ -299,6 +299,7 @@ def test_a_directory_the_slice_needs_stays_reachable_behind_the_hidden_data_dir(
     done = sandboxed.wait(rec.key, 10)
     assert done.state is JobState.SUCCEEDED, (done.reason, (Path(done.run_dir) / "stderr.log").read_text())
     assert _out(done.run_dir).split() == ["control", "mps", "runs"]  # no node.json, no state db
+    assert "(the host's IPC: MPS)" in done.limits  # its MPS server's IPC namespace
 
 
 def test_a_memory_file_made_a_fifo_or_a_link_cannot_stall_or_feed_the_agent(tmp_path: Path) -> None:
@@ -326,10 +327,13 @@ def test_a_memory_file_made_a_fifo_or_a_link_cannot_stall_or_feed_the_agent(tmp_
 
 def test_a_command_the_tenant_could_not_reach_is_not_run(sandboxed: Executor, tenants: list[str]) -> None:
     """The command is looked up with the tenant's rights: a program in a root-only dir stays out."""
-    hidden = sandboxed.data_dir.parent / "root-only"
+    hidden = Path("/var/cache") / f"cpool-root-only-{uuid.uuid4().hex[:8]}"  # the job has its own /var/tmp
     hidden.mkdir(mode=0o700)
-    shutil.copy("/bin/true", hidden / "tool")
-    rec = sandboxed.start(JobSpec("hidden", 1, [str(hidden / "tool")], tenant=tenants[0]))
-    done = sandboxed.wait(rec.key, 10)
-    assert (done.state, done.exit_code) == (JobState.FAILED, 126), done.reason
-    assert "Permission denied" in (Path(done.run_dir) / "stderr.log").read_text()
+    try:
+        shutil.copy("/bin/true", hidden / "tool")
+        rec = sandboxed.start(JobSpec("hidden", 1, [str(hidden / "tool")], tenant=tenants[0]))
+        done = sandboxed.wait(rec.key, 10)
+        assert (done.state, done.exit_code) == (JobState.FAILED, 126), done.reason
+        assert "Permission denied" in (Path(done.run_dir) / "stderr.log").read_text()
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)

@@ -164,3 +164,14 @@ def test_two_executors_on_one_base_keep_their_jobs_apart_and_sweep_only_their_ow
     assert (theirs.cgroup_dir / "1.1").is_dir()
     for ex in (mine, theirs):
         ex.state.close()
+
+
+def test_a_root_agent_without_usable_cgroups_is_warned_and_one_with_them_is_not(tmp_path: Path) -> None:
+    assert "cgroups disabled" in cgroups.unheld_warning(None, root=True)
+    assert cgroups.unheld_warning(None, root=False) == ""  # a non-root agent says why it is weaker itself
+    (tmp_path / "cgroup.controllers").write_text("io\n")
+    line = cgroups.unheld_warning(tmp_path / "computepool", root=True)
+    assert "not available" in line and "per process" in line and "RLIMIT_NPROC" in line and "\n" not in line
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    assert cgroups.unheld_warning(tmp_path / "other", root=True) == ""

@@ -46,7 +46,7 @@ def test_a_missing_engine_says_how_to_build_one(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the bench's agents create tenant users: root only")
 def test_a_short_run_finds_the_peers_rejects_the_impostor_and_splits_exactly(llama_python: str) -> None:
-    before = {p.name for p in Path("/var/tmp").glob("cpool-bench-coop-*")}
+    before = {p.name for p in Path("/var/cache").glob("cpool-bench-coop-*")}
     r = _cpool(
         "bench", "coop", "--json", "--tokens", "24", "--runs", "3", "--engine-python", llama_python,
         timeout=1500,
@@ -85,4 +85,4 @@ def test_a_short_run_finds_the_peers_rejects_the_impostor_and_splits_exactly(lla
     assert out["chosen_reason"]
 
     # it cleaned up after itself
-    assert {p.name for p in Path("/var/tmp").glob("cpool-bench-coop-*")} == before
+    assert {p.name for p in Path("/var/cache").glob("cpool-bench-coop-*")} == before

@@ -86,14 +86,20 @@ def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float 
     return int(proc.returncode)
 
 
-def job_readable_copy(src: Path) -> Path:
-    """A copy of `src` that a tenant's job can read, under /var/tmp: a job's sandbox has a /tmp of
-    its own, so a file of a checkout that lives under /tmp does not exist for the job. Named by the
-    file's hash, written once (atomically), world-readable."""
-    data = src.read_bytes()
-    folder = Path("/var/tmp") / "cpool-test-files"
-    folder.mkdir(mode=0o755, exist_ok=True)
+def job_readable_dir() -> Path:
+    """A world-readable folder a tenant's job sees as the host's: a job's sandbox has a /tmp and a
+    /var/tmp of its own, so a file the test writes there does not exist for the job."""
+    folder = Path("/var/cache") / "cpool-test-files"
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
     os.chmod(folder, 0o755)
+    return folder
+
+
+def job_readable_copy(src: Path) -> Path:
+    """A copy of `src` that a tenant's job can read (in `job_readable_dir`). Named by the file's
+    hash, written once (atomically), world-readable."""
+    data = src.read_bytes()
+    folder = job_readable_dir()
     dst = folder / f"{hashlib.sha256(data).hexdigest()[:16]}-{src.name}"
     if not dst.exists():
         part = folder / f".{dst.name}.{os.getpid()}"

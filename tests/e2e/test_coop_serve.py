@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from e2e_helpers import child_env, cpool, free_port, kill_jobs_under, stop, wait_for
+from e2e_helpers import child_env, cpool, free_port, job_readable_dir, kill_jobs_under, stop, wait_for
 
 from computepool.agent.tenants import remove_tenant_user
 
@@ -146,9 +146,12 @@ def kill_rpc_server(port: int) -> int:
     return killed
 
 
-def test_a_model_split_over_two_nodes_then_replanned_when_one_fails(pool: Pool, llama_python: str) -> None:
-    models = pool.root / "models"
+def test_a_model_split_over_two_nodes_then_replanned_when_one_fails(
+    pool: Pool, llama_python: str, request: pytest.FixtureRequest
+) -> None:
+    models = job_readable_dir() / f"models-{uuid.uuid4().hex[:8]}"  # the engines' jobs read it
     models.mkdir(mode=0o755)
+    request.addfinalizer(lambda: shutil.rmtree(models, ignore_errors=True))
     model = write_tiny_llama(models / "tiny.gguf", seed=11)
     model.chmod(0o644)
     tenant = f"cp{uuid.uuid4().hex[:6]}"

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import child_env, cpool, wait_for
+from e2e_helpers import child_env, cpool, job_readable_dir, wait_for
 from test_sdk_e2e import Cluster, pytestmark  # noqa: F401 - the same machine needs
 
 from computepool.sdk import Pool
@@ -35,7 +35,7 @@ def cluster() -> Iterator[Cluster]:
 def test_result_rides_out_a_control_plane_restart(
     cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate = Path("/var/tmp") / f"cpool-sdkr-gate-{uuid.uuid4().hex[:8]}"  # the worker can read it
+    gate = job_readable_dir() / f"cpool-sdkr-gate-{uuid.uuid4().hex[:8]}"  # the worker can read it
     monkeypatch.chdir(tmp_path)
     with Pool(server=cluster.url, token=cluster.token) as pool:
 

@@ -12,7 +12,9 @@ one pool) would otherwise put different jobs in one cgroup, and the first to end
 other. An agent only ever creates, empties or removes cgroups under its own directory.
 
 Where neither is writable (`--cgroup-base none`, a container without delegation), `hold` falls
-back to RLIMIT_AS and CPU affinity, and says so in the job's `limits`.
+back to RLIMIT_AS (per process: a job's children each get as much), CPU affinity and RLIMIT_NPROC
+(per user: the tenant's processes on the node, all its jobs together), and says so in the job's
+`limits`; `unheld_warning` says so once at a root agent's start.
 """
 
 from __future__ import annotations
@@ -274,11 +276,14 @@ def hold(
                 remove(list(cg.paths))
                 raise
             return Held(cg.describe(cpu_milli, memory_mib, pids_max), cg)
-    if cpu_milli <= 0 and memory_mib <= 0:
-        return Held(f"none ({why})")
     parts: list[str] = []
     rss = 0
     cpus: tuple[int, ...] = ()
+    if pids_max > 0 and psutil.Process(pid).uids().real == 0:
+        # counted per real uid: the tenant's user (setpriv switches to it) on the whole node; a job of
+        # the agent's own non-root user would count the agent's threads too, so it gets none
+        psutil.Process(pid).rlimit(psutil.RLIMIT_NPROC, (pids_max, pids_max))
+        parts.append(f"RLIMIT_NPROC {pids_max} for the user (all its jobs on this node together)")
     if memory_mib > 0:
         if uses_gpu:  # GPU runtimes reserve vast address space: RLIMIT_AS would stop them at once
             rss = memory_mib
@@ -290,7 +295,27 @@ def hold(
         cpus = _pick_cpus(math.ceil(cpu_milli / 1000), busy_cpus)
         os.sched_setaffinity(pid, cpus)
         parts.append(f"affinity to {len(cpus)} CPU(s) {list(cpus)} (rlimits cannot cap CPU share)")
+    if not parts:
+        return Held(f"none ({why})")
     return Held("; ".join(parts) + f" ({why})", None, rss, cpus)
+
+
+def unheld_warning(base: Path | None, root: bool) -> str:
+    """One line for a root agent (it serves every tenant) whose jobs no cgroup can hold, else "".
+
+    Checks `base` the way the executor will (making it where it can)."""
+    if not root:
+        return ""
+    why = "cgroups disabled (--cgroup-base none)"
+    if base is not None:
+        ok, why = detect(base).usable()
+        if ok:
+            return ""
+    return (
+        f"no usable cgroups ({why}): tenants' jobs are held by rlimits alone: memory per process "
+        "(RLIMIT_AS; a job's children each get as much, and GPU jobs none), CPU by affinity only, "
+        "processes per tenant user on the node (RLIMIT_NPROC); one tenant's job can starve another's"
+    )
 
 
 def _pick_cpus(n: int, busy: list[int]) -> tuple[int, ...]:

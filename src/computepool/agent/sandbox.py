@@ -1,8 +1,9 @@
 """The process sandbox: how a job's command is wrapped so that it runs as its tenant's user, with no
-privileges, in its own PID and mount namespaces, and in a directory no other tenant can enter.
+privileges, in its own PID, mount, IPC and UTS namespaces, and in a directory no other tenant can enter.
 
 Everything here uses Debian's util-linux: `unshare` makes the namespaces (a private `/proc` that
-shows the job's processes only, a private `/tmp` and `/dev/shm`), `setpriv` drops to the tenant's
+shows the job's processes only; a private `/tmp`, `/var/tmp`, `/dev/shm` and `/run/lock`; SysV IPC
+objects and POSIX message queues of the job's own, gone with it), `setpriv` drops to the tenant's
 uid and gid with no supplementary groups, an empty capability bounding set and `no_new_privs`.
 Where the host refuses namespaces (a container without CAP_SYS_ADMIN), the job still runs as its
 user with `setpriv`, and the job's `limits` says that namespaces were not applied.
@@ -45,6 +46,9 @@ _TAIL_HANDOVER = (
     'eval "$_s"; unset _i _s; exec "$@"'
 )
 DEFAULT_CACHE_ROOT = Path("/var/cache/computepool")
+# A job's namespaces: its processes, its mounts, its SysV IPC objects and POSIX message queues (no
+# other tenant's job can open them by key or name, and they die with it), its host name.
+_NAMESPACES = ("--pid", "--fork", "--mount-proc", "--mount", "--ipc", "--uts")
 DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 
 # Runs as root inside the new namespaces, then starts the command as the tenant (the "$@").
@@ -53,8 +57,10 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # job must keep (its MPS daemon's pipes) or "". Where the job's own directory or that one was
 # hidden by the tmpfs or by the private /tmp, it is bound back in at the same path (through a
 # descriptor opened before, since the path itself leads elsewhere by then). $4 is the tenant's cache
-# dir (CPOOL_CACHE_DIR) or "", kept the same way. $5 is the size of the private /tmp and /dev/shm
-# (each; "" for the kernel's default): their pages count in the job's memory, which is the writer's.
+# dir (CPOOL_CACHE_DIR) or "", kept the same way. $5 is the size of the private /tmp, /var/tmp and
+# /dev/shm (each; "" for the kernel's default): their pages count in the job's memory, the writer's.
+# Nothing written there outlives the job, nor do its SysV IPC objects and POSIX message queues (the
+# IPC namespace's; /dev/mqueue, where the host mounts it, shows the job's own).
 # It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
 # shell traps them (the command, in the same process group, gets the agent's signals itself) and
 # waits; when it exits the kernel kills whatever the job left in its namespace. The command keeps
@@ -70,7 +76,10 @@ exec 3<"$_cpool_w" || exit 126
 if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
 if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
 mount -t tmpfs -o "$_cpool_tmpfs" cpool-tmp /tmp || exit 126
+if [ -d /var/tmp ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-vartmp /var/tmp || exit 126; fi
 if [ -d /dev/shm ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || exit 126; fi
+if [ -d /run/lock ]; then mount -t tmpfs -o mode=1777,nosuid,nodev,size=1m cpool-lk /run/lock || exit 126; fi
+if [ -d /dev/mqueue ]; then mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || exit 126; fi
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
     mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" || exit 126
 fi
@@ -143,13 +152,12 @@ def probe(config: SandboxConfig) -> HostSupport:
     else:
         try:
             r = subprocess.run(
-                [unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", "/bin/sh", "-c",
-                 "mount -t tmpfs cpool-probe /tmp"],
+                [unshare, *_NAMESPACES, "--", "/bin/sh", "-c", "mount -t tmpfs cpool-probe /tmp"],
                 capture_output=True, text=True, timeout=20, check=False,
             )  # fmt: skip
             ns = r.returncode == 0
             if not ns:
-                why.append(f"the host refuses PID/mount namespaces: {r.stderr.strip()[:200]}")
+                why.append(f"the host refuses PID/mount/IPC/UTS namespaces: {r.stderr.strip()[:200]}")
         except (OSError, subprocess.TimeoutExpired) as e:
             why.append(f"unshare failed: {e}")
     loader, filter_why = syscall_filter.probe()
@@ -214,9 +222,10 @@ def hidden_dir(work: Path, data_dir: Path) -> Path:
 
 
 def tmpfs_mib(memory_mib: int) -> int:
-    """The size of a job's private /tmp and of its /dev/shm, each: half its memory limit (0: the
-    kernel's default, for a job without one). What is written there counts in the job's memory, so
-    the two together can never take more than it has; past its size a write fails (ENOSPC)."""
+    """The size of a job's private /tmp, /var/tmp and /dev/shm, each: half its memory limit (0: the
+    kernel's default, for a job without one). What is written there counts in the job's memory
+    (its cgroup's), so together they can never take more than it has; past its size a write fails
+    (ENOSPC)."""
     return max(1, memory_mib // 2) if memory_mib > 0 else 0
 
 
@@ -259,7 +268,7 @@ def wrap(
     namespaces, just before setpriv, and lets it make its own user + network namespace and no other.
 
     `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
-    stay; the private /tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default size).
+    stay; the private /tmp, /var/tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default).
     Where the first steps run as root (`hands_over`), the argv expects `root_side_env`'s
     environment and restores the job's own after setpriv.
     """
@@ -284,9 +293,12 @@ def wrap(
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else ""]  # fmt: skip
-        argv = [host.unshare, "--pid", "--fork", "--mount-proc", "--mount", "--", *init, *argv]
+        # an MPS client (`keep`: its daemon's pipes) stays in the host's IPC namespace, its server's
+        spaces = _NAMESPACES if keep is None else tuple(n for n in _NAMESPACES if n != "--ipc")
+        argv = [host.unshare, *spaces, "--", *init, *argv]
         sized = f" ({tmp_mib} MiB each)" if tmp_mib > 0 else ""
-        applied.append(f"own PID and mount namespaces, private /tmp and /dev/shm{sized}")
+        named = "PID, mount, IPC and UTS" if keep is None else "PID, mount and UTS (the host's IPC: MPS)"
+        applied.append(f"own {named} namespaces, private /tmp, /var/tmp and /dev/shm{sized}")
         if hide is not None:
             applied.append(f"{hide} hidden")
     elif host.why_not:

@@ -1,7 +1,7 @@
 """`cpool bench coop`: cooperative inference end to end, on a pool of its own.
 
-The bench writes the tiny Llama model (serving/tinymodel.py) under a fresh /var/tmp root (jobs run
-as their tenant's Unix user with a private /tmp, so the model must be world-readable elsewhere),
+The bench writes the tiny Llama model (serving/tinymodel.py) under a fresh /var/cache root (jobs run
+as their tenant's Unix user with a private /tmp and /var/tmp: the model must be world-readable elsewhere),
 starts a `cpool server` and two root agents on loopback with LAN discovery (unicast only: mDNS on
 a shared machine would also hear every other pool's agents) and one impostor — a discovery runtime
 whose key comes from another secret — then:

@@ -235,7 +235,8 @@ def bench_pool(
 ) -> Iterator[tuple[BenchPool, PoolClient]]:
     """The bench's own pool; `forget_tenant` removes the tenant's Unix user at the end (the CLI
     passes the agent's own function: the client layer does not reach into the agent's)."""
-    root = Path("/var/tmp") / f"cpool-bench-coop-{secrets.token_hex(4)}"
+    # not under /tmp nor /var/tmp: a job has its own, and the engines' jobs read the model from here
+    root = Path("/var/cache") / f"cpool-bench-coop-{secrets.token_hex(4)}"
     root.mkdir(mode=0o755)
     root.chmod(0o755)
     server = Proc(
