@@ -226,6 +226,12 @@ def low_pool() -> Iterator[Pool]:
     yield from started(low=True)
 
 
+@pytest.fixture(scope="module")
+def binder_pool() -> Iterator[Pool]:
+    """The same, of its own: the ports a test's replicas used are given to no replica for minutes."""
+    yield from started(low=True)
+
+
 def test_an_ipv6_only_squatter_on_every_replica_port_changes_nothing(pool: Pool) -> None:
     a, b = pool.member("pa"), pool.member("pb")
     ports = [pool.svc, pool.svc + 1]
@@ -362,8 +368,8 @@ threading.Event().wait()
 """
 
 
-def test_a_job_binding_the_service_range_without_listening_is_stopped_too(low_pool: Pool) -> None:
-    pool = low_pool
+def test_a_job_binding_the_service_range_without_listening_is_stopped_too(binder_pool: Pool) -> None:
+    pool = binder_pool
     a, b = pool.member("ba"), pool.member("bb")
     ports = [pool.svc, pool.svc + 1]
     r = b.post(
