@@ -17,8 +17,8 @@ from poolkit import Cli, PoolServer
 
 from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.aio import AioApi
-from computepool.core.servers import ServerList, split_servers
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerList, split_servers
 from computepool.wire.allocations import AllocationCreate
 
 

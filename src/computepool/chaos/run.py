@@ -104,7 +104,8 @@ class Run:
         label = f"j{uuid.uuid4().hex[:10]}"
         restartable = kind in ("long-restartable", "gang")
         seconds = {"short": self.rng.uniform(0.5, 4), "probe": 0.5, "exclusive": self.rng.uniform(2, 10)}.get(
-            kind, self.rng.uniform(15, 60) * self.scale  # long work: shorter on a short run
+            kind,
+            self.rng.uniform(15, 60) * self.scale,  # long work: shorter on a short run
         )
         body: dict[str, Any] = {
             "command": ["python3", "-c", JOB, label, f"{seconds:.1f}", str(self.collector.port)],

@@ -23,8 +23,8 @@ from computepool.cli.pool_cmd import (
 )
 from computepool.client import ClientConfig, PoolClient, resolve_config, save_config
 from computepool.client.config import load_config
-from computepool.core.servers import join_servers, split_servers
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import join_servers, split_servers
 
 
 def _read_token_file(path: Path) -> str:

@@ -12,8 +12,8 @@ from rich.table import Table
 from computepool.cli.common import console, err_console, print_json
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.client import resolve_config
-from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerArg
 
 if TYPE_CHECKING:  # aiohttp and friends load only when a benchmark runs
     from computepool.client.bench_pool import LocalProcess

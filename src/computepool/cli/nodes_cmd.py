@@ -21,10 +21,10 @@ from computepool.cli.pool_cmd import (
     table,
 )
 from computepool.client import PoolClient, PoolError
-from computepool.core.servers import ServerArg
 from computepool.core.allocation import HOLDING
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import format_mib
+from computepool.core.servers import ServerArg
 
 BAR_WIDTH = 10
 Usage = dict[tuple[str, int], tuple[int, int]]  # (node, device index) → (compute milli, memory MiB)

@@ -25,8 +25,8 @@ from computepool.client import (
     ServerUnreachable,
     resolve_config,
 )
-from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerArg
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -44,8 +44,8 @@ from computepool.cli.pool_cmd import (
 from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, WorkdirOpt
 from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
-from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerArg
 
 USAGE_BY = {
     "tenant": ("tenant",),

@@ -21,8 +21,8 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
-from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerArg
 from computepool.core.usage import ENERGY_ITEM, USAGE_BY
 
 KEYS = {"tenant": ("tenant",), "user": ("tenant", "user"), "job": ("tenant", "user", "job", "allocation_id")}

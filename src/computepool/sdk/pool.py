@@ -34,8 +34,8 @@ from computepool.client.errors import PoolError
 from computepool.client.follow import OutageRider
 from computepool.client.http import PoolClient
 from computepool.client.options import build_request
-from computepool.core.servers import ServerArg
 from computepool.core.errors import InvalidInput
+from computepool.core.servers import ServerArg
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
 from computepool.sdk.packing import pack_call, pack_shipment, shipment
 from computepool.wire.allocations import AllocationCreate
