@@ -104,7 +104,8 @@ def test_rules_are_listed_and_retuned(cli: Cli) -> None:
     r = cli("alerts", "rules", "--json")
     assert r.exit_code == 0, r.output
     names = [x["name"] for x in json.loads(r.stdout)]
-    assert len(names) == 10 and {"node-lost", "fragmentation", "audit-chain-broken"} <= set(names)
+    assert len(names) == 11
+    assert {"node-lost", "nodes-silent", "fragmentation", "audit-chain-broken"} <= set(names)
     r = cli("alerts", "rules")
     assert r.exit_code == 0 and "idle-devices" in r.stdout and "30m" in r.stdout
     r = cli("alerts", "rule", "idle-devices", "--threshold", "5", "--for", "10m")

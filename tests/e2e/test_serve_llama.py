@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import child_env, cpool, free_port, kill_jobs_under, stop, wait_for
+from e2e_helpers import child_env, cpool, free_port, job_readable_dir, kill_jobs_under, stop, wait_for
 
 from computepool.agent.tenants import remove_tenant_user
 
@@ -111,7 +111,7 @@ class Pool:
 
 @pytest.fixture
 def pool(llama_python: str) -> Iterator[Pool]:
-    root = Path("/var/tmp") / f"cpool-llama-{uuid.uuid4().hex[:8]}"
+    root = job_readable_dir() / f"cpool-llama-{uuid.uuid4().hex[:8]}"  # the job reads the model here
     root.mkdir(mode=0o755)
     p = Pool(root)
     try:

@@ -15,7 +15,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, kill_jobs_under, stop, wait_for
+from e2e_helpers import (
+    JOB_PYTHON,
+    Pool,
+    child_env,
+    cpool,
+    free_port,
+    job_readable_dir,
+    kill_jobs_under,
+    stop,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 from harness import PgServer  # noqa: E402
@@ -26,8 +36,9 @@ EXIT = 7  # the job's own exit code: neither the 0 nor the 1 a follower could ma
 
 @pytest.fixture
 def gate() -> Iterator[Path]:
-    """A folder the job can read (not under a /tmp of its own): the job ends once `go` appears."""
-    folder = Path("/var/tmp") / f"cpool-follow-{uuid.uuid4().hex[:12]}"
+    """A folder the job can read (its sandbox has a /tmp and /var/tmp of its own): the job ends
+    once `go` appears."""
+    folder = job_readable_dir() / f"cpool-follow-{uuid.uuid4().hex[:12]}"
     folder.mkdir(mode=0o755)
     os.chmod(folder, 0o755)
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
-from e2e_helpers import JOB_PYTHON, Pool, local_pool, sleeper  # noqa: E402
+from e2e_helpers import JOB_PYTHON, Pool, local_pool, sleeper, wait_for  # noqa: E402
 from webkit import make_user  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -168,8 +168,10 @@ def test_every_page_renders_without_script_errors(kit: Kit) -> None:
     expect(page.locator("#heatmap .cell")).to_have_count(2)
     expect(page.locator("#heatmap")).to_contain_text("alloc 50%")
     expect(page.locator("#heatmap")).to_contain_text("alloc 100%")
-    why = kit.pool.get(waiting)["reason"]
-    assert why
+    # the scheduler's own words, once a cycle has looked at it (until then: "submitted")
+    why = wait_for(
+        "the scheduler's reason", lambda: (r := kit.pool.get(waiting)["reason"]) != "submitted" and r, 30
+    )
     expect(page.locator(f"#pending-{waiting}")).to_contain_text(why, timeout=WAIT_MS)
     shoot(page, "overview")
     for name, ready in (

@@ -43,6 +43,7 @@ from computepool.agent.api import (
 )
 from computepool.agent.assignment import Assignment, refusal, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
+from computepool.agent.cgroups import unheld_warning
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
 from computepool.agent.discovery_link import DiscoveryLink, start_discovery
@@ -567,6 +568,9 @@ def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
     inventory = discover_all(config.simulate, seed=name)  # simulated uuids differ from node to node
     for note in inventory.notes:
         log.info("%s", note)
+    unheld = unheld_warning(config.cgroup_base, os.geteuid() == 0)  # a root agent serves every tenant
+    if unheld:  # said once the node's devices are known good (a bad --simulate is its one line)
+        log.warning("%s", unheld)
     if api is None:
         try:
             verify = server_verify(config.server, config.data_dir, config.ca, config.join_token)

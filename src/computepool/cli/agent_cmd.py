@@ -303,12 +303,7 @@ def register(app: typer.Typer) -> None:
             raise fail(str(e)) from None
         except OSError as e:
             raise fail(f"--data-dir: cannot use {config.data_dir}: {e.strerror or e}") from None
-        from computepool.agent.cgroups import unheld_warning
-
         try:
-            unheld = unheld_warning(config.cgroup_base, os.geteuid() == 0)  # a root agent serves every tenant
-            if unheld:
-                logging.getLogger("computepool.agent").warning("%s", unheld)
             run_agent(config)
         except AgentFatal as e:
             raise fail(str(e), e.code) from None
