@@ -1,5 +1,5 @@
 """A bounded, seeded chaos run, as CI can afford it: two replicas on a PostgreSQL of the run's own,
-three root agents with simulated GPUs, a random workload for 90 s while the leader is killed, a
+three root agents with simulated GPUs, a random workload for a minute while the leader is killed, a
 whole node is frozen past the lost time and PostgreSQL is stopped; then the oracle
 (computepool/chaos/oracle.py). Any violation fails the test with the oracle's words."""
 
@@ -26,7 +26,7 @@ def test_a_short_seeded_run_under_faults_loses_nothing_and_runs_nothing_twice() 
     root = Path("/var/tmp") / f"cpool-chaos-test-{uuid.uuid4().hex[:8]}"
     lines: list[str] = []
     try:
-        out = run_chaos(1.5, seed=11, kinds=KINDS, root=root, say=lines.append)
+        out = run_chaos(1.0, seed=11, kinds=KINDS, root=root, say=lines.append)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     detail = "\n".join(lines + out["fault_log"])
