@@ -6,29 +6,20 @@ simulated GPU, the process table read every ~50 ms."""
 
 from __future__ import annotations
 
-import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import JOB_PYTHON, alive, free_port, stop, wait_for
-from test_one_copy_e2e import Cluster, command
+from e2e_helpers import JOB_PYTHON, alive, wait_for
+from test_one_copy_e2e import Cluster, command, started_cluster
 from test_thawed_node_e2e import HANDLER, Sampler, start_agent
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, free_port())
-    c.start_server()
-    yield c
-    for proc in c.agents.values():
-        stop(proc)
-    if c.pool is not None:
-        c.pool.close()
-    if c.server is not None:
-        stop(c.server, signal.SIGINT)
+    yield from started_cluster(tmp_path)
 
 
 def member(cluster: Cluster, prefix: str) -> httpx.Client:

@@ -67,8 +67,8 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def started_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A server on a free port (the test starts the agents); everything stopped afterwards."""
     c = Cluster(tmp_path, free_port())
     c.start_server()
     yield c
@@ -78,6 +78,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.pool.close()
     if c.server is not None:
         stop(c.server, signal.SIGINT)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    yield from started_cluster(tmp_path)
 
 
 def command(marker: str) -> list[str]:

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from e2e_helpers import JOB_PYTHON, Pool, alive, child_env, cpool, free_port, stop, wait_for
-from test_one_copy_e2e import Cluster, command
+from e2e_helpers import JOB_PYTHON, Pool, alive, child_env, cpool, wait_for
+from test_one_copy_e2e import Cluster, command, started_cluster
 
 from computepool.agent.api import load_credential
 from computepool.agent.executor import STDOUT_LOG
@@ -41,15 +41,7 @@ BASE = {"cpu_milli": 100, "memory_mib": 64}
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, free_port())
-    c.start_server()
-    yield c
-    for proc in c.agents.values():
-        stop(proc)
-    if c.pool is not None:
-        c.pool.close()
-    if c.server is not None:
-        stop(c.server, signal.SIGINT)
+    yield from started_cluster(tmp_path)
 
 
 @pytest.fixture

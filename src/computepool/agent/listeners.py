@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from computepool.agent.sockets import socket_fds
+
 log = logging.getLogger("computepool.agent")
 
 LISTEN = "0A"  # the kernel's TCP_LISTEN in /proc/net/tcp's `st` column
@@ -108,21 +110,7 @@ def reaching(on_port: dict[int, IP], address: IP) -> set[int]:
 
 def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[int]:
     """Inodes of the sockets process `pid` holds (empty if it is gone or not ours to read)."""
-    fd_dir = proc / str(pid) / "fd"
-    found: set[int] = set()
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return found
-    for name in names:
-        try:
-            target = os.readlink(fd_dir / name)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            with contextlib.suppress(ValueError):
-                found.add(int(target[8:-1]))
-    return found
+    return set(socket_fds(pid, proc))
 
 
 def holders(inodes: set[int], proc: Path = Path("/proc")) -> dict[int, int]:
