@@ -181,6 +181,8 @@ def test_gang_is_all_or_nothing(api: Api) -> None:
         ({"gpus": 1, "colour": "red"}, "colour"),
         ({"gpus": 1, "command": []}, "command"),
         ({"gpus": 1, "env": {"1BAD": "x"}}, "env.1BAD.[key]"),
+        ({"gpus": 1, "command": ["echo", "a\x00b"]}, "command[1]"),
+        ({"gpus": 1, "env": {"OK": "a\x00b"}}, "env.OK"),
         ({"gpus": 1, "gang_nodes": 0}, "gang_nodes"),
         ({"gpus": 9}, "gpus"),
         ({"gpus": 1, "models": ["H100"]}, "models"),

@@ -31,8 +31,17 @@ MAX_ENV = 256
 MAX_PRIORITY = 1_000_000
 MAX_LOG_CHUNK = 1 << 20
 EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-EnvValue = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
-Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN)]
+
+
+def _no_nul(value: str) -> str:
+    """A NUL byte cannot reach exec(2): refuse it here rather than fail the job on its node."""
+    if "\x00" in value:
+        raise ValueError("contains a NUL byte, which no program can receive")
+    return value
+
+
+EnvValue = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN), AfterValidator(_no_nul)]
+Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LEN), AfterValidator(_no_nul)]
 
 
 def _registry_image(ref: str) -> str:
