@@ -16,7 +16,10 @@ SETTINGS = ServerSettings(suspect_after_s=20.0, lost_after_s=60.0)
 
 
 def facts(
-    nodes: list[NodeSeen], devices: list[DeviceSeen] | None = None, held: list[HeldAlloc] | None = None
+    nodes: list[NodeSeen],
+    devices: list[DeviceSeen] | None = None,
+    held: list[HeldAlloc] | None = None,
+    observed_since: datetime | None = None,
 ) -> Facts:
     return Facts(
         now=NOW,
@@ -32,20 +35,29 @@ def facts(
         audit_problem=None,
         settings=SETTINGS,
         lost_after_s=SETTINGS.lost_after_s,
+        observed_since=observed_since,
     )
 
 
-@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), max_size=20))
-def test_a_node_is_suspect_or_lost_never_both_and_only_when_silent(ages: list[float]) -> None:
+@given(
+    st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), max_size=20),
+    st.one_of(st.none(), st.floats(min_value=0, max_value=1e6, allow_nan=False)),
+)
+def test_a_node_is_suspect_or_lost_never_both_and_only_when_silent(
+    ages: list[float], leading_s: float | None
+) -> None:
+    """Silence counts from the later of the last heartbeat and when this replica began to lead:
+    after a failover or an outage of the database, no node is suspect or lost for the gap."""
     nodes = [NodeSeen(f"n{i}", NOW - timedelta(seconds=a)) for i, a in enumerate(ages)]
-    f = facts(nodes)
+    since = None if leading_s is None else NOW - timedelta(seconds=leading_s)
+    f = facts(nodes, observed_since=since)
     suspect = {x.subject for x in node_suspect(f, BY_NAME["node-suspect"].default(SETTINGS))}
     lost = {x.subject for x in node_lost(f, BY_NAME["node-lost"].default(SETTINGS))}
     assert not suspect & lost
-    silent = sum(1 for a in ages if a >= 20.0)
+    quiet = [(NOW - max(n.last_heartbeat_at, since or n.last_heartbeat_at)).total_seconds() for n in nodes]
+    silent = sum(1 for a in quiet if a >= 20.0)
     braked = silent >= SETTINGS.lost_brake_min_nodes and silent > SETTINGS.lost_brake_share * len(ages)
-    for n in nodes:
-        age = (NOW - n.last_heartbeat_at).total_seconds()
+    for n, age in zip(nodes, quiet, strict=True):
         assert (f"node/{n.name}" in lost) == (age >= 60.0 and not braked)  # the brake: none lost
         assert (f"node/{n.name}" in suspect) == (20.0 <= age < 60.0)
 

@@ -171,6 +171,7 @@ class AlertEngine:
                 audit_problem=self.audit_problem(),
                 settings=self.settings,
                 lost_after_s=lost.threshold if lost.enabled else None,
+                observed_since=self.leadership.since,
             )
             firing = {k: _Firing(a.id, a.summary) for k, a in store.firing(s).items()}
         return facts, setting, firing

@@ -55,6 +55,9 @@ class Facts:
     settings: ServerSettings
     # the effective node-lost threshold (node-suspect stops where node-lost starts)
     lost_after_s: float | None = None
+    # the leader's `Leadership.since`: silence counts from no earlier, as the scheduler's does, so
+    # a failover or a database outage does not make every node look suspect or lost at once
+    observed_since: datetime | None = None
 
 
 Check = Callable[[Facts, RuleSetting], list[Finding]]
@@ -82,17 +85,26 @@ def _human(seconds: float) -> str:
     return format_duration(max(1, round(seconds)))
 
 
+def _quiet(facts: Facts, node: NodeSeen) -> float:
+    """How long the leader has seen `node` silent: from its last heartbeat or from when this
+    replica began to lead with a working database, whichever is later."""
+    since = node.last_heartbeat_at
+    if facts.observed_since is not None and facts.observed_since > since:
+        since = facts.observed_since
+    return _age(facts, since)
+
+
 def _silent(facts: Facts) -> list[str]:
     """Nodes without a heartbeat for suspect_after_s: what the scheduler's brake counts."""
     quiet = facts.settings.suspect_after_s
-    return [n.name for n in facts.nodes if _age(facts, n.last_heartbeat_at) >= quiet]
+    return [n.name for n in facts.nodes if _quiet(facts, n) >= quiet]
 
 
 def node_suspect(facts: Facts, rs: RuleSetting) -> list[Finding]:
     upper = facts.lost_after_s
     out = []
     for n in facts.nodes:
-        age = _age(facts, n.last_heartbeat_at)
+        age = _quiet(facts, n)
         if age >= rs.threshold and (upper is None or age < upper):
             out.append(
                 Finding(
@@ -116,7 +128,7 @@ def node_lost(facts: Facts, rs: RuleSetting) -> list[Finding]:
             detail={"node": n.name, "last_heartbeat_at": n.last_heartbeat_at.isoformat()},
         )
         for n in facts.nodes
-        if _age(facts, n.last_heartbeat_at) >= rs.threshold
+        if _quiet(facts, n) >= rs.threshold
     ]
 
 
