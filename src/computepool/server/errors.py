@@ -18,6 +18,8 @@ from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from computepool.server.outage import disk_full
+
 log = logging.getLogger("computepool.server")
 
 
@@ -136,6 +138,9 @@ def install_handlers(app: FastAPI, on_denied: Any = None) -> None:
         else:
             log.warning("database unavailable: %s", type(exc).__name__)
         retry = str(request.app.state.settings.retry_after_s)
+        if disk_full(exc):  # the write was refused whole; nothing stored before is touched
+            why = "the pool's database is out of disk space: nothing was stored; retry once there is room"
+            return JSONResponse(error_body(why), status_code=507, headers={"Retry-After": retry})
         return JSONResponse(
             error_body("database unavailable, retry later"), status_code=503, headers={"Retry-After": retry}
         )

@@ -20,6 +20,19 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 log = logging.getLogger("computepool.server")
 
 DB_DOWN = (OperationalError, InterfaceError, PoolTimeout)  # the database away, not a bug of ours
+SQLITE_FULL = 13  # sqlite3's "database or disk is full"
+PG_DISK_FULL = "53100"  # PostgreSQL's disk_full SQLSTATE ("could not extend file ...")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a database error says its disk is full: the write was refused whole (its
+    transaction rolled back), and retrying helps only once an operator makes room."""
+    orig = getattr(exc, "orig", None) or exc
+    if getattr(orig, "sqlite_errorcode", None) == SQLITE_FULL:
+        return True
+    return getattr(orig, "sqlstate", None) == PG_DISK_FULL
+
+
 SETTLE_S = 1.0  # a success this long after the last failure closes the outage
 
 
