@@ -39,6 +39,7 @@ from computepool.server.limits import TokenBuckets, capped_receive, too_large
 from computepool.server.logic import audit as audit_checks
 from computepool.server.logic.audit import record_refusal
 from computepool.server.logic.bootstrap import ensure_admin
+from computepool.server.logic.function_handoff import Handoff
 from computepool.server.logic.function_workers import Sweeper
 from computepool.server.logic.log_limits import LogLimits
 from computepool.server.logic.service_controller import ServiceController
@@ -173,13 +174,22 @@ class _AuditWatcher:
                 problem = report.cause if not report.ok else None
             except Exception as e:  # the database away at start: the anchor checks below still run
                 log.warning("audit chain not checked at start: %s", e)
+        behind: str | None = None
         if problem is None:
             try:
                 problem = self.watch.step()
             except audit_checks.AnchorUnreadable as e:
                 problem = str(e)
+            except audit_checks.AnchorBehind as e:
+                behind = str(e)
             except Exception as e:  # the database away: the next round looks again
                 log.debug("audit anchor not checked: %s", e)
+                behind = state.audit_anchor_behind
+        if behind is not None and state.audit_anchor_behind is None:
+            log.error("%s; /readyz says so until it catches up", behind)
+        elif behind is None and state.audit_anchor_behind is not None:
+            log.warning("audit anchor caught up with the head")
+        state.audit_anchor_behind = behind
         if problem is not None and state.audit_problem is None:
             log.error("AUDIT CHAIN NOT INTACT: %s; run `cpool audit verify`", problem)
         state.audit_problem, state.audit_checked = problem, True
@@ -248,7 +258,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.db = Database(settings.database_url)
     app.state.audit_problem = None  # what is wrong with the audit chain, once a check found it
     app.state.audit_checked = False
+    app.state.audit_anchor_behind = None  # why the anchor could not advance, while it cannot
     app.state.hub = Hub()
+    app.state.handoff = Handoff()  # idle function workers parked here (see function_handoff)
     app.state.outage = OutageNotes()  # the database's outages, one line each (loops and API alike)
     app.state.caches = Caches.create(settings.token_cache_s, settings.shape_cache_s)
     app.state.metrics = metrics.Metrics(app.state.db, settings)

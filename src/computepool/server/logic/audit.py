@@ -127,6 +127,11 @@ def load_or_create_key(path: Path) -> bytes:
     return keyfile.load_or_create_key(path, "audit")
 
 
+class AnchorBehind(Exception):
+    """The anchor file could not be advanced (e.g. the data dir is full): the chain may be intact,
+    but records past the anchor are not yet protected against being cut from the end."""
+
+
 def _anchor_mac(key: bytes, anchor: audit.Anchor) -> str:
     return hmac.new(key, f"audit-anchor:{anchor.seq}:{anchor.hash}".encode(), hashlib.sha256).hexdigest()
 
@@ -210,6 +215,14 @@ class Watch:
         if not audit.seal_matches(key, seq, head_hash, mac):
             return "head signature does not match: the head was changed without the server's audit key"
         if a is None or seq > a.seq:
-            self.anchor = audit.Anchor(seq, head_hash)
-            write_anchor(self.anchor_path, key, self.anchor)
+            ahead = audit.Anchor(seq, head_hash)
+            try:
+                write_anchor(self.anchor_path, key, ahead)
+            except OSError as e:  # kept where it was; the next round tries again
+                was = f"seq {a.seq}" if a is not None else "none yet"
+                raise AnchorBehind(
+                    f"audit anchor behind: it holds {was}, the head is at seq {seq} "
+                    f"(cannot write {self.anchor_path}: {e.strerror or e})"
+                ) from None
+            self.anchor = ahead  # only once the anchor is durably on disk
         return None

@@ -24,16 +24,27 @@ ADMIN_USER = "admin"
 
 
 def write_secret_file(path: Path, text: str) -> None:
-    """Create or replace `path` with mode 0600 from the first byte (never world-readable)."""
+    """Create or replace `path` with mode 0600 from the first byte (never world-readable),
+    durably: once this returns the new content survives a crash; when it raises the old is kept."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
+        data = memoryview(text.encode())
+        while data:
+            data = data[os.write(fd, data) :]
         os.fsync(fd)
-    finally:
+    except OSError:
         os.close(fd)
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old file whole and no half-written one
+        raise
+    os.close(fd)
     os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # the rename itself durable: after a crash the new file is there, not the old one
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def ensure_admin(db: Database, token_path: Path) -> bool:

@@ -30,4 +30,7 @@ def readyz(request: Request) -> JSONResponse:
     body = {"status": "ready", "scheduler": role, "audit": audit}
     if state.audit_problem:  # served anyway: a broken record is evidence, not a reason to stop the pool
         body["audit_error"] = state.audit_problem
+    elif state.audit_anchor_behind:  # intact as far as checked, but the newest records are unanchored
+        body["audit"] = "anchor-behind"
+        body["audit_error"] = state.audit_anchor_behind
     return JSONResponse(body)

@@ -1,6 +1,7 @@
-"""A database whose disk is full: a write is answered 507 saying so (not 500, not a plain 503),
-reads still answer, nothing stored before is lost, and writes work again once there is room. The
-SQLite file lives on a real small tmpfs that the test fills."""
+"""Full disks under the control plane, on a real small tmpfs the test fills: the database's (a
+write answers 507 saying so, reads still answer, nothing stored is lost, writes work again once
+there is room) and the data dir's (the audit anchor stays where it was and /readyz says it is
+behind, until it catches up)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import errno
 import os
 import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +28,7 @@ A = "/api/v1/allocations"
 
 @pytest.fixture
 def small_dir(tmp_path: Path) -> Iterator[Path]:
-    d = tmp_path / "db"
+    d = tmp_path / "small"
     d.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(d)], check=True)
     try:
@@ -70,3 +72,33 @@ def test_a_full_database_disk_answers_507_and_loses_nothing(tmp_path: Path, smal
         assert again.status_code == 201, again.text
         got = api.get(f"{A}/{first.json()['id']}", headers=api.admin)
         assert got.status_code == 200 and got.json()["env"] == {"K": "kept"}
+
+
+def _readyz_audit(api: Api, want: str) -> dict[str, str]:
+    deadline = time.monotonic() + 60  # the watcher looks once a second; a busy host may be slow
+    while True:
+        body: dict[str, str] = api.get("/readyz").json()
+        if body.get("audit") == want or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def test_a_full_data_dir_holds_the_audit_anchor_back_and_readyz_says_so(
+    tmp_path: Path, small_dir: Path
+) -> None:
+    settings = ServerSettings(data_dir=small_dir, db_url=f"sqlite:///{tmp_path / 'pool.db'}")
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        api = Api(client.app, client, settings)  # type: ignore[arg-type]
+        assert _readyz_audit(api, "intact")["audit"] == "intact"
+        anchor = settings.audit_anchor_path.read_text()
+        _fill(small_dir / "filler")
+        assert api.post("/api/v1/tenants", json={"name": "t1"}, headers=api.admin).status_code == 201
+        body = _readyz_audit(api, "anchor-behind")
+        assert body["audit"] == "anchor-behind", body
+        assert "the head is at seq" in body["audit_error"] and "No space left" in body["audit_error"]
+        assert settings.audit_anchor_path.read_text() == anchor  # the old anchor, whole
+        assert not list(small_dir.glob("*.tmp"))  # and no half-written one
+        (small_dir / "filler").unlink()
+        assert _readyz_audit(api, "intact")["audit"] == "intact"
+        assert settings.audit_anchor_path.read_text() != anchor  # it moved to the new head
+        assert api.get("/api/v1/audit/verify", headers=api.admin).json()["ok"] is True
