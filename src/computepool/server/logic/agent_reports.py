@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -21,6 +20,7 @@ from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic import gangs
 from computepool.server.logic.audit import record
+from computepool.server.logic.report_times import reported_start
 from computepool.server.policy import Target, authorize
 from computepool.store import allocations as store
 from computepool.store import lease, logs
@@ -36,13 +36,6 @@ from computepool.wire.allocations import (
     SliceOut,
     StaleOut,
 )
-
-
-def _utc(t: datetime | None) -> datetime | None:
-    """Agent clocks send ISO times; one without a zone is read as UTC."""
-    if t is None:
-        return None
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
 
 
 def _node(s: Session, ctx: Ctx, name: str) -> None:
@@ -123,7 +116,7 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
                     a.request = {**a.request, "image_digest": r.image_digest}  # resolved once, kept
                     resolved.append({"allocation": a.id, "image_digest": r.image_digest})
                 if a.state == "bound":
-                    a.started_at = _utc(r.started_at) or now
+                    a.started_at = reported_start(a, r.started_at, now)
                     store.transition(s, a, "active", f"started on {name}", now)
                     if a.service_id is not None:  # a new attempt: what an earlier one found is void
                         a.replica_listener = r.listener

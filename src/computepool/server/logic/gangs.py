@@ -19,11 +19,12 @@ reports then move members, and the gang as a whole:
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from computepool.server.logic.report_times import reported_start
 from computepool.store import allocations as store
 from computepool.store.models import Allocation
 from computepool.wire.allocations import GangOut, MemberOut, Report
@@ -111,8 +112,7 @@ def apply_report(s: Session, a: Allocation, node: str, r: Report, now: datetime)
                 a.master_port = r.master_port  # the others are told this one (awaits_rank0)
         a.members = members
         if a.state == "bound":
-            t = r.started_at
-            a.started_at = (t.replace(tzinfo=UTC) if t.tzinfo is None else t) if t else now
+            a.started_at = reported_start(a, r.started_at, now)
             store.transition(s, a, "active", f"started on {node} (rank {me['rank']})", now)
         return
     if r.state == "exited" and r.exit_code == 0:
