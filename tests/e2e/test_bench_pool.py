@@ -1,4 +1,4 @@
-"""`cpool bench jobs` and `cpool bench agents` against pools they start themselves."""
+"""`cpool bench starts` and `cpool bench agents` against pools they start themselves."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def bench(*args: str, timeout: float = 90) -> dict[str, Any]:
 
 
 def test_bench_jobs_on_a_pool_it_starts() -> None:
-    out = bench("jobs", "--start-pool", "--count", "10", "--concurrency", "4", "--json")
+    out = bench("starts", "--start-pool", "--count", "10", "--concurrency", "4", "--json")
     assert out.keys() >= JOBS_KEYS, out
     assert out["jobs"] == 10 and out["failed"] == 0, out
     assert out["completed"] == 10
@@ -54,7 +54,7 @@ def test_bench_jobs_on_a_pool_it_starts() -> None:
 
 def test_bench_jobs_hold_runs_them_side_by_side() -> None:
     out = bench(
-        "jobs",
+        "starts",
         "--start-pool",
         "--count",
         "8",

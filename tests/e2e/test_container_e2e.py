@@ -308,7 +308,7 @@ def test_container_removed_after_the_job_ends(node: Node, tenants: list[str]) ->
 
 def test_bench_jobs_with_an_image_runs_containers(image: str) -> None:
     argv = cpool(
-        "bench", "jobs", "--start-pool", "--count", "3", "--concurrency", "1", "--image", image, "--json"
+        "bench", "starts", "--start-pool", "--count", "3", "--concurrency", "1", "--image", image, "--json"
     )
     done = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -12,8 +12,15 @@ from computepool.cli.common import console, friendly_errors, print_json, progres
 
 
 def register(bench_app: typer.Typer) -> None:
-    from computepool.cli import bench_coop_cmd, bench_failover_cmd, bench_functions_cmd, bench_serve_cmd
+    from computepool.cli import (
+        bench_coop_cmd,
+        bench_failover_cmd,
+        bench_functions_cmd,
+        bench_jobs_cmd,
+        bench_serve_cmd,
+    )
 
+    bench_jobs_cmd.register(bench_app)  # `cpool bench jobs`
     bench_functions_cmd.register(bench_app)  # `cpool bench functions`
     bench_serve_cmd.register(bench_app)  # `cpool bench serve`
     bench_coop_cmd.register(bench_app)  # `cpool bench coop`

@@ -1,4 +1,4 @@
-"""`cpool bench jobs` and `cpool bench agents`: job start latency and heartbeat load on a live pool."""
+"""`cpool bench starts` and `cpool bench agents`: job start latency and heartbeat load on a live pool."""
 
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ def _show(title: str, out: dict[str, Any], json_out: bool) -> None:
 
 
 def register(bench_app: typer.Typer) -> None:
-    @bench_app.command("jobs")
+    @bench_app.command("starts")
     @pool_command
-    def jobs(
+    def starts(
         count: Annotated[int, typer.Option("--count", min=1, max=100_000, help="Jobs to run.")] = 200,
         concurrency: Annotated[
             int, typer.Option("--concurrency", min=1, max=1000, help="Jobs in flight.")

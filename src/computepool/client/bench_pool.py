@@ -1,4 +1,4 @@
-"""`cpool bench jobs` and `cpool bench agents`: whole-pool benchmarks against a live control plane.
+"""`cpool bench starts` and `cpool bench agents`: whole-pool benchmarks against a live control plane.
 
 `run_jobs_bench` submits short CPU-only jobs (gpus=0, so they never queue behind GPU capacity),
 at most `concurrency` in flight, and times each from submit to `started_at` (server clock:
