@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
@@ -26,17 +27,28 @@ def register(bench_app: typer.Typer) -> None:
         workers: Annotated[
             int, typer.Option("--workers", min=1, max=256, help="Warm workers serving the `map`.")
         ] = 8,
+        ray: Annotated[
+            bool,
+            typer.Option("--ray/--no-ray", help="Also time the same calls as Ray tasks, when ray imports."),
+        ] = True,
+        ray_python: Annotated[
+            str | None,
+            typer.Option("--ray-python", help="The Python whose ray to time (default: this one)."),
+        ] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
         """Time no-op remote calls: on a warm worker (warm_*), each on a new worker with no pip
         (cold_*: scheduling, the agent's start, Python's start), and a `map` over --map-calls inputs
-        with --workers warm workers (map_calls_per_s). Without --server/--token it starts its own
-        `cpool up --simulate 1xA100-80GB` on a free loopback port, in a temp dir."""
+        with --workers warm workers (map_calls_per_s). Against --server/--token, else $CPOOL_SERVER/
+        $CPOOL_TOKEN; with none of them it starts its own `cpool up --simulate 1xA100-80GB` on a free
+        loopback port, in a temp dir. ray: the warm calls and the map as Ray tasks on a local Ray with
+        --workers CPUs (null when ray does not import)."""
         from computepool.cli.bench_pool_cmd import _run_with, _show
         from computepool.client.bench_pool import LocalProcess
-        from computepool.sdk.bench import FunctionsBench, run_functions_bench
+        from computepool.client.config import ENV_SERVER, ENV_TOKEN
+        from computepool.sdk.bench import FunctionsBench, run_functions_bench, run_ray_side
         from computepool.sdk.pool import Pool
 
         settings = FunctionsBench(
@@ -50,6 +62,16 @@ def register(bench_app: typer.Typer) -> None:
                 out = run_functions_bench(pool, settings)
             return {"server": "local `cpool up`" if local else pool.server, **out}
 
-        local_pool = server is None and token is None
+        local_pool = not (server or token or os.environ.get(ENV_SERVER) or os.environ.get(ENV_TOKEN))
         out = _run_with("up" if local_pool else None, run, json_out)
+        if ray:
+            if not json_out:
+                err_console.print("timing the same calls as Ray tasks …", highlight=False)
+            try:
+                out["ray"] = run_ray_side(settings, ray_python)
+            except RuntimeError as e:  # the pool's figures stand; say why Ray's are missing
+                out["ray"] = None
+                out["ray_error"] = str(e)
+        else:
+            out["ray"] = None
         _show("Function benchmark", out, json_out)

@@ -10,9 +10,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from computepool.client.bench import percentile
@@ -106,3 +110,25 @@ def run_functions_bench(pool: Pool, s: FunctionsBench) -> dict[str, Any]:
         "map_calls_per_s": round(s.map_calls / map_s, 1) if map_s > 0 else 0.0,
     }
     return out
+
+
+RAY_TIMEOUT_S = 600.0
+
+
+def run_ray_side(s: FunctionsBench, python: str | None = None) -> dict[str, Any] | None:
+    """The same warm calls and `map` as Ray tasks (bench_ray.py, run by `python`, which must have
+    ray); None when that Python cannot import ray."""
+    script = Path(__file__).with_name("bench_ray.py")
+    argv = [python or sys.executable, str(script), str(s.warm_calls), str(s.map_calls), str(s.workers)]
+    try:
+        r = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RAY_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"ray side: {e}") from None
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"ray side exited {r.returncode}: {tail}")
+    out = json.loads(lines[-1])
+    return out if isinstance(out, dict) else None
