@@ -73,8 +73,9 @@ def show_usage(by: str, since: str, report: dict[str, Any]) -> None:
 
 
 def show_static(out: dict[str, Any]) -> None:
+    born = " (the pool's start: nothing before it is counted)" if out.get("clipped") else ""
     say(
-        f"since {short_time(out['since'])} until {short_time(out['until'])}: at most "
+        f"since {short_time(out['since'])}{born} until {short_time(out['until'])}: at most "
         f"{out['pool_devices']} devices held work at once (the pool has {out['pool_size_devices']}); "
         f"static per-tenant partitions would have needed {out['static_devices']}"
     )

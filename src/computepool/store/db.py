@@ -84,6 +84,9 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+APPLICATION_NAME = "computepool"  # the pool's sessions, as pg_stat_activity names them (usage.open_since)
+
+
 class Database:
     """One engine per process; short sessions per request. Lives on `app.state.db`."""
 
@@ -99,7 +102,7 @@ class Database:
                 pool_recycle=1800,
                 pool_size=PG_POOL_SIZE,
                 max_overflow=PG_POOL_SIZE,
-                connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S},
+                connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S, "application_name": APPLICATION_NAME},
             )
         self._writers = threading.Lock() if self.dialect == "sqlite" else None
         self._read = sessionmaker(self.engine, expire_on_commit=False)

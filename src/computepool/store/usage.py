@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from computepool.core.allocation import HOLDING
+from computepool.store.db import APPLICATION_NAME
 from computepool.store.models import (
     Allocation,
     AllocationEvent,
@@ -174,6 +175,26 @@ def clock(s: Session) -> datetime | None:
     if s.get_bind().dialect.name == "postgresql":
         stmt = stmt.with_for_update()
     return s.execute(stmt).scalar_one_or_none()
+
+
+_HORIZON = text(
+    "SELECT min(xact_start) FROM pg_stat_activity "
+    "WHERE datname = current_database() AND pid <> pg_backend_pid() AND state <> 'idle' "
+    "AND xact_start IS NOT NULL AND backend_type = 'client backend' AND application_name = :app"
+).bindparams(app=APPLICATION_NAME)
+
+
+def open_since(s: Session) -> datetime | None:
+    """When the oldest transaction of the pool's still open on the database (other than this one)
+    began; None when there is none, and always on SQLite, whose writers take turns.
+
+    A transaction stamps an allocation's end with the clock it read when it began its work, and
+    commits later: booking up to a time after that start could book past an end not yet visible.
+    The ledger books no further than this (nothing is lost: the next pass books the rest)."""
+    if s.get_bind().dialect.name != "postgresql":
+        return None
+    at = s.execute(_HORIZON).scalar_one_or_none()
+    return at.astimezone(UTC) if at is not None else None
 
 
 def set_clock(s: Session, at: datetime) -> None:

@@ -69,6 +69,10 @@ class PartitionOut(Out):
 class StaticEquivalentOut(Out):
     since: datetime
     until: datetime
+    clipped: bool = Field(
+        default=False,
+        description="The window asked for began before the pool existed: `since` is the pool's start.",
+    )
     pool_devices: int = Field(
         description="The most whole devices that held work at once in the window (for a non-admin: "
         "the most its own tenant held at once), summed over device models."

@@ -86,7 +86,11 @@ class Accountant:
             with self.db.write() as s:
                 if not self.leadership.holds(s, term):
                     return LedgerReport(leader=False)
-                report, seen = self._book(s, now or db_now(s))
+                if now is None:  # no further than the oldest open transaction (sql.open_since)
+                    now = db_now(s)
+                    opened = sql.open_since(s)
+                    now = min(now, opened) if opened is not None else now
+                report, seen = self._book(s, now)
             if seen is not None:  # committed: the next pass may rely on it
                 self._seen = seen
             return report

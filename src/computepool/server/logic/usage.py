@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from computepool.core.errors import InvalidInput
@@ -20,7 +21,7 @@ from computepool.server.logic.audit import record
 from computepool.server.policy import authorize
 from computepool.store import usage as sql
 from computepool.store.db import db_now
-from computepool.store.models import Price
+from computepool.store.models import Price, Tenant
 from computepool.wire.common import Items
 from computepool.wire.usage import (
     DeviceSampleOut,
@@ -184,6 +185,10 @@ def static_equivalent(ctx: Ctx, since: str | None, until: str | None) -> StaticE
     scope = authorize(ctx.caller(), ctx.action)
     with ctx.db.read() as s:
         start, end = _window(s, since, until, "30d")
+        born = s.execute(select(func.min(Tenant.created_at))).scalar_one_or_none()
+        clipped = born is not None and start < born < end
+        if clipped and born is not None:  # idle static devices are charged only while the pool was
+            start = born
         pasts = sql.history_of_allocations(s, start, end, scope.tenant)
         models = sql.device_models(s)
         energy = sql.energy_by_model(s, start, end, scope.tenant)
@@ -218,6 +223,7 @@ def static_equivalent(ctx: Ctx, since: str | None, until: str | None) -> StaticE
     return StaticEquivalentOut(
         since=start,
         until=end,
+        clipped=clipped,
         pool_devices=pool_total,
         pool_size_devices=len(models),
         static_devices=static_total,
