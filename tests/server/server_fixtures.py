@@ -82,6 +82,7 @@ BOTH_DATABASES = {
     "test_api_tokens",
     "test_audit_anchor",
     "test_functions_api",
+    "test_function_batches",
     "test_ledger_accrual",
     "test_services_api",
     "test_peers_api",

@@ -202,10 +202,11 @@ class WorkerHead:
     state: str
     deleted: bool
     keep_warm_s: int
+    max_workers: int = 1
 
 
 _WORKER_HEAD = (
-    select(_A.c.state, _F.c.deleted_at.is_not(None), _F.c.keep_warm_s)
+    select(_A.c.state, _F.c.deleted_at.is_not(None), _F.c.keep_warm_s, _F.c.max_workers)
     .select_from(_W.join(_A, _A.c.id == _W.c.allocation_id).join(_F, _F.c.id == _W.c.function_id))
     .where(_W.c.allocation_id == bindparam("alloc_id"))
 )
@@ -213,7 +214,7 @@ _WORKER_HEAD = (
 
 def worker_head(s: Session, alloc_id: int) -> WorkerHead | None:
     row = s.connection().execute(_WORKER_HEAD, {"alloc_id": alloc_id}).one_or_none()
-    return None if row is None else WorkerHead(row[0], bool(row[1]), int(row[2]))
+    return None if row is None else WorkerHead(row[0], bool(row[1]), int(row[2]), int(row[3]))
 
 
 def worker_load(s: Session, fid: int) -> tuple[int, int]:
@@ -343,6 +344,34 @@ def claim_next(s: Session, fid: int, worker: int, now: datetime) -> tuple[int, s
     return None
 
 
+_NEXT_MANY = (
+    select(_C.c.id)
+    .where(_C.c.function_id == bindparam("fid"), _C.c.state == "pending")
+    .order_by(_C.c.id)
+    .limit(bindparam("k"))
+    .with_for_update(skip_locked=True)
+)
+
+
+def claim_many(s: Session, fid: int, worker: int, k: int, now: datetime) -> list[tuple[int, str]]:
+    """Up to `k` of the oldest pending calls of the function, now running on `worker`, in id order:
+    one select and one update however many (rows another transaction took meanwhile are skipped)."""
+    if k <= 1:
+        one = claim_next(s, fid, worker, now) if k == 1 else None
+        return [] if one is None else [one]
+    conn = s.connection()
+    ids = [int(i) for (i,) in conn.execute(_NEXT_MANY, {"fid": fid, "k": k})]
+    if not ids:
+        return []
+    taken = conn.execute(
+        _C.update()
+        .where(_C.c.id.in_(ids), _C.c.state == "pending")
+        .values(state="running", worker_allocation_id=worker, claimed_at=now)
+        .returning(_C.c.id, _C.c.args)
+    ).all()
+    return sorted((int(i), str(a)) for i, a in taken)
+
+
 _CALL_OF_WORKER = select(_C.c.state, _C.c.worker_allocation_id, _C.c.function_id).where(
     _C.c.id == bindparam("cid")
 )
@@ -389,6 +418,34 @@ def finish(
         },
     )
     return bool(res.rowcount)
+
+
+def finish_many(
+    s: Session, worker: int, results: Sequence[tuple[int, bool, str | None, str | None]], now: datetime
+) -> int:
+    """Record (id, ok, result, traceback) of calls running on `worker`, in one executemany; how
+    many were (a call not running on it is left as it is)."""
+    params = [
+        {
+            "cid": cid,
+            "w": worker,
+            "state": "done" if ok else "failed",
+            "ok": ok,
+            "result": result,
+            "tb": None if tb is None else _text(tb),
+            "now": now,
+        }
+        for cid, ok, result, tb in results
+    ]
+    if len(params) == 1:
+        return int(s.connection().execute(_FINISH, params[0]).rowcount)
+    return int(s.connection().execute(_FINISH, params).rowcount)
+
+
+def finished_by(s: Session, cid: int, worker: int) -> bool:
+    """The call ended with this worker's result (what a hand-in sent again finds)."""
+    found = call_of(s, cid)
+    return found is not None and found[1] == worker and found[0] in ENDED_CALL
 
 
 _APPEND = {

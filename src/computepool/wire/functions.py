@@ -17,6 +17,8 @@ MAX_CALLS = 1000  # calls in one submission
 MAX_RESULT_BYTES = 64 << 20
 MAX_OUTPUT_CHUNK = 1 << 20
 MAX_WAIT_S = 60.0
+MAX_CLAIM = 64  # calls a worker claims in one request
+MAX_SUBMIT_WAIT_S = 5.0  # a submission waits at most this long for its calls' results
 MAX_TRACEBACK = 1 << 20
 OutputStream = Literal["stdout", "stderr"]
 Offsets = dict[str, Annotated[int, Field(strict=True, ge=0, le=MAX_ID)]]
@@ -71,10 +73,13 @@ class CallIn(In):
 
 class CallsIn(In):
     calls: list[CallIn] = Field(min_length=1, max_length=MAX_CALLS)
-
-
-class CallIds(Out):
-    ids: list[int] = Field(description="In the order of the calls given.")
+    wait_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SUBMIT_WAIT_S,
+        allow_inf_nan=False,
+        description="Wait up to this long for news of the calls (ended, or printed) before answering.",
+    )
 
 
 class ResultsIn(In):
@@ -109,6 +114,14 @@ class ResultsOut(Out):
     calls: list[CallOut]
 
 
+class CallIds(Out):
+    ids: list[int] = Field(description="In the order of the calls given.")
+    calls: list[CallOut] = Field(
+        default_factory=list,
+        description="With wait_s: the calls that ended or printed meanwhile, as POST .../results answers.",
+    )
+
+
 class Done(In):
     id: Id
     ok: bool = Field(strict=True)
@@ -128,6 +141,21 @@ class NextCall(Out):
 
 class NextOut(Out):
     call: NextCall | None
+    stop: bool = Field(description="The worker should exit (function deleted, or one call per worker).")
+
+
+class ClaimIn(In):
+    """A worker's batch: results of calls it claimed, then up to `max_calls` more (long-poll)."""
+
+    done: list[Done] = Field(default_factory=list, max_length=MAX_CALLS)
+    max_calls: int = Field(
+        default=1, strict=True, ge=0, le=MAX_CLAIM, description="Calls to claim at most (0: none)."
+    )
+    wait_s: float = Field(default=0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
+
+
+class ClaimOut(Out):
+    calls: list[NextCall] = Field(description="Claimed by this worker, oldest first; run in this order.")
     stop: bool = Field(description="The worker should exit (function deleted, or one call per worker).")
 
 

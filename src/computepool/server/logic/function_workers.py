@@ -36,7 +36,7 @@ from computepool.server.policy import Target, authorize
 from computepool.store import allocations as alloc_store
 from computepool.store import functions as store
 from computepool.store.db import Database, db_now
-from computepool.wire.functions import Done, NextCall, NextOut, OutputIn, OutputOut
+from computepool.wire.functions import ClaimOut, Done, NextCall, NextOut, OutputIn, OutputOut
 
 log = logging.getLogger("computepool.server")
 FAILURES_BEFORE_GIVING_UP = 2
@@ -134,51 +134,88 @@ def _not_claimed(s: Session, cid: int, worker: int, field: str) -> None:
         raise Conflict(f"call {cid} was not claimed by this worker", field)
 
 
+def share(pending: int, max_workers: int, max_calls: int) -> int:
+    """Calls one claim takes: its share of those waiting (the last ones are spread over the
+    function's workers rather than queued behind one), at least 1, at most `max_calls`."""
+    return max(1, min(max_calls, pending // max(1, max_workers)))
+
+
+def _hand_in_and_claim(
+    s: Session,
+    worker: int,
+    fid: int,
+    head: store.WorkerHead,
+    done: Sequence[Done],
+    max_calls: int,
+    now: datetime,
+) -> tuple[list[tuple[int, str]], bool, int]:
+    """Record the results handed in (calls this worker claimed), then claim up to `max_calls`;
+    (calls claimed, stop, workers started)."""
+    retiring = bool(done) and head.keep_warm_s == 0 and not head.deleted
+    # the function's row before the call's, as cancel and delete take them (no lock-order deadlock)
+    fn = store.get_function(s, fid, lock=True) if retiring else None
+    results = [(d.id, d.ok, d.result, d.traceback) for d in done]
+    if results and store.finish_many(s, worker, results, now) < len(results):
+        for i, d in enumerate(done):  # which one was not this worker's (or ended meanwhile)
+            if not store.finished_by(s, d.id, worker):
+                _not_claimed(s, d.id, worker, "done.id" if len(done) == 1 else f"done[{i}].id")
+    if head.deleted or retiring:
+        started = 0
+        if fn is not None:
+            # a one-call worker is done: it no longer counts as live or idle, so the calls
+            # waiting get a worker of their own now rather than at the next sweep; and it
+            # delivered, so the count of workers failing in a row starts again
+            store.settle_worker(s, worker)
+            if fn.failures:
+                store.set_failures(s, fid, 0, "")
+            started = ensure_workers(s, fn, now)
+        return [], True, started
+    if head.keep_warm_s == 0:
+        max_calls = min(max_calls, 1)  # one call per worker
+    k = max_calls
+    if k > 1:
+        k = share(store.pending_count(s, fid), head.max_workers, max_calls)
+    return store.claim_many(s, fid, worker, k, now), False, 0
+
+
 def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
     """Record the result handed in (a call this worker claimed), then claim the oldest waiting call."""
+    out = claim_calls(ctx, [done] if done is not None else [], 1, hub)
+    got = out.calls[0] if out.calls else None
+    return NextOut(call=got, stop=out.stop)
+
+
+def claim_calls(ctx: Ctx, done: Sequence[Done], max_calls: int, hub: Hub) -> ClaimOut:
+    """Record the results handed in, in one transaction, then claim up to `max_calls` (their share
+    of the calls waiting): a worker serving many short calls makes one request per batch."""
     with ctx.db.write() as s:
         worker, fid, head = _check(ctx, s)
-        now = db_now(s)
-        retiring = done is not None and head.keep_warm_s == 0 and not head.deleted
-        # the function's row before the call's, as cancel and delete take them (no lock-order deadlock)
-        fn = store.get_function(s, fid, lock=True) if retiring else None
-        if done is not None and not store.finish(
-            s, done.id, worker, done.ok, done.result, done.traceback, now
-        ):
-            _not_claimed(s, done.id, worker, "done.id")
-        started = 0
-        if head.deleted or retiring:
-            got = None
-            stop = True
-            if fn is not None:
-                # a one-call worker is done: it no longer counts as live or idle, so the calls
-                # waiting get a worker of their own now rather than at the next sweep; and it
-                # delivered, so the count of workers failing in a row starts again
-                store.settle_worker(s, worker)
-                if fn.failures:
-                    store.set_failures(s, fid, 0, "")
-                started = ensure_workers(s, fn, now)
-        else:
-            got = store.claim_next(s, fid, worker, now)
-            stop = False
-    if done is not None:
+        got, stop, started = _hand_in_and_claim(s, worker, fid, head, done, max_calls, db_now(s))
+    if done:
         hub.notify(topics.fn_results(fid))
     if started:
         hub.wake_scheduler()
-    return NextOut(call=None if got is None else NextCall(id=got[0], args=got[1]), stop=stop)
+    return ClaimOut(calls=[NextCall(id=i, args=a) for i, a in got], stop=stop)
 
 
-def claim(ctx: Ctx, hub: Hub) -> NextOut:
+def claim(ctx: Ctx, hub: Hub, max_calls: int = 1) -> ClaimOut:
     """A waiting worker's re-check: read first, and take the write lock only when a call waits."""
     p = ctx.caller()
     assert p.function is not None
     with ctx.db.read() as s:
         _, _, head = _check(ctx, s)
         if head.deleted:
-            return NextOut(call=None, stop=True)
+            return ClaimOut(calls=[], stop=True)
         if store.pending_count(s, p.function) == 0:
-            return NextOut(call=None, stop=False)
-    return next_call(ctx, None, hub)
+            return ClaimOut(calls=[], stop=False)
+    return claim_calls(ctx, [], max_calls, hub)
+
+
+def worker_of(ctx: Ctx) -> tuple[int, int]:
+    """(worker allocation, function) of the calling worker, as its token says."""
+    p = ctx.caller()
+    assert p.worker is not None and p.function is not None
+    return p.worker, p.function
 
 
 def output(ctx: Ctx, body: OutputIn, hub: Hub) -> OutputOut:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+from sqlalchemy.orm import Session
+
+from computepool.core.allocation import HOLDING
 from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
@@ -20,6 +23,7 @@ from computepool.server.hub import Hub
 from computepool.server.logic import allocations, function_workers
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic.audit import record
+from computepool.server.logic.function_handoff import Handoff, Waiter
 from computepool.server.policy import Target, authorize
 from computepool.store import functions as store
 from computepool.store.db import db_now
@@ -166,17 +170,48 @@ def delete(ctx: Ctx, fid: int, hub: Hub) -> FunctionOut:
     return _out(fn, 0, 0)
 
 
-def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub) -> CallIds:
-    """Queue the calls in one transaction; start workers when none is idle and fewer than max live."""
-    with ctx.db.write() as s:
-        fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
-        now = db_now(s)
-        ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now)
-        started = function_workers.ensure_workers(s, fn, now)
-    hub.notify(topics.fn_calls(fid))
+def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None = None) -> CallIds:
+    """Queue the calls in one transaction, handing the oldest waiting ones to the workers parked on
+    this replica (claimed for them in the same transaction); start workers when none is idle and
+    fewer than max live."""
+    given: dict[Waiter, list[tuple[int, str]]] = {}
+    taken: list[Waiter] = []
+    committed = False
+    try:
+        with ctx.db.write() as s:
+            fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
+            now = db_now(s)
+            ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now)
+            left = len(ids)
+            taken = handoff.take(fid, len(ids)) if handoff is not None else []
+            if taken:
+                left = store.pending_count(s, fid)
+            for w in taken:
+                if left > 0:
+                    got = _hand_over(s, fn, w, left, now)
+                    given[w] = got
+                    left -= len(got)
+            started = function_workers.ensure_workers(s, fn, now) if left > 0 else 0
+        committed = True
+    finally:
+        for w in taken:  # a taken worker is always answered (empty: it reads the queue itself)
+            w.answer(given.get(w, []) if committed else [])
+    if left > 0:
+        hub.notify(topics.fn_calls(fid))
     if started:
         hub.wake_scheduler()
     return CallIds(ids=ids)
+
+
+def _hand_over(
+    s: Session, fn: store.FunctionRow, w: Waiter, pending: int, now: datetime
+) -> list[tuple[int, str]]:
+    """Claim the parked worker's share of the waiting calls for it, if its allocation still holds."""
+    head = store.worker_head(s, w.worker)
+    if head is None or head.state not in HOLDING or head.deleted:
+        return []
+    k = 1 if head.keep_warm_s == 0 else function_workers.share(pending, fn.max_workers, w.max_calls)
+    return store.claim_many(s, fn.id, w.worker, k, now)
 
 
 def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
@@ -191,6 +226,14 @@ def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
         read = {i: (body.output_from.get(str(i), 0), body.stderr_from.get(str(i), 0)) for i in wanted}
         rows = store.results(s, fid, list(wanted), with_news=True, budget=RESULTS_BUDGET_CHARS, read=read)
     return ResultsOut(calls=_relevant(rows, body.output_from, body.stderr_from))
+
+
+def news(ctx: Ctx, fid: int, ids: Sequence[int]) -> ResultsOut:
+    """The calls among `ids` (just submitted by this caller: no check) that ended or printed."""
+    with ctx.db.read() as s:
+        read = dict.fromkeys(ids, (0, 0))
+        rows = store.results(s, fid, list(ids), with_news=True, budget=RESULTS_BUDGET_CHARS, read=read)
+    return ResultsOut(calls=_relevant(rows, {}, {}))
 
 
 def _relevant(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
-from typing import Annotated
+import time
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -13,15 +16,20 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.logic import function_workers, functions
+from computepool.server.logic.function_handoff import Handoff, Waiter
 from computepool.server.policy import Action
-from computepool.server.routers.polling import long_poll
+from computepool.server.routers.polling import RECHECK_S, long_poll
 from computepool.wire.common import Items
 from computepool.wire.functions import (
     CallIds,
     CallOut,
     CallsIn,
+    ClaimIn,
+    ClaimOut,
+    Done,
     FunctionCreate,
     FunctionOut,
+    NextCall,
     NextIn,
     NextOut,
     OutputIn,
@@ -33,7 +41,7 @@ from computepool.wire.functions import (
 router = APIRouter(tags=["functions"])
 # Bodies that carry pickled arguments or results may pass the server's general body cap, up to this;
 # each argument and result has its own cap in the schema.
-LARGE_BODIES = re.compile(r"^/api/v1/(functions/[0-9]+/calls|worker/next)$")
+LARGE_BODIES = re.compile(r"^/api/v1/(functions/[0-9]+/calls|worker/next|worker/calls)$")
 LARGE_BODY_BYTES = 96 << 20
 SETTLE_S = 0.02  # a results poll over several calls, once woken, gathers for this long
 
@@ -41,6 +49,11 @@ SETTLE_S = 0.02  # a results poll over several calls, once woken, gathers for th
 def get_hub(request: Request) -> Hub:
     hub: Hub = request.app.state.hub
     return hub
+
+
+def get_handoff(request: Request) -> Handoff:
+    handoff: Handoff = request.app.state.handoff
+    return handoff
 
 
 @router.post(
@@ -76,14 +89,37 @@ def delete_function(
     return functions.delete(ctx, fid, hub)
 
 
-@router.post("/functions/{fid}/calls", summary="Submit 1..1000 calls; answers their ids")
-def submit(
+@router.post(
+    "/functions/{fid}/calls",
+    summary="Submit 1..1000 calls; answers their ids (and, with wait_s, the news of those that ended)",
+)
+async def submit(
     fid: int,
     body: CallsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_CALL))],
     hub: Annotated[Hub, Depends(get_hub)],
+    handoff: Annotated[Handoff, Depends(get_handoff)],
 ) -> CallIds:
-    return functions.submit(ctx, fid, body, hub)
+    if body.wait_s <= 0:
+        return await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
+    deadline = time.monotonic() + body.wait_s
+    topic = topics.fn_results(fid)
+    ev = hub.subscribe(topic)  # before the calls exist: no result can come before the wait
+    try:
+        out = await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ev.wait(), max(0.0, min(deadline - time.monotonic(), RECHECK_S)))
+    finally:
+        hub.unsubscribe(topic, ev)
+    news = await long_poll(
+        hub,
+        topic,
+        max(0.0, deadline - time.monotonic()),
+        lambda: functions.news(ctx, fid, out.ids),
+        lambda got: bool(got.calls),
+        settle_s=SETTLE_S if len(out.ids) > 1 else 0.0,
+    )
+    return out.model_copy(update={"calls": news.calls})
 
 
 @router.post(
@@ -121,18 +157,66 @@ async def worker_next(
     body: NextIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
     hub: Annotated[Hub, Depends(get_hub)],
+    handoff: Annotated[Handoff, Depends(get_handoff)],
 ) -> NextOut:
-    first = await run_in_threadpool(function_workers.next_call, ctx, body.done, hub)
-    if first.call is not None or first.stop or body.wait_s <= 0:
-        return first
-    fid = ctx.caller().function
-    return await long_poll(
-        hub,
-        topics.fn_calls(int(fid or 0)),
-        body.wait_s,
-        lambda: function_workers.claim(ctx, hub),
-        lambda out: out.call is not None or out.stop,
-    )
+    done = [body.done] if body.done is not None else []
+    out = await _claim(ctx, hub, handoff, done, 1, body.wait_s)
+    return NextOut(call=out.calls[0] if out.calls else None, stop=out.stop)
+
+
+@router.post(
+    "/worker/calls",
+    summary="A worker hands in its results and claims up to max_calls calls (long-poll)",
+)
+async def worker_calls(
+    body: ClaimIn,
+    ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
+    hub: Annotated[Hub, Depends(get_hub)],
+    handoff: Annotated[Handoff, Depends(get_handoff)],
+) -> ClaimOut:
+    return await _claim(ctx, hub, handoff, body.done, body.max_calls, body.wait_s)
+
+
+async def _claim(
+    ctx: Ctx, hub: Hub, handoff: Handoff, done: list[Done], max_calls: int, wait_s: float
+) -> ClaimOut:
+    """Hand in, claim; with nothing to claim, park until a submission on this replica hands calls
+    over, the queue's topic wakes it (then read the queue), or the wait ends."""
+    worker, fid = function_workers.worker_of(ctx)
+    topic = topics.fn_calls(fid)
+    ev = hub.subscribe(topic)  # before the first read: a call queued after it still wakes this poll
+    try:
+        out = await run_in_threadpool(function_workers.claim_calls, ctx, done, max_calls, hub)
+        if out.calls or out.stop or wait_s <= 0 or max_calls == 0:
+            return out
+        deadline = time.monotonic() + wait_s
+        loop = asyncio.get_running_loop()
+        while True:
+            waiter = Waiter(worker, max_calls, loop, loop.create_future())
+            handoff.park(fid, waiter)
+            woken = asyncio.ensure_future(ev.wait())
+            try:
+                left = deadline - time.monotonic()
+                if not ev.is_set() and left > 0:
+                    both: list[asyncio.Future[Any]] = [waiter.future, woken]
+                    await asyncio.wait(
+                        both,
+                        timeout=min(left, RECHECK_S),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+            finally:
+                woken.cancel()
+                taken = not handoff.withdraw(fid, waiter)
+            if taken:  # a submission claimed calls for this worker: its answer is on the way
+                calls = await waiter.future
+                if calls:
+                    return ClaimOut(calls=[NextCall(id=i, args=a) for i, a in calls], stop=False)
+            ev.clear()
+            out = await run_in_threadpool(function_workers.claim, ctx, hub, max_calls)
+            if out.calls or out.stop or time.monotonic() >= deadline:
+                return out
+    finally:
+        hub.unsubscribe(topic, ev)
 
 
 @router.post("/worker/output", summary="A worker appends printed output to the call it runs")
