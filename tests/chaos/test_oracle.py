@@ -1,13 +1,15 @@
 """The chaos oracle's judgements on reports and database rows it is handed (real UDP for the
-collector): it must see a second copy, an over-committed device and a shared exclusive slice, and
-must not see one where attempts followed each other."""
+collector): it must see a second copy, an over-committed device, a shared exclusive slice and a
+ledger that booked other than share × bind-to-end, and must not see one where attempts followed
+each other."""
 
 from __future__ import annotations
 
 import socket
 import time
+from datetime import UTC, datetime, timedelta
 
-from computepool.chaos.oracle import CapacitySampler, Collector
+from computepool.chaos.oracle import CapacitySampler, Collector, ledger_mismatches
 
 
 def test_overlapping_copies_are_duplicates_and_successive_attempts_are_not() -> None:
@@ -65,4 +67,32 @@ def test_capacity_over_commits_and_shared_exclusive_slices_are_violations() -> N
         "device GPU-b over capacity (an exclusive slice shared) held by allocations [1, 4]",
         "device GPU-a over capacity (compute 1100/1000 milli, memory 1100/1000 MiB) held by allocations "
         "[2, 5]",
+    ]
+
+
+def test_the_ledger_must_book_share_times_bind_to_end() -> None:
+    t0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    rows = [
+        # half a GPU and 2 CPUs for 20.5 s, booked exactly
+        (
+            1,
+            {"cpu_milli": 2000},
+            ["n1"],
+            [slice_("GPU-a", 500, 0)],
+            t0,
+            t0 + timedelta(seconds=20.5),
+            41.0,
+            10.25,
+        ),
+        # a gang's CPU share on each of its two nodes
+        (2, {"cpu_milli": 500}, ["n1", "n2"], [], t0, t0 + timedelta(seconds=10), 10.0, 0.0),
+        # the first interval lost: 20.5 s held, 11.9 s booked
+        (3, {"cpu_milli": 0}, ["n1"], [slice_("GPU-b", 500, 0)], t0, t0 + timedelta(seconds=20.5), 0.0, 5.95),
+        # booked twice
+        (4, {"cpu_milli": 1000}, ["n2"], [], t0, t0 + timedelta(seconds=5), 10.0, 0.0),
+    ]
+    wrong = ledger_mismatches(rows)
+    assert wrong == [
+        "allocation 3: the ledger booked 5.95 GPU-seconds, its share × bind-to-end (20.50 s) is 10.25",
+        "allocation 4: the ledger booked 10.00 CPU-seconds, its share × bind-to-end (5.00 s) is 5.00",
     ]

@@ -159,6 +159,8 @@ class Cluster:
                     "0",
                     "--blob-dir",
                     str(blobs),
+                    "--ledger-interval",
+                    "2",
                 ),  # fmt: skip
                 self.root / f"server-{i}.log",
             )

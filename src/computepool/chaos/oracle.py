@@ -15,6 +15,9 @@
   reason is its node lost and a fault did silence that node (the pool cannot know better then;
   work that cannot restart runs on through the silence and may still exit 0) — nor run again
   after.
+- **The ledger books what was held.** Once the usage ledger's clock has passed the last end, each
+  ended allocation's booked CPU- and GPU-seconds equal its share × bind-to-end (first attempts:
+  a requeued one is booked per attempt, which the history does not pin down from outside).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,3 +202,51 @@ class CapacitySampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+LEDGER_QUERY = """
+SELECT a.id, a.request, a.nodes, a.slices, a.bound_at, a.ended_at,
+       COALESCE(SUM(l.cpu_seconds), 0), COALESCE(SUM(l.gpu_seconds), 0)
+FROM allocations a LEFT JOIN usage_ledger l ON l.allocation_id = a.id
+WHERE a.attempt = 1 AND a.bound_at IS NOT NULL AND a.ended_at IS NOT NULL AND a.id = ANY(%s)
+GROUP BY a.id
+"""
+LEDGER_TOLERANCE = 0.005  # float sums over many passes; a lost interval is far more than this
+
+
+def ledger_mismatches(rows: Sequence[tuple[Any, ...]]) -> list[str]:
+    """Rows of LEDGER_QUERY whose booked seconds are not share × bind-to-end."""
+    out = []
+    for alloc_id, request, nodes, slices, bound, ended, cpu_s, gpu_s in rows:
+        held = (ended - bound).total_seconds()
+        want = {
+            "CPU": int((request or {}).get("cpu_milli") or 0) / 1000 * len(nodes or []) * held,
+            "GPU": sum(int(sl.get("compute_milli") or 0) for sl in slices or []) / 1000 * held,
+        }
+        for what, booked in (("CPU", float(cpu_s)), ("GPU", float(gpu_s))):
+            if abs(booked - want[what]) > LEDGER_TOLERANCE * want[what] + 0.01:
+                out.append(
+                    f"allocation {alloc_id}: the ledger booked {booked:.2f} {what}-seconds, "
+                    f"its share × bind-to-end ({held:.2f} s) is {want[what]:.2f}"
+                )
+    return out
+
+
+def ledger_violations(dsn: str, ids: Sequence[int], wait_s: float = 90) -> tuple[list[str], int]:
+    """Wait for the ledger's clock to pass the last end of `ids`, then check them; (violations,
+    allocations checked)."""
+    deadline = time.monotonic() + wait_s
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        while True:
+            last = conn.execute("SELECT max(ended_at) FROM allocations WHERE id = ANY(%s)", (list(ids),))
+            last_end = last.fetchone()
+            clock = conn.execute("SELECT at FROM ledger_clock").fetchone()
+            end = last_end[0] if last_end else None
+            if end is None or (clock is not None and clock[0] >= end):
+                break
+            if time.monotonic() > deadline:
+                at = clock[0] if clock else None
+                return [f"the usage ledger's clock ({at}) never passed the last end ({end})"], 0
+            time.sleep(0.5)
+        rows = conn.execute(LEDGER_QUERY, (list(ids),)).fetchall()
+    return ledger_mismatches(rows), len(rows)

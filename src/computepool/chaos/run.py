@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from computepool.chaos.cluster import ApiRefused, Cluster, ClusterError, cpool_argv
-from computepool.chaos.oracle import JOB, CapacitySampler, Collector
+from computepool.chaos.oracle import JOB, CapacitySampler, Collector, ledger_violations
 
 FAULTS = (
     "leader_kill",
@@ -79,6 +81,7 @@ class Run:
         self.tokens: dict[str, str] = {}
         self.submitted: list[Submitted] = []
         self.operations = 0
+        self.ledger_checked = 0  # allocations whose ledger rows the verdict compared
         self.errors: list[str] = []  # answers that break the contract (5xx other than 503, 507 aside)
         self.faults: Counter[str] = Counter()
         self.failover: list[float] = []
@@ -326,6 +329,13 @@ class Run:
                         f"(attempts {sorted(later)})"
                     )
         v += self.collector.duplicates()
+        try:
+            wrong, self.ledger_checked = ledger_violations(
+                self.cluster.pg.dsn, [s.id for s in self.submitted]
+            )
+            v += wrong
+        except psycopg.Error as e:
+            v.append(f"the usage ledger could not be read: {e}")
         if self.sampler is not None:
             v += self.sampler.violations
         v += self.errors
@@ -404,6 +414,7 @@ def run_chaos(
             "duplicates": len(dup),
             "restarts": sum(max(0, int(f.get("attempt") or 1) - 1) for f in final.values()),
             "capacity_samples": run.sampler.samples if run.sampler else 0,
+            "ledger_checked": run.ledger_checked,
             "fault_log": run.log,
             "seed": seed,
             "minutes": minutes,
