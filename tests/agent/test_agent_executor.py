@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -193,3 +194,31 @@ def test_cgroup_v2_limits_when_writable(tmp_path: Path) -> None:
         assert "out of memory" in done.reason
     finally:
         cgroups.remove([p for p in (ex.cgroup_dir, base) if p is not None])
+
+
+def test_a_job_that_ends_wakes_its_watcher_at_once(tmp_path: Path) -> None:
+    """An end is seen when it happens (a pidfd per leader), not at the loop's next pass: for a job
+    this executor started and for one it re-adopted after a restart."""
+    data = tmp_path / "agent"
+    first = Executor(data, cgroup_base=None)
+    held = first.start(JobSpec("held", 1, ["sh", "-c", "while [ ! -e go ]; do sleep 0.05; done"]))
+    first.state.close()
+    woke = threading.Event()
+    ex = Executor(data, cgroup_base=None, on_exit=woke.set)
+    try:
+        assert [r.key for r in ex.adopt().adopted] == [held.key]
+        quick = ex.start(JobSpec("quick", 1, ["true"]))
+        assert ex.exits is not None and woke.wait(10), "the end of `true` woke nobody"
+        assert [(r.key, r.state) for r in ex.poll()] == [(quick.key, JobState.SUCCEEDED)]
+        assert ex.exits.watching() == {held.key}
+        woke.clear()
+        assert not woke.wait(0.2)  # the adopted job runs on: no wake
+        (Path(held.run_dir) / "go").touch()
+        assert woke.wait(10), "the end of the adopted job woke nobody"
+        assert [(r.key, r.state) for r in ex.poll()] == [(held.key, JobState.SUCCEEDED)]
+        assert ex.exits.watching() == set()
+    finally:
+        for rec in ex.running():
+            ex.kill(rec.key, "test teardown", grace_s=0)
+        ex.close()
+        ex.state.close()

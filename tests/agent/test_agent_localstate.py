@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
 import psutil
 
+from computepool.agent.api import AgentApi
 from computepool.agent.executor import Executor, JobSpec
-from computepool.agent.localstate import JobRecord, JobState, LocalState
+from computepool.agent.localstate import _COLUMNS, _SCHEMA, JobRecord, JobState, LocalState, _encode
+from computepool.agent.reports import Reporter
 
 
 def _ended(pid: int) -> bool:
@@ -111,3 +114,78 @@ def test_a_reused_pid_is_not_adopted(tmp_path: Path) -> None:
     assert report.adopted == [] and [r.state for r in report.ended] == [JobState.LOST]
     assert me.is_running()  # and nothing was signalled
     ex.state.close()
+
+
+def _done(data: Path, n: int, tenant: str = "t1") -> list[JobRecord]:
+    """`n` ended attempts the control plane has acknowledged, as a busy node accumulates them."""
+    return [
+        JobRecord(str(1000 + i), 1, ["true"], str(data / f"runs/{1000 + i}/1"), state=JobState.SUCCEEDED,
+                  exit_code=0, started_at=1.0 + i, ended_at=2.0 + i, reported=True, extra={"tenant": tenant})
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def test_a_pass_reads_the_open_rows_alone(tmp_path: Path) -> None:
+    """What the agent asks its local state on each pass (starts and ends to report) decodes the
+    running and unacknowledged rows only, however many acknowledged ones are kept."""
+    state = LocalState(tmp_path)
+    for rec in _done(tmp_path, 2000):
+        state.put(rec)
+    live = JobRecord("live", 1, ["sleep", "9"], str(tmp_path / "runs/live/1"), pid=7, started_at=5.0)
+    ended = JobRecord("end", 1, ["false"], str(tmp_path / "runs/end/1"), state=JobState.FAILED, exit_code=1)
+    state.put(live)
+    state.put(ended)
+    executor = Executor(tmp_path, state, cgroup_base=None)
+    reporter = Reporter(AgentApi("http://127.0.0.1:9"), executor, lambda what, e: None)
+    assert reporter.acknowledged.keys() == {r.key for r in _done(tmp_path, 2000)}  # keys only, no records
+    before = state.rows_read
+    assert [k for k, _, _ in reporter.pending()] == ["end#1"]
+    assert state.running() == [live] and state.open_jobs() == [ended, live]
+    assert state.rows_read - before == 1 + 1 + 2  # pending(), running(), open_jobs(): open rows alone
+    state.mark_reported("end#1")
+    assert list(reporter.pending()) == [] and state.get("end#1").reported  # type: ignore[union-attr]
+    state.mark_reported("live#1")  # a running attempt is never marked: its end is still to come
+    assert state.running() == [live]
+    state.close()
+
+
+def test_acknowledged_ends_are_forgotten_once_the_pool_no_longer_assigns_them(tmp_path: Path) -> None:
+    state = LocalState(tmp_path)
+    done = _done(tmp_path, 3)
+    for rec in done:
+        state.put(rec)
+    state.close()
+    state = LocalState(tmp_path)  # a restarted agent: acknowledged before this run began
+    reporter = Reporter(AgentApi("http://127.0.0.1:9"), Executor(tmp_path, state, cgroup_base=None), print)
+    assert reporter.forget_done({done[0].key}, sent=1.0) == [done[1].key, done[2].key]
+    assert state.known(done[0].key) and not state.known(done[1].key)  # still assigned: kept
+    # an end acknowledged now: an answer asked for before that says nothing about it
+    rec = JobRecord("9", 1, ["true"], str(tmp_path / "runs/9/1"), state=JobState.SUCCEEDED, exit_code=0)
+    state.put(rec)
+    reporter._acknowledged(rec.key, rec)
+    at = reporter.acknowledged[rec.key]
+    assert reporter.forget_done(set(), sent=at - 1.0) == [done[0].key]
+    assert state.known(rec.key) and state.get(rec.key).reported  # type: ignore[union-attr]
+    assert reporter.forget_done(set(), sent=at + 1.0) == [rec.key]
+    assert state.jobs() == [] and reporter.acknowledged == {}
+    assert state.tenants() == {"t1"}  # a non-root agent still refuses a second tenant (launch.py)
+    state.close()
+
+
+def test_a_state_file_of_an_earlier_agent_gains_the_index_and_its_tenants(tmp_path: Path) -> None:
+    """The table an earlier agent wrote (no index, no tenants table) is upgraded once, in place."""
+    rec = _done(tmp_path, 1, tenant="old")[0]
+    rec.reported = False
+    db = sqlite3.connect(tmp_path / "agent-state.db")
+    db.execute(_SCHEMA)
+    db.execute(f"INSERT INTO jobs VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})", _encode(rec))
+    db.commit()
+    db.close()
+    state = LocalState(tmp_path)
+    assert state.unreported() == [rec] and state.tenants() == {"old"}
+    plan = " ".join(
+        str(r[-1])
+        for r in state._db.execute("EXPLAIN QUERY PLAN SELECT * FROM jobs WHERE reported = 'false'")
+    )
+    assert "jobs_open" in plan, plan
+    state.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 import computepool
 from computepool.agent.join import tenant_pythons
+from computepool.agent.localstate import JobRecord, JobState, LocalState
 
 SRC = str(Path(computepool.__file__).parent.parent)
 
@@ -218,3 +221,37 @@ def test_bad_join_tokens_and_inputs_give_one_line(server: Server, tmp_path: Path
         capture_output=True, text=True, env=child_env(), timeout=30,
     )  # fmt: skip
     assert proc.returncode != 0 and "cannot reach the control plane" in _one_error_line(proc.stderr)
+
+
+def test_an_agent_forgets_the_ends_the_pool_is_done_with(server: Server, tmp_path: Path) -> None:
+    """A node that ran thousands of jobs keeps none of their acknowledged ends: its passes read
+    only what runs or is still to report, so it costs the same after 2,000 jobs as after none."""
+    data = tmp_path / "agent"
+    agent = start_agent(server, data, "--name", "forget-1", token=server.join_token())
+    try:
+        wait_for("the node", lambda: server.node("forget-1"))
+    finally:
+        stop_agent(agent)
+    state = LocalState(data)
+    for i in range(2000):
+        run = str(data / "runs" / str(800000 + i) / "1")
+        state.put(JobRecord(str(800000 + i), 1, ["true"], run, state=JobState.SUCCEEDED, exit_code=0,
+                            started_at=1.0, ended_at=2.0, reported=True, extra={"tenant": "t1"}))  # fmt: skip
+    # ran while the agent was away and gone since: reported as lost, then forgotten too
+    state.put(JobRecord("799999", 1, ["true"], str(data / "runs/799999/1"), pid=2**22 + 1, create_time=1.0))
+    state.close()
+
+    def kept() -> int:
+        with contextlib.closing(sqlite3.connect(f"file:{data / 'agent-state.db'}?mode=ro", uri=True)) as db:
+            return int(db.execute("SELECT count(*) FROM jobs").fetchone()[0])
+
+    agent = start_agent(server, data, "--poll-wait-s", "1")
+    try:
+        wait_for("the acknowledged ends to be forgotten", lambda: kept() == 0, 30)
+    finally:
+        rc, out = stop_agent(agent)
+    assert rc == 0 and "Traceback" not in out, out
+    assert "799999#1 ended while the agent was away" in out
+    state = LocalState(data)
+    assert state.tenants() == {"t1"}  # the tenants it served are still known
+    state.close()

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -34,6 +34,7 @@ import psutil
 
 from computepool.agent import cgroups
 from computepool.agent.cgroups import CgroupV1, CgroupV2
+from computepool.agent.exits import ExitWatch
 from computepool.agent.identity import node_key
 from computepool.agent.jobspec import (
     DEFAULT_CGROUP_BASE,
@@ -99,7 +100,9 @@ class Executor:
 
     `poll()` is meant to be called from the agent's control loop: it notices ended jobs, turns a
     stop whose grace period ran out into SIGKILL, and returns the jobs that ended since the last
-    call. Safe to call from several threads (the memory watchdog calls `stop`).
+    call; `on_exit`, when given, is called (from another thread) the moment a job's leader ends,
+    so that the loop polls at once (exits.py). Safe to call from several threads (the memory
+    watchdog calls `stop`).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Executor:
         kill_grace_s: float = 10.0,
         base_env: Mapping[str, str] | None = None,
         sandbox: SandboxConfig | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         """`sandbox=None` runs jobs as plain children of the agent's own user (embedding, tests).
 
@@ -132,6 +136,7 @@ class Executor:
         self._ended: list[JobRecord] = []
         self._lock = threading.RLock()
         self._remover = Remover(self._remove_now)  # `podman rm` runs off the lock (removal.py)
+        self.exits = ExitWatch(on_exit) if on_exit is not None else None
 
     # ---- starting -------------------------------------------------------------------------
 
@@ -246,6 +251,8 @@ class Executor:
             return self._fail(rec, f"could not start: {e}", None)
         os.close(gate_w)
         self._live[rec.key] = live
+        if self.exits is not None:
+            self.exits.watch(rec.key, rec.pid)
         return rec
 
     def _limit(self, spec: JobSpec, live: _Live) -> None:
@@ -328,9 +335,9 @@ class Executor:
     def _refresh(self, key: str) -> None:
         live = self._live[key]
         rec = live.rec
+        rc = None
         if live.popen is not None:
-            rc = live.popen.poll()
-            ended = rc is not None
+            ended = _exited(live.popen)  # still unreaped: its pid and group id stay the job's
         else:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(rec.pid, os.WNOHANG)  # reap it if it happens to be our child
@@ -362,7 +369,11 @@ class Executor:
 
     def _finish(self, live: _Live, rc: int | None) -> None:
         rec = live.rec
-        kill_leftovers(rec)
+        kill_leftovers(rec)  # before the leader is reaped: its group id cannot be anyone else's yet
+        if live.popen is not None:
+            rc = live.popen.wait()
+        if self.exits is not None:
+            self.exits.unwatch(rec.key)
         rec.exit_code = rc
         rec.ended_at = time.time()
         oom = cgroups.oom_kills(Path(rec.cgroup)) if rec.cgroup else 0
@@ -402,6 +413,8 @@ class Executor:
 
     def close(self) -> None:
         """Finish the container removals still queued (the agent calls this when it stops)."""
+        if self.exits is not None:
+            self.exits.close()
         self._remover.close()
 
     # ---- stopping -------------------------------------------------------------------------
@@ -461,6 +474,8 @@ class Executor:
                         live.cpus = tuple(psutil.Process(rec.pid).cpu_affinity() or ())
                     self._live[rec.key] = live
                     adopted.append(rec)
+                    if self.exits is not None:  # a pid reused meanwhile only delays the wake to a pass
+                        self.exits.watch(rec.key, rec.pid)
                     if rec.stop_reason:  # a stop was under way when the agent went down
                         self._stop(live, rec.stop_reason, self.kill_grace_s)
                 else:
@@ -470,10 +485,21 @@ class Executor:
             self._ended = [r for r in self._ended if r not in ended]
             if self.cgroups is not None:  # empty job cgroups a crash left, under this agent's own dir
                 self.cgroups.sweep({f"{v.rec.allocation_id}.{v.rec.attempt}" for v in self._live.values()})
-            if any(r.extra.get("container") for r in self.state.jobs()):  # containers a crash left behind
+            engine = self._container_engine()
+            if engine.conf_path.exists():  # podman was used here: containers a crash left behind
                 with contextlib.suppress(Exception):
-                    self._container_engine().sweep(keep=set(self._live))
+                    engine.sweep(keep=set(self._live))
         return AdoptReport(adopted, ended)
+
+
+def _exited(popen: subprocess.Popen[bytes]) -> bool:
+    """Whether the child ended, leaving it unreaped (a zombie holds its pid and group id)."""
+    if popen.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by someone else: Popen.wait() says so
+        return True
 
 
 @contextlib.contextmanager

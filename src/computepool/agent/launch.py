@@ -161,7 +161,7 @@ class Launcher:
         """A non-root agent cannot keep tenants apart: it serves one, unless told it is single-tenant."""
         if self.sandbox is None or self.sandbox.single_tenant:
             return ""
-        others = {r.extra.get("tenant", "") for r in self.state.jobs()} - {tenant, ""}
+        others = self.state.tenants() - {tenant, ""}
         if others:
             return (
                 f"refused: this agent is not root and already runs tenant {sorted(others)[0]!r}'s jobs; "

@@ -89,12 +89,15 @@ class Agent:
         self.api = api
         self.cred = cred
         self.name = cred.name
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # a pass now: an assignment came, a job ended, ...
         self.executor = Executor(
             config.data_dir,
             cgroup_base=config.cgroup_base,
             node=cred.name,
             kill_grace_s=config.kill_grace_s,
             sandbox=config.sandbox,
+            on_exit=self._wake.set,  # a job's end is handled at once, not at the next tick
         )
         if os.geteuid() != 0:
             log.warning(
@@ -123,8 +126,6 @@ class Agent:
         self.reports = Reporter(api, self.executor, self._refused)
         self.logs = LogShipper(api, self.executor, config.log_chunk_bytes, self._refused)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         # where the node's replicas are dialled and its containers publish: as the pool stored it
         self.address: str | None = config.address
         self.executor.launcher.publish_host = config.address
@@ -209,7 +210,7 @@ class Agent:
         for rec in found.ended:
             self._fenced(rec)
             log.info("%s ended while the agent was away: %s", rec.key, rec.reason or rec.state.value)
-        self.logs.resume(self.state.jobs())
+        self.logs.resume(self.state.open_jobs())  # an acknowledged end's output was all sent
         if found.adopted:
             log.info("re-adopted %d running job(s): %s", len(found.adopted),
                      ", ".join(f"{r.key} (pid {r.pid})" for r in found.adopted))  # fmt: skip
@@ -442,9 +443,10 @@ class Agent:
         """Make what runs match what is assigned: start the new attempts, stop the unassigned."""
         with self._lock:
             desired = None if self._desired is None else dict(self._desired)
+            sent = self._desired_sent
             stale, self._stale = self._stale, set()
             rejoined = self.contact.rejoined
-            if rejoined is not None and self._desired_sent < rejoined:
+            if rejoined is not None and sent < rejoined:
                 desired = None  # said before contact was lost: the pool may have moved on since
         live = {rec.key: rec for rec in self.executor.running()}
         for key, rec in live.items():
@@ -456,13 +458,14 @@ class Agent:
                 self.executor.stop(key, "stopped: no longer assigned to this node by the control plane")
         if desired is None:
             return  # never stop anything else before the control plane has said what it wants
+        self.reports.forget_done(desired, sent)  # ends the pool is done with
         overdue = self.contact.overdue()
         self.preparing.forget(k for k in desired if k not in stale)  # withdrawn: never started
         # jobs this node no longer owns still hold their devices until they are seen dead
         leaving = [k for k, rec in live.items() if rec.stop_reason or k in stale or k not in desired]
         self._waiting &= set(desired)
         for key, a in desired.items():
-            if key in live or key in stale or self.state.get(key) is not None:
+            if key in live or key in stale or self.state.known(key):
                 continue  # running, or already ran here: an attempt is never started twice
             if overdue:
                 continue  # the pool may have failed or moved it already: start nothing now

@@ -33,19 +33,43 @@ def alive(rec: JobRecord, zombie_ok: bool = False) -> bool:
 
 
 def kill_leftovers(rec: JobRecord) -> None:
-    """Processes the job left in its group: only those born after the job (no pgid reuse)."""
-    victims: list[psutil.Process] = []
-    for p in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if os.getpgid(p.pid) == rec.pgid and p.info["create_time"] >= rec.create_time - 0.05:
-                victims.append(p)
-        except (OSError, psutil.Error):
-            continue
-    for p in victims:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
+    """SIGKILL to whatever the job left: its process group while that group id is still the job's,
+    and every process of its cgroup. Only the job's own group and cgroup are looked at, never the
+    host's process table: this runs at every job's end."""
+    if group_is_ours(rec):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rec.pgid, signal.SIGKILL)
     if rec.cgroup:
-        for pid in cgroups.pids(Path(rec.cgroup)):
+        kill_cgroup([Path(p) for p in (rec.extra.get("cgroup_paths") or rec.cgroup).splitlines()])
+
+
+def group_is_ours(rec: JobRecord) -> bool:
+    """Whether the job's process group id still names the job's group. The leader's pid is the group
+    id: while the leader lives, or is an unreaped zombie (the executor reaps only after this), no
+    other group can have it. Once the pid is free again, a group that still has members keeps the
+    number from being reused, so the members are the job's; a pid that now names another process
+    (another start time) means the number was reused, and the group is left alone."""
+    try:
+        leader = psutil.Process(rec.pgid)
+        return rec.pgid == rec.pid and abs(leader.create_time() - rec.create_time) < 0.05
+    except psutil.NoSuchProcess:
+        return rec.pgid > 1
+    except psutil.Error:
+        return False
+
+
+def kill_cgroup(paths: list[Path]) -> None:
+    """SIGKILL to every process of a job's cgroup: `cgroup.kill` (v2, Linux 5.14+) takes forks in
+    flight too; elsewhere (v1, or older kernels) the listed members are killed until none is left."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            (path / "cgroup.kill").write_text("1")
+            return
+    for _ in range(20):  # a member may fork while it is being killed: list again until empty
+        members = set().union(*(cgroups.pids(p) for p in paths)) if paths else set()
+        if not members:
+            return
+        for pid in members:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 

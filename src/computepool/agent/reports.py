@@ -1,17 +1,20 @@
 """What the agent tells the control plane about its jobs: `running`, then how each attempt ended.
 
 Starts are held in memory until acknowledged, ends in LocalState (written before they are sent), so
-an end seen while the control plane is away is reported when it answers again.
+an end seen while the control plane is away is reported when it answers again. An acknowledged end
+is forgotten once an assignments answer asked for after the acknowledgement no longer lists it
+(`forget_done`): until then its record is what keeps the attempt from being started again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Collection, Container, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from computepool.agent import fencing
 from computepool.agent.api import AgentApi, ApiError
 from computepool.agent.assignment import wire_id
 from computepool.agent.executor import Executor
@@ -68,6 +71,8 @@ class Reporter:
         # who listens on each running replica's port (listeners.py): sent again whenever it changes
         self.listeners: Callable[[], dict[str, str]] = dict
         self._listener_sent: dict[str, str] = {}
+        # acknowledged ends still kept, with when (CLOCK_BOOTTIME); those of an earlier run: at 0
+        self.acknowledged: dict[str, float] = dict.fromkeys(self.state.acknowledged(), 0.0)
 
     def pending(self) -> Iterator[tuple[str, dict[str, Any], JobRecord]]:
         found = self.listeners()
@@ -119,3 +124,15 @@ class Reporter:
             self.running_unreported.discard(key)
         else:
             self.state.mark_reported(key)
+            self.acknowledged[key] = fencing.now_s()
+
+    def forget_done(self, desired: Collection[str], sent: float) -> list[str]:
+        """Forget the acknowledged ends that an assignments answer asked for at `sent` (CLOCK_BOOTTIME),
+        after their acknowledgement, no longer lists: the pool is done with them. One still listed
+        is kept, so that it is never started again here. Returns the keys forgotten."""
+        gone = [k for k, at in self.acknowledged.items() if at < sent and k not in desired]
+        if gone:
+            self.state.forget_many(gone)
+            for key in gone:
+                del self.acknowledged[key]
+        return gone
