@@ -127,6 +127,9 @@ def test_cost_follows_prices_set_with_the_cli(cli: Cli, seeded: PoolServer) -> N
     assert "no price" not in r.stdout and "blue" in r.stdout and "6.1" in r.stdout, r.stdout
     listed = json.loads(cli("prices", "--json").stdout)
     assert [(p["item"], p["amount"]) for p in listed] == [("A100", 3.0), ("T4", 1.2), ("energy-kwh", 0.25)]
+    typo = cli("prices", "set", "A100-80GB", "2.5")  # stored, with a warning naming the right one
+    assert typo.exit_code == 0 and "did you mean A100?" in typo.stderr and "warning" not in typo.stdout
+    cli("prices", "delete", "A100-80GB")
     assert "GPU-hour" in cli("prices").stdout
     r = cli("prices", "delete", "T4")
     assert r.exit_code == 0 and r.stdout.strip() == "price of T4 removed"

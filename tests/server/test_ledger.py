@@ -120,6 +120,12 @@ def test_cost_from_a_known_price_table_and_prices_are_audited(booked: tuple[Api,
     assert api.ok("PUT", "/api/v1/prices/A100", json={"amount": 2.0})["amount"] == 2.0
     api.ok("PUT", "/api/v1/prices/energy-kwh", json={"amount": 0.3})
     api.ok("PUT", "/api/v1/prices/T4", json={"amount": 9.0})  # no GPU-hours on T4: costs nothing
+    # a model no device is: stored (it may join later), but the answer says it applies to nothing
+    typo = api.ok("PUT", "/api/v1/prices/A100-80GB", json={"amount": 2.5})
+    assert "applies to nothing" in typo["warning"] and "did you mean A100?" in typo["warning"]
+    assert api.ok("PUT", "/api/v1/prices/A100", json={"amount": 2.0})["warning"] == ""
+    assert api.ok("PUT", "/api/v1/prices/energy-kwh", json={"amount": 0.3})["warning"] == ""
+    api.ok("DELETE", "/api/v1/prices/A100-80GB")
     by_tenant = {r["tenant"]: r for r in rows(api)}
     assert by_tenant["default"]["cost"] == pytest.approx(
         0.25 * 1200 / 3600 * 2.0 + 60_000 / 3.6e6 * 0.3, abs=1e-5
@@ -137,6 +143,7 @@ def test_cost_from_a_known_price_table_and_prices_are_audited(booked: tuple[Api,
     audit = api.ok("GET", "/api/v1/audit", params={"action": "price.set"})["items"]
     assert {r["target"] for r in audit if r["outcome"] == "ok"} == {
         "price:A100",
+        "price:A100-80GB",
         "price:energy-kwh",
         "price:T4",
     }

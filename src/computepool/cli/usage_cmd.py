@@ -207,6 +207,8 @@ def register(app: typer.Typer) -> None:
             print_json(out)
         else:
             say(f"price of {out['item']}: {out['amount']:g}")
+        if out.get("warning"):
+            print(f"warning: {out['warning']}", file=sys.stderr)
 
     @prices.command("delete")
     @pool_command

@@ -419,5 +419,12 @@ def device_models(s: Session) -> dict[tuple[str, int], str]:
     return {(n, i): m for n, i, m in s.execute(stmt).all()}
 
 
+def known_models(s: Session) -> set[str]:
+    """Device models the pool has now or has booked use of: what a price can apply to."""
+    now = set(s.execute(select(Device.model).distinct()).scalars())
+    booked = s.execute(select(UsageEntry.model).where(UsageEntry.model != "").distinct()).scalars()
+    return now | set(booked)
+
+
 def node_exists(s: Session, name: str) -> bool:
     return s.execute(select(Node.id).where(Node.name == name)).first() is not None

@@ -48,6 +48,9 @@ class PriceOut(Out):
     item: str = Field(description=f"A device model (price per GPU-hour) or {ENERGY_ITEM!r} (per kWh).")
     amount: float
     updated_at: datetime
+    warning: str = Field(
+        default="", description="Set when no device of the pool, now or booked before, is this model."
+    )
 
 
 class DeviceSampleOut(Out):

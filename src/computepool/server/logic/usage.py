@@ -6,6 +6,7 @@ pool's own row (energy of devices that held nothing) is an admin's alone.
 
 from __future__ import annotations
 
+import difflib
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select
@@ -145,7 +146,20 @@ def set_price(ctx: Ctx, item: str, body: PriceIn) -> PriceOut:
     with ctx.db.write() as s:
         row = sql.set_price(s, item, body.amount, db_now(s))
         record(s, ctx, f"price:{item}", detail={"amount": body.amount})
-        return _price_out(row)
+        out = _price_out(row)
+        known = sql.known_models(s)
+    if item != ENERGY_ITEM and item not in known:
+        out.warning = _unused_price(item, known)
+    return out
+
+
+def _unused_price(item: str, known: set[str]) -> str:
+    """Why a price set for `item` will cost nothing, and the model names that would."""
+    near = difflib.get_close_matches(item, sorted(known), n=1, cutoff=0.5)
+    near += [m for m in sorted(known) if not near and (m in item or item in m)][:1]
+    models = ", ".join(sorted(known)[:10]) or "none yet"
+    hint = f"; did you mean {near[0]}?" if near else ""
+    return f"no device of the pool is a {item!r}: this price applies to nothing yet (models: {models}){hint}"
 
 
 def delete_price(ctx: Ctx, item: str) -> PriceOut:
