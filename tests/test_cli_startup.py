@@ -63,8 +63,9 @@ def test_version() -> None:
     assert r.stdout.strip() == f"cpool {version('computepool')}"
 
 
-def test_quick_commands_come_from_the_module_named_for_them() -> None:
-    """`cpool ps` loads only alloc_cmd: each word of the quick table must be a command of its module."""
+def test_every_command_word_comes_from_the_module_named_for_it() -> None:
+    """`cpool WORD` loads only WORD's module: each word of the table must be a command its function
+    registers, and every top-level command of the full app must be in the table."""
     import importlib
 
     import typer
@@ -72,10 +73,14 @@ def test_quick_commands_come_from_the_module_named_for_them() -> None:
 
     from computepool.cli import main
 
-    for word, module in main._QUICK.items():
+    for word, (module, register) in main._QUICK.items():
         one = typer.Typer()
         one.callback()(lambda: None)
-        importlib.import_module(f"computepool.cli.{module}").register(one)
-        assert word in get_command(one).commands, f"{word} is not a command of {module}"
+        getattr(importlib.import_module(f"computepool.cli.{module}"), register)(one)
+        assert word in get_command(one).commands, f"{word} is not a command of {module}.{register}"
+    if "fill" not in {c.name for c in main.sim_app.registered_commands}:  # once per test process
+        main._register()
+    every = set(get_command(main.app).commands) - {"sim", "bench"}  # groups: the full app
+    assert every - set(main._QUICK) == set(), "commands missing from main._QUICK"
     assert main._command_word(["--ca", "ca.pem", "ps", "--all"]) == "ps"
     assert main._command_word(["--help"]) is None

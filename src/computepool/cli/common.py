@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from computepool.core.errors import InvalidInput
@@ -60,6 +59,8 @@ def progress_bar(label: str, enabled: bool) -> Iterator[Callable[[int, int], Non
     if not enabled or not err_console.is_terminal:
         yield lambda done, total: None
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),

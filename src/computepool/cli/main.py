@@ -111,12 +111,31 @@ def _register() -> None:
     bench_chaos_cmd.register(bench_app)
 
 
-# Commands people type many times a day: only their own module is loaded and built (a third less
-# start-up). Any other word, or none, loads every command as `cpool --help` lists them.
-_QUICK = {
-    **dict.fromkeys(("alloc", "release", "cancel", "ps", "explain", "logs"), "alloc_cmd"),
-    **dict.fromkeys(("run", "top"), "run_cmd"),
+# Each top-level command word: the module that defines it and the function that registers it.
+# `cpool WORD …` loads and builds only that module (its help, options and exit codes are the same as
+# in the full app); none, an unknown word, `sim` or `bench` load every command as `cpool --help`
+# lists them.
+_QUICK: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(("alloc", "release", "cancel", "ps", "explain", "logs"), ("alloc_cmd", "register")),
+    **dict.fromkeys(("run", "top"), ("run_cmd", "register")),
+    **dict.fromkeys(("login", "logout"), ("access_cmd", "register_login")),
+    "tokens": ("access_cmd", "register_tokens"),
+    "join-token": ("access_cmd", "register_join_token"),
+    **dict.fromkeys(("tenants", "users"), ("tenants_cmd", "register")),
+    **dict.fromkeys(("serve", "services"), ("serve_cmd", "register")),
+    **dict.fromkeys(("usage", "prices"), ("usage_cmd", "register")),
+    **{
+        word: (f"{word}_cmd", "register")
+        for word in ("server", "gateway", "agent", "up", "images", "quota", "audit", "nodes", "peers")
+    },
+    "alerts": ("alerts_cmd", "register"),
+    "cp": ("cp_cmd", "register"),
 }
+
+# Optional imports of libraries the client loads that no `cpool` command uses: httpcore imports trio
+# (when installed) only to tell whether async code runs under it, and httpx imports its own
+# command-line tool (click, pygments, rich.syntax). Together about half of `cpool ps`'s start-up.
+_UNUSED_OPTIONAL = ("trio", "httpx._main")
 
 
 def _command_word(argv: list[str]) -> str | None:
@@ -136,9 +155,12 @@ def main() -> None:
     import importlib
     import sys
 
+    for name in _UNUSED_OPTIONAL:  # None in sys.modules: `import name` raises ImportError, as if absent
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     quick = _QUICK.get(_command_word(sys.argv[1:]) or "")
     if quick is not None:
-        importlib.import_module(f"computepool.cli.{quick}").register(app)
+        module, register = quick
+        getattr(importlib.import_module(f"computepool.cli.{module}"), register)(app)
     else:
         _register()
     app()

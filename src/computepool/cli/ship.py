@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from computepool.cli.common import err_console
 from computepool.client import PoolClient, PoolError
-from computepool.client.archive import inside, pack_with_stats, scan
 from computepool.core.errors import InvalidInput
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
@@ -115,6 +114,8 @@ def ship(
     if env:
         changes["env"] = {**(req.env or {}), **env}
     if not no_code:
+        from computepool.client.archive import inside, pack_with_stats, scan  # tar code: when shipping
+
         root = (workdir or Path.cwd()).expanduser()
         if not root.is_dir():
             raise InvalidInput("--workdir", f"{root}: not a directory")
