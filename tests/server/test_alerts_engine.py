@@ -66,6 +66,32 @@ def test_leader_changes_fire_once_and_resolve_and_the_old_leader_is_fenced_out(a
     assert alert["detail"] == {"term": 3, "previous_term": 2}
 
 
+def test_the_only_replica_restarting_is_no_leader_change(api: Api) -> None:
+    """One server whose lease ran out (a restart) takes a new term: no leader-changed alert. The
+    same engine with a second replica's URL live does fire it."""
+    state = api.app.state
+    assert state.replicas.urls() == [state.replicas.url]  # this replica alone publishes a URL
+    p = Passes(api)
+    assert p.run().leader is True and p.run().fired == []
+    expire_lease(api)
+    restarted, _ = second_replica(api, "same-server-restarted")  # a new process: a new holder
+    assert restarted.acquire() == 2
+    alone = AlertEngine(
+        state.db, state.settings, state.hub, restarted.leadership, lambda: None,
+        replica_count=lambda: len(state.replicas.urls()),
+    )  # fmt: skip
+    assert alone.run_once().fired == []
+    assert firing(api, "leader-changed") == []
+    # two replicas live: the next new term is a change
+    expire_lease(api)
+    other, _ = second_replica(api, "replica-b")
+    assert other.acquire() == 3
+    two = AlertEngine(
+        state.db, state.settings, state.hub, other.leadership, lambda: None, replica_count=lambda: 2
+    )
+    assert two.run_once().fired == [("leader-changed", "pool")]
+
+
 def test_a_new_leader_resolves_what_the_old_one_fired(make_api: object) -> None:
     # suspect after 30 s: the passes' clock (40 s ahead) decides, and the real one stays fresh
     api: Api = make_api(heartbeat_interval_s=0.2, suspect_after_s=30.0, lost_after_s=600.0)  # type: ignore[operator]

@@ -289,6 +289,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         app.state.hub,
         leadership,
         audit_problem=lambda: app.state.audit_problem,
+        replica_count=lambda: len(app.state.replicas.urls()),
     )
 
     app.add_middleware(RequestMiddleware, app_state=app.state)

@@ -69,9 +69,13 @@ class AlertEngine:
         hub: Hub,
         leadership: Leadership,
         audit_problem: Callable[[], str | None],
+        replica_count: Callable[[], int] | None = None,
     ) -> None:
         self.db, self.settings, self.hub, self.leadership = db, settings, hub, leadership
         self.audit_problem = audit_problem
+        # how many replicas publish a live URL (None: unknown); with exactly one, a new term is
+        # that one server restarted, not a change of leader worth an alert
+        self.replica_count = replica_count
         self.notifier = Notifier(db, settings)
         self.auto = True
         self._since: dict[tuple[str, str], datetime] = {}
@@ -146,6 +150,9 @@ class AlertEngine:
             if self._term_seen is None or self._term_seen[0] != term:
                 before = store.lease_term_seen(s)
                 changed = before != term and not (before is None and term <= 1)
+                if changed and self.replica_count is not None and self.replica_count() == 1:
+                    log.info("alerts: term %d is the only replica's restart, not a leader change", term)
+                    changed = False
                 self._term_seen = (term, at, before, changed)
             setting = effective(self.settings, store.rule_settings(s))
             look_back = max(rules.JOB_FAILING_WINDOW_S, setting["slice-memory-killed"].threshold)
