@@ -38,6 +38,32 @@ def test_v2_writes_cpu_memory_and_pids(tmp_path: Path) -> None:
     assert cgroups.oom_kills(job.path) == 1
 
 
+def test_one_agents_jobs_together_hold_at_most_their_share_of_the_hosts_pids(tmp_path: Path) -> None:
+    """The agent's own cgroup caps its jobs together below pid_max; a job never gets more alone."""
+    pid_max = tmp_path / "pid_max"
+    pid_max.write_text("32768\n")
+    assert cgroups.jobs_pids_budget(pid_max) == 24576
+    root = tmp_path / "cg2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    v2 = CgroupV2(root / "computepool" / "node-a", pids_budget=300)
+    assert v2.usable() == (True, "")
+    assert (root / "computepool" / "node-a" / "pids.max").read_text() == "300"
+    assert (v2.create("a.1", 0, 0, pids_max=100).path / "pids.max").read_text() == "100"
+    assert (v2.create("b.1", 0, 0, pids_max=5000).path / "pids.max").read_text() == "300"
+    v1_root = tmp_path / "cg1"
+    for c in ("cpu", "memory", "pids"):
+        (v1_root / c).mkdir(parents=True)
+        (v1_root / c / "cgroup.procs").write_text("")
+    v1 = CgroupV1(v1_root, "computepool/node-a", pids_budget=200)
+    assert v1.usable() == (True, "")
+    assert (v1_root / "pids" / "computepool" / "node-a" / "pids.max").read_text() == "200"
+    job = v1.create("a.1", 0, 0, pids_max=1000)
+    assert (v1_root / "pids" / "computepool" / "node-a" / "a.1" / "pids.max").read_text() == "200"
+    assert job.path.parent == v1_root / "memory" / "computepool" / "node-a"
+
+
 def test_v2_without_controllers_says_why(tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("io\n")
     ok, why = cgroups.detect(tmp_path / "computepool").usable()
@@ -94,6 +120,9 @@ def test_real_v1_memory_limit_kills_a_hog_and_says_so(real_cg_executor: Executor
     hog = [PY, "-c", "b = bytearray(400 * 1024 * 1024); print(len(b))"]
     rec = ex.start(JobSpec("hog", 1, hog, memory_mib=128, tenant=tenant))
     assert rec.limits.startswith("cgroup v1 /sys/fs/cgroup/memory/"), rec.limits
+    assert ex.cgroup_dir is not None  # the agent's jobs together: capped on the real hierarchy
+    own = Path("/sys/fs/cgroup/pids") / ex.cgroup_dir.relative_to("/sys/fs/cgroup")
+    assert own.joinpath("pids.max").read_text().strip() == str(cgroups.jobs_pids_budget())
     assert Path(rec.cgroup, "memory.limit_in_bytes").read_text().strip() == str(128 * 1024 * 1024)
     done = ex.wait(rec.key, 30)
     assert done.state is JobState.FAILED

@@ -32,6 +32,20 @@ import psutil
 MIB = 1024 * 1024
 CPU_PERIOD_US = 100_000
 DEFAULT_PIDS_MAX = 1024  # a job's processes and threads, where the control plane sends no limit
+JOBS_PID_SHARE = 0.75  # of the host's pid_max, for all of one agent's jobs together
+
+
+def jobs_pids_budget(pid_max_path: Path = Path("/proc/sys/kernel/pid_max")) -> int:
+    """Processes and threads one agent's jobs may hold together: three quarters of the host's
+    pid_max, so that jobs forking to their limits (one tenant's or several) never leave the host,
+    the agent or a fence supervisor without a process slot."""
+    try:
+        pid_max = int(pid_max_path.read_text().strip())
+    except (OSError, ValueError):
+        pid_max = 32768  # the kernel's default
+    return max(64, int(pid_max * JOBS_PID_SHARE))
+
+
 V1_CONTROLLERS = ("memory", "cpu", "pids")  # the first present one names the job's cgroup
 _JOB_DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\.[0-9]+$")  # `<alloc>.<attempt>`
 
@@ -60,8 +74,9 @@ class CgroupV2:
 
     version = "v2"
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, pids_budget: int | None = None) -> None:
         self.base = base
+        self.pids_budget = pids_budget if pids_budget is not None else jobs_pids_budget()
         self._checked: tuple[bool, str] | None = None
         self._pids = False
 
@@ -88,6 +103,8 @@ class CgroupV2:
                 enabled = set(control.read_text().split()) if control.exists() else set()
                 if not wanted <= enabled:
                     (level / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
+            if self._pids:  # all of this agent's jobs together (jobs_pids_budget)
+                (self.base / "pids.max").write_text(str(self.pids_budget))
         except OSError as e:
             return False, f"cgroup {self.base} not writable: {e}"
         return True, ""
@@ -108,7 +125,7 @@ class CgroupV2:
                 if (path / name_).exists():  # no swapping past the limit; an OOM ends the whole job
                     (path / name_).write_text(value)
         if pids_max > 0 and self._pids:
-            (path / "pids.max").write_text(str(pids_max))
+            (path / "pids.max").write_text(str(min(pids_max, self.pids_budget)))
         return JobCgroup("v2", path, (path,))
 
 
@@ -118,9 +135,10 @@ class CgroupV1:
 
     version = "v1"
 
-    def __init__(self, root: Path, base_name: str) -> None:
+    def __init__(self, root: Path, base_name: str, pids_budget: int | None = None) -> None:
         self.root = root
         self.base_name = base_name
+        self.pids_budget = pids_budget if pids_budget is not None else jobs_pids_budget()
         self._checked: tuple[bool, str] | None = None
         self.controllers: tuple[str, ...] = ()
 
@@ -136,6 +154,8 @@ class CgroupV1:
         try:
             for c in have:
                 (self.root / c / self.base_name).mkdir(parents=True, exist_ok=True, mode=0o700)
+            if "pids" in have:  # all of this agent's jobs together (jobs_pids_budget)
+                (self.root / "pids" / self.base_name / "pids.max").write_text(str(self.pids_budget))
         except OSError as e:
             return False, f"cgroup v1 {self.root}/*/{self.base_name} not writable: {e}"
         self.controllers = have
@@ -159,7 +179,7 @@ class CgroupV1:
                 with contextlib.suppress(OSError):
                     (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_mib * MIB))
         if pids_max > 0 and "pids" in dirs:
-            (dirs["pids"] / "pids.max").write_text(str(pids_max))
+            (dirs["pids"] / "pids.max").write_text(str(min(pids_max, self.pids_budget)))
         ordered = tuple(dirs[c] for c in V1_CONTROLLERS if c in dirs)
         return JobCgroup("v1", ordered[0], ordered)
 
