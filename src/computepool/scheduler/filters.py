@@ -74,7 +74,10 @@ def whole_fit(view: View, req: Request) -> np.ndarray:
 
 
 def device_need(state: ClusterState, view: View, req: Request) -> DeviceNeed:
-    allowed = allowed_models_mask(state, view, req) & kind_mask(state, view, req)
+    if req.tier != Isolation.MIG and not state.profiles:  # no MIG instance anywhere: any device kind fits
+        allowed = allowed_models_mask(state, view, req)
+    else:
+        allowed = allowed_models_mask(state, view, req) & kind_mask(state, view, req)
     cap = view.gpu_cap
     mem_cap = view.gpu_mem_cap
     if req.whole_devices:
@@ -91,6 +94,8 @@ def device_need(state: ClusterState, view: View, req: Request) -> DeviceNeed:
         tier, t = view.gpu_tier, tier_code(req)
         if t == TIER_MPS:  # one tenant's mps slices per device (one MPS server, one Unix user)
             same_tier = (tier == TIER_NONE) | ((tier == t) & (view.gpu_owner == state.owner_id(req.tenant)))
+        elif t == TIER_TIMESLICE:  # the lowest tier code: one comparison says "none or timeslice"
+            same_tier = tier <= t
         else:
             same_tier = (tier == TIER_NONE) | (tier == t)
         usable = allowed & (view.gpu_free >= milli) & (view.gpu_mem_free >= memory) & same_tier

@@ -9,7 +9,7 @@ below t's per-device share. F(node) = Σ_t w_t · fragment_t(node).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from computepool.core.request import Request
 
 TypicalKey = tuple[int, int, int, frozenset[str] | None]
+_NEVER = np.iinfo(np.int64).max  # a device count no node has
 
 
 def typical_key(req: Request) -> TypicalKey:
@@ -34,6 +35,8 @@ class TypicalPods:
     models: tuple[frozenset[str] | None, ...]
     weight: np.ndarray
     _access: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    _groups: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    _group_access: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -82,6 +85,36 @@ class TypicalPods:
                 acc[t, m] = allowed is None or name in allowed
         self._access[key] = acc
         return acc
+
+    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Typicals grouped by what decides device usability, (per-device milli, models).
+
+        Returns (group of each typical (T,), each group's milli (D,), each typical's device count
+        with cpu-only typicals set beyond any node, so `cnt >= count` alone says "needs a GPU and
+        the node has enough usable devices"). D is a few shapes where T is dozens: the per-device
+        work of the scores runs over D, and only the last steps over T.
+        """
+        if "of" not in self._groups:
+            keys: dict[tuple[int, frozenset[str] | None], int] = {}
+            of = [
+                keys.setdefault((int(m), md), len(keys))
+                for m, md in zip(self.milli, self.models, strict=True)
+            ]
+            self._groups["of"] = np.array(of, dtype=np.int64)
+            self._groups["milli"] = np.array([m for m, _ in keys], dtype=np.int64)
+            self._groups["count"] = np.where(self.milli > 0, self.count, _NEVER)
+            self._groups["first"] = np.array([of.index(d) for d in range(len(keys))], dtype=np.int64)
+        g = self._groups
+        return g["of"], g["milli"], g["count"]
+
+    def group_access(self, models: list[str]) -> np.ndarray:
+        """(D, M+1) bool: may a typical of group d use a device of model m (last: no device)."""
+        key = tuple(models)
+        hit = self._group_access.get(key)
+        if hit is None:
+            self.groups()
+            hit = self._group_access[key] = np.ascontiguousarray(self.access(models)[self._groups["first"]].T)
+        return hit
 
 
 def _usable(left: np.ndarray, acc: np.ndarray, typ: TypicalPods) -> np.ndarray:
@@ -133,6 +166,105 @@ def frag_after_share(
     return f0, frag1 @ typ.weight
 
 
+def frag_amount_grouped(
+    cpu_free: np.ndarray, left: np.ndarray, acc: np.ndarray, typ: TypicalPods
+) -> np.ndarray:
+    """`frag_amount` with `acc` per typical group (…, G, D) (see `TypicalPods.groups`).
+
+    The same integer fragments per typical, summed with the same weights: equal results.
+    """
+    total = left.sum(axis=-1)
+    if typ.size == 0:
+        return np.zeros(total.shape)
+    of, g_milli, count = typ.groups()
+    usable = acc & (left[..., None] >= g_milli)
+    cnt = usable.sum(axis=-2)[..., of]
+    nonuse = (left[..., None] * ~usable).sum(axis=-2)[..., of]
+    need = np.where(cpu_free[..., None] >= typ.cpu, count, _NEVER)  # a CPU misfit needs too many devices
+    return np.where(cnt >= need, nonuse, total[..., None]) @ typ.weight
+
+
+def frag_after_share_grouped(
+    cpu_free: np.ndarray,
+    left: np.ndarray,
+    acc: np.ndarray,
+    typ: TypicalPods,
+    cpu: int,
+    milli: int,
+    f0: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`frag_after_share` with `acc` per typical group (B, G, D): equal results, less work.
+
+    `f0`: F before, when the caller knows it (see `F0Memo`).
+    """
+    total = left.sum(axis=-1)  # (B,)
+    if typ.size == 0:
+        return np.zeros(total.shape), np.zeros(left.shape)
+    of, g_milli, count = typ.groups()
+    usable0 = acc & (left[..., None] >= g_milli)  # (B, G, D)
+    cnt0 = usable0.sum(axis=1)  # (B, D)
+    lost0 = left[..., None] * ~usable0  # (B, G, D)
+    nonuse0 = lost0.sum(axis=1)  # (B, D)
+    if f0 is None:
+        need0 = np.where(cpu_free[:, None] >= typ.cpu, count, _NEVER)  # (B, T)
+        f0 = np.where(cnt0[:, of] >= need0, nonuse0[:, of], total[:, None]) @ typ.weight
+
+    left1 = left - milli  # (B, G): device i after the placement
+    usable1 = acc & (left1[..., None] >= g_milli)  # (B, G, D)
+    cnt1 = (cnt0[:, None, :] - usable0 + usable1)[..., of]  # (B, G, T)
+    nonuse1 = (nonuse0[:, None, :] - lost0 + left1[..., None] * ~usable1)[..., of]
+    need1 = np.where((cpu_free[:, None] - cpu) >= typ.cpu, count, _NEVER)[:, None, :]
+    frag1 = np.where(cnt1 >= need1, nonuse1, (total - milli)[:, None, None])
+    return f0, frag1 @ typ.weight
+
+
+@dataclass
+class F0Memo:
+    """F of each node class against one typical set, kept while the class lives.
+
+    F before a placement does not depend on the request, so the request kinds that score a
+    class after the first one read it here (a class id recycled for another state gets a new
+    stamp, which misses).
+    """
+
+    owner: str = ""
+    typical: TypicalPods | None = None
+    stamp: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    value: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def get(
+        self,
+        uid: str,
+        stamps: np.ndarray,
+        ids: np.ndarray,
+        typ: TypicalPods,
+        compute: Callable[[np.ndarray], np.ndarray],
+    ) -> np.ndarray:
+        """F per row; `compute(rows)` gives it for the rows (indices into `ids`) not known yet."""
+        if uid != self.owner or typ is not self.typical:
+            self.owner, self.typical = uid, typ
+            self.stamp = np.zeros(len(stamps), np.int64)
+            self.value = np.zeros(len(stamps))
+        elif len(self.stamp) < len(stamps):
+            grow = len(stamps) - len(self.stamp)
+            self.stamp = np.concatenate((self.stamp, np.zeros(grow, np.int64)))
+            self.value = np.concatenate((self.value, np.zeros(grow)))
+        want = stamps[ids]
+        miss = self.stamp[ids] != want
+        if not miss.any():
+            return self.value[ids]
+        rows = np.flatnonzero(miss)
+        self.value[ids[rows]] = compute(rows)
+        self.stamp[ids[rows]] = want[rows]
+        return self.value[ids]
+
+
 def sigmoid_score(f0: np.ndarray, f1: np.ndarray, temperature: float = 1000.0) -> np.ndarray:
     """FGD's node score: 100·sigmoid((F0 − F1)/temperature), truncated to a whole number."""
-    return np.floor((1.0 / (1.0 + np.exp(-(f0 - f1) / temperature))) * 100.0)
+    x = np.subtract(f1, f0)  # = −(f0 − f1) exactly
+    x /= temperature
+    np.exp(x, out=x)
+    x += 1.0
+    np.divide(1.0, x, out=x)
+    x *= 100.0
+    return np.floor(x, out=x)

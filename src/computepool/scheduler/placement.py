@@ -194,6 +194,9 @@ class Scheduler:
         ok_mask, need = feasible(state, view, req, host_memory=False)  # checked per node
         score = np.full(len(classes), -np.inf)
         pick = np.zeros(len(classes), np.int64)
+        if ok_mask.all():  # the common case: no rows to take out
+            s, p = self.scorer.score(state, view, req, need)
+            return s.astype(np.float64, copy=False), self.scorer.pick(view, req, need) if p is None else p
         if ok_mask.any():
             ok = np.flatnonzero(ok_mask)
             sub, sub_need = view.take(ok), _take_need(need, ok)
