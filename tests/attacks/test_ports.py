@@ -65,7 +65,10 @@ for port in sys.argv[2:]:
         s = socket.socket(family, socket.SOCK_STREAM)
         if family == socket.AF_INET6:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", int(port)))
+        try:
+            s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", int(port)))
+        except OSError:  # the other member, on this same machine, holds it
+            continue
         s.listen()
         threading.Thread(target=serve, args=(s,), daemon=True).start()
 print("holding", *sys.argv[2:], flush=True)
@@ -179,9 +182,11 @@ class Pool:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
 
     def hold(self, client: httpx.Client, families: str, ports: list[int]) -> int:
-        """B's job holding `ports` (one process per family), once it listens there."""
+        """B's job holding `ports` (one process per family), once it listens there. A gang over both
+        nodes: its members keep the node's network (a plain process job listens in a network
+        namespace of its own, where it holds no port of the node's)."""
         command = [JOB_PYTHON, "-c", HOLD, families, *map(str, ports)]
-        r = client.post("/api/v1/allocations", json={"command": command, "cpu_milli": 100})
+        r = client.post("/api/v1/allocations", json={"command": command, "cpu_milli": 100, "gang_nodes": 2})
         assert r.status_code == 201, r.text
         want = len(ports) * len(families.strip("-"))
 

@@ -37,6 +37,7 @@ class JobSpec:
     image: str | None = None  # None: a sandboxed process; else an OCI container through podman
     image_digest: str | None = None  # the image id the pool pinned `image` to: what runs
     private_network: bool = False  # the syscall filter lets it make one user + network namespace
+    host_network: bool = False  # a process job keeps the node's network (jobnet.needs_host_network)
     ports: tuple[int, ...] = ()  # container ports to publish (containers have no network otherwise)
     device_uuids: tuple[str, ...] = ()  # the slice's devices: a container sees only these
     stdin: str | None = None  # a file the command reads as its stdin (default /dev/null)

@@ -31,6 +31,7 @@ from computepool.agent.isolation import (
     slice_env,
 )
 from computepool.agent.jobfiles import write_job_file
+from computepool.agent.jobnet import needs_host_network
 from computepool.agent.jobspec import JobSpec
 from computepool.agent.localstate import JobRecord, JobState
 from computepool.agent.port_guard import LISTEN_PORTS_EXTRA, ports_text
@@ -150,6 +151,10 @@ class JobStarter:
                 image=a.image,
                 image_digest=a.image_digest,
                 private_network=a.private_network,
+                host_network=needs_host_network(
+                    (a.service_port, *a.ports, a.env.get(RPC_PORT_ENV)), a.gang is not None, env,
+                    a.private_network,
+                ),  # fmt: skip
                 ports=a.ports,
                 device_uuids=tuple(s.device.uuid for s in resolved),
                 stdin=stdin,

@@ -114,8 +114,9 @@ class Launcher:
         hide = hidden_dir(work, self.data_dir)
         tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
         argv, applied = wrap(
-            spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network
-        )
+            spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network,
+            own_network=not spec.host_network,
+        )  # fmt: skip
         if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
             return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""))
         return Launch(argv, env, work, None, ", ".join(applied))

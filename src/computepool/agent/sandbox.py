@@ -18,20 +18,23 @@ Layout of one attempt, under the agent's data dir (0711: others may pass through
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from computepool.agent import syscall_filter
+from computepool.agent import jobnet, landlock, syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
 from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
 
+log = logging.getLogger("computepool.agent")
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
 # The job's environment, as shell `export`s, carried past the steps that run as root (see
@@ -133,6 +136,8 @@ class HostSupport:
     why_not: list[str] = field(default_factory=list)
     filter_loader: tuple[str, ...] = ()  # runs the rest under the syscall filter (syscall_filter.py)
     filter_why_not: str = ""
+    scope_why_not: str = "not probed"  # "": jobs get Landlock scopes (landlock.py)
+    slirp: str | None = None  # slirp4netns: a job's own network gets outbound traffic (jobnet.py)
 
 
 def probe(config: SandboxConfig) -> HostSupport:
@@ -161,7 +166,13 @@ def probe(config: SandboxConfig) -> HostSupport:
         except (OSError, subprocess.TimeoutExpired) as e:
             why.append(f"unshare failed: {e}")
     loader, filter_why = syscall_filter.probe()
-    return HostSupport(root, setpriv, unshare, ns, why, loader, filter_why)
+    scope_why = landlock.probe()
+    slirp = shutil.which("slirp4netns")
+    if scope_why:
+        log.warning("process jobs get no Landlock scopes (abstract unix sockets, signals): %s", scope_why)
+    if ns and slirp is None:
+        log.warning("slirp4netns is not installed: process jobs keep the node's network (and loopback)")
+    return HostSupport(root, setpriv, unshare, ns, why, loader, filter_why, scope_why, slirp)
 
 
 def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
@@ -261,11 +272,15 @@ def wrap(
     cache: Path | None = None,
     tmp_mib: int = 0,
     private_network: bool = False,
+    own_network: bool = False,
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
 
     `private_network` (a cooperative service's RPC server): its syscall filter is loaded inside the
     namespaces, just before setpriv, and lets it make its own user + network namespace and no other.
+    `own_network`: a network namespace of the job's own, outbound through slirp4netns (jobnet.py);
+    where slirp4netns is missing the job keeps the node's network. Every job gets the Landlock
+    scopes where the kernel has them (landlock.py).
 
     `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
     stay; the private /tmp, /var/tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default).
@@ -303,9 +318,21 @@ def wrap(
             applied.append(f"{hide} hidden")
     elif host.why_not:
         applied.append("no namespaces: " + "; ".join(host.why_not))
+    own = own_network and host.namespaces and host.unshare is not None and host.slirp is not None
+    if own:
+        applied.append(jobnet.SUMMARY)
+    elif own_network and host.namespaces and host.unshare is not None:
+        applied.append("the node's network: slirp4netns is not installed")
+    scope = not host.scope_why_not
+    applied.append(landlock.SUMMARY if scope else f"no landlock scopes: {host.scope_why_not}")
+    opts = jobnet.options(host.slirp, own, scope)
     if host.filter_loader and not inner:  # outermost: the namespaces' init and setpriv run under it too
-        argv = [*host.filter_loader, *argv]
+        argv = [*syscall_filter.loader_argv(host.filter_loader[0], opts), *argv]
         applied.append(syscall_filter.SUMMARY)
-    elif host.filter_why_not:
-        applied.append(f"no syscall filter: {host.filter_why_not}")
+    else:
+        if opts:  # the network and scopes come first, from outside the namespaces
+            python = host.filter_loader[0] if host.filter_loader else sys.executable
+            argv = [*jobnet.launcher_argv(opts, python), *argv]
+        if host.filter_why_not:
+            applied.append(f"no syscall filter: {host.filter_why_not}")
     return argv, applied

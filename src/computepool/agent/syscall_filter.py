@@ -17,7 +17,9 @@ that would give it one. ptrace stays allowed: a job can only trace its own proce
 its PID namespace), and debuggers and profilers need it.
 
 `python -I -m computepool.agent.syscall_filter -- ARGV` loads the filter and execs ARGV; `-I`
-keeps a job's PYTHONPATH (this runs as root) from choosing what it imports.
+keeps a job's PYTHONPATH (this runs as root) from choosing what it imports. Given jobnet's options
+before `--` (`--own-network SLIRP`, `--scope`), the same process first gives the job its own
+network and its Landlock scopes (jobnet.py, landlock.py): one Python start for all three.
 
 One kind of job, a cooperative service's RPC server (made by the pool, never asked for by a
 request), gets `--private-network`: unshare may then make one new user namespace together with a
@@ -98,9 +100,10 @@ def job_filter(private_network: bool = False) -> seccomp.SyscallFilter:
     return f
 
 
-def loader_argv(python: str = sys.executable) -> list[str]:
-    """What goes before ARGV to run it under the filter."""
-    return [python, "-I", "-m", "computepool.agent.syscall_filter", "--"]
+def loader_argv(python: str = sys.executable, opts: Sequence[str] = ()) -> list[str]:
+    """What goes before ARGV to run it under the filter; `opts`, the job's network and Landlock
+    scopes (jobnet.options), are applied by the same process just before the filter."""
+    return [python, "-I", "-m", "computepool.agent.syscall_filter", *opts, "--"]
 
 
 def private_network_loader_argv(python: str = sys.executable) -> list[str]:
@@ -126,12 +129,25 @@ def probe() -> tuple[tuple[str, ...], str]:
 def main(argv: Sequence[str]) -> int:
     private_network = bool(argv) and argv[0] == "--private-network"
     argv = argv[1:] if private_network else argv
+    net = None
+    if argv and argv[0] != "--" and not private_network:  # the job's network and scopes first
+        from computepool.agent import jobnet  # noqa: PLC0415 - the inner loader (-c) never gets them
+
+        net = jobnet.parse(argv)
+        argv = ["--", *net[3]] if net is not None else argv
     if len(argv) < 2 or argv[0] != "--":
         print(
-            "usage: python -I -m computepool.agent.syscall_filter [--private-network] -- COMMAND [ARG...]",
+            "usage: python -I -m computepool.agent.syscall_filter [--private-network | "
+            "[--own-network SLIRP|-] [--scope]] -- COMMAND [ARG...]",
             file=sys.stderr,
         )
         return 2
+    if net is not None:
+        try:
+            jobnet.prepare(*net[:3])
+        except OSError as e:
+            print(f"cpool: cannot isolate the job's network: {e}", file=sys.stderr)
+            return 126
     try:
         job_filter(private_network).load()
     except (OSError, ImportError, RuntimeError) as e:  # the job never runs unfiltered (no libseccomp)
