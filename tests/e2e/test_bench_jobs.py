@@ -33,7 +33,7 @@ def _slurm_daemons_left() -> list[str]:
 def test_bench_jobs_small_run_reports_every_figure() -> None:
     argv = cpool(
         "bench", "jobs", "--jobs", "6", "--slots", "3", "--samples", "1", "--history", "8",
-        "--history-batch", "4", "--idle-seconds", "1", "--json",
+        "--history-batch", "4", "--idle-seconds", "1", "--no-slurm-defaults", "--json",
     )  # fmt: skip
     done = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
@@ -56,7 +56,7 @@ def test_bench_jobs_small_run_reports_every_figure() -> None:
         slurm = out["slurm"]
         assert 0 < slurm["e2e_p50_ms"] <= slurm["e2e_p99_ms"]
         assert slurm["jobs_per_s"] > 0 and slurm["daemon_cpu_s_per_100_jobs"] > 0
-        assert slurm["jobs"] == 6 and slurm["slots"] == 3
+        assert slurm["jobs"] == 6 and slurm["slots"] == 3 and "default_scheduler" not in slurm
         assert _slurm_daemons_left() == []
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from typing import Annotated
 
 import typer
@@ -36,6 +38,13 @@ def register(bench_app: typer.Typer) -> None:
         slurm: Annotated[
             bool, typer.Option("--slurm/--no-slurm", help="Also time a private Slurm when slurmctld is here.")
         ] = True,
+        slurm_defaults: Annotated[
+            bool,
+            typer.Option(
+                "--slurm-defaults/--no-slurm-defaults",
+                help="Also run Slurm with its default SchedulerParameters (slurm.default_scheduler).",
+            ),
+        ] = True,
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
         """Start `cpool up --simulate 1xA100-80GB` (temp dir, free loopback port) and time tiny jobs.
@@ -61,12 +70,15 @@ def register(bench_app: typer.Typer) -> None:
             idle_s=idle_seconds,
             slots=slots,
             slurm=slurm,
+            slurm_defaults=slurm_defaults,
         )
 
         def say(what: str) -> None:
             if not json_out:
                 err_console.print(what, highlight=False)
 
+        # SIGTERM unwinds like Ctrl-C, so the pool and the Slurm daemons it started are stopped
+        signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
         try:
             out = run_jobs_suite(suite, say)
         except (RuntimeError, PoolError, ServerUnreachable) as e:  # the local pool or Slurm failed
