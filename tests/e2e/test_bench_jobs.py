@@ -32,7 +32,7 @@ def _slurm_daemons_left() -> list[str]:
 
 def test_bench_jobs_small_run_reports_every_figure() -> None:
     argv = cpool(
-        "bench", "jobs", "--jobs", "6", "--slots", "3", "--samples", "1", "--history", "8",
+        "bench", "jobs", "--jobs", "6", "--slots", "3", "--samples", "1", "--history", "12",
         "--history-batch", "4", "--idle-seconds", "1", "--no-slurm-defaults", "--json",
     )  # fmt: skip
     done = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=240)
@@ -49,7 +49,7 @@ def test_bench_jobs_small_run_reports_every_figure() -> None:
     assert out["detail"]["cpu_milli_per_job"] > 0
     after = out["after_20k"]
     assert after["e2e_p50_ms"] > 0 and after["agent_idle_cpu_s_per_min"] >= 0
-    assert after["history"]["jobs"] == 8 and after["history"]["submit_errors"] == 0
+    assert after["history"]["jobs"] == 12 and after["history"]["submit_errors"] == 0
     if shutil.which("slurmctld") is None:
         assert out["slurm"] is None
     else:

@@ -28,6 +28,15 @@ def register(bench_app: typer.Typer) -> None:
         history_batch: Annotated[
             int, typer.Option("--history-batch", min=1, max=100_000, help="Jobs per batch of the fill.")
         ] = 1000,
+        history_minutes: Annotated[
+            float | None,
+            typer.Option(
+                "--history-minutes",
+                min=0,
+                max=24 * 60,
+                help="Start no fill batch after this long (after_20k.history.jobs says what was reached).",
+            ),
+        ] = None,
         idle_seconds: Annotated[
             float, typer.Option("--idle-seconds", min=0.5, max=3600, help="Idle window the CPU is read over.")
         ] = 20.0,
@@ -67,6 +76,7 @@ def register(bench_app: typer.Typer) -> None:
             samples=samples,
             history=history,
             history_batch=history_batch,
+            history_max_s=history_minutes * 60 if history_minutes is not None else None,
             idle_s=idle_seconds,
             slots=slots,
             slurm=slurm,
