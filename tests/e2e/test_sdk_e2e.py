@@ -306,6 +306,22 @@ def test_a_worker_that_dies_fails_its_call_with_the_pools_reason(pool: Pool) -> 
         dies.spawn().result(timeout=120)
 
 
+def test_a_map_comes_back_in_order_and_a_dying_worker_fails_only_the_batch_it_held(pool: Pool) -> None:
+    @pool.function(cpus=0.1, keep_warm=10, max_workers=2, name="batched")
+    def where(x: int) -> tuple[int, int]:
+        import signal as sig
+
+        if x == 150:  # the worker running it dies, with the calls it claimed alongside
+            os.kill(os.getpid(), sig.SIGKILL)
+        return x, os.getpid()
+
+    got = list(where.map(range(300), return_exceptions=True))
+    failed = [i for i, g in enumerate(got) if isinstance(g, BaseException)]
+    assert 150 in failed and all(abs(i - 150) < 32 for i in failed), failed  # one batch at most
+    assert all(isinstance(got[i], RemoteError) and "worker ended" in str(got[i]) for i in failed)
+    assert [g[0] for i, g in enumerate(got) if i not in failed] == [i for i in range(300) if i not in failed]
+
+
 def test_a_local_helper_module_ships_and_imports_remotely(pool: Pool) -> None:
     import shiphelp  # type: ignore[import-not-found]  # the project's own module (see the fixture)
 

@@ -1,4 +1,5 @@
-"""The SDK's `.result()` waits out a control plane that restarts under it, and returns the value."""
+"""The SDK's `.result()` waits out a control plane that restarts under it, and returns the value; so
+does `.remote()` whose submission was waiting for the outcome when the control plane went."""
 
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ def test_result_rides_out_a_control_plane_restart(
         got: dict[str, Any] = {}
         waiter = threading.Thread(target=lambda: got.update(value=_result(h)), daemon=True)
         waiter.start()
+        # a second call by `.remote()`: its submission waits for the outcome as the server goes;
+        # sent again after the restart, its key answers the same call
+        remote = threading.Thread(target=lambda: got.update(remote=_remote(gated, str(gate))), daemon=True)
+        remote.start()
+        fid = gated.register()
+        wait_for(
+            "the second call stored",
+            lambda: pool.client.request("GET", f"/functions/{fid}")["workers_live"] == 2,
+            60,
+            cluster.logs,
+        )
 
         server = cluster.procs[0]
         server.send_signal(signal.SIGKILL)
@@ -68,8 +80,12 @@ def test_result_rides_out_a_control_plane_restart(
         gate.touch()
         try:
             waiter.join(timeout=180)
-            assert not waiter.is_alive(), cluster.logs()
-            assert got == {"value": "through the restart"}, (got, cluster.logs())
+            remote.join(timeout=180)
+            assert not waiter.is_alive() and not remote.is_alive(), cluster.logs()
+            assert got == {"value": "through the restart", "remote": "through the restart"}, (
+                got,
+                cluster.logs(),
+            )
         finally:
             gate.unlink(missing_ok=True)
 
@@ -78,4 +94,11 @@ def _result(h: Any) -> Any:
     try:
         return h.result(timeout=300)
     except Exception as e:  # noqa: BLE001 - the test shows what ended the wait
+        return e
+
+
+def _remote(fn: Any, path: str) -> Any:
+    try:
+        return fn.remote(path)
+    except Exception as e:  # noqa: BLE001 - the test shows what ended the call
         return e

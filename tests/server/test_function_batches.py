@@ -150,3 +150,19 @@ def wait_until(check: Any, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_submission_sent_again_with_its_key_stores_its_calls_once(api: Api) -> None:
+    manual(api)
+    join(api, "n1", ["3.11"], devices=0)
+    fid = register(api, max_workers=1)["id"]
+    body = {"calls": [{"args": b64(b"a")}, {"args": b64(b"b")}], "key": "k" * 32}
+    first = api.ok("POST", f"{F}/{fid}/calls", json=body)["ids"]
+    # the answer was lost to an outage: the caller sends it again, and gets the same calls
+    assert api.ok("POST", f"{F}/{fid}/calls", json=body)["ids"] == first
+    assert api.ok("GET", f"{F}/{fid}")["calls_pending"] == 2
+    other = api.ok("POST", f"{F}/{fid}/calls", json=body | {"key": "j" * 32})["ids"]
+    assert len(other) == 2 and not set(other) & set(first)
+    for key in ("short", "k" * 65, "no spaces allowed here!"):
+        r = api.post(f"{F}/{fid}/calls", json=body | {"key": key}, headers=api.admin)
+        assert r.status_code == 422 and r.json()["field"] == "key", r.text

@@ -22,6 +22,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ BATCH = 1000  # calls per submission, ids per results poll (the API's limit)
 POLL_S = 20.0
 WINDOW = 256  # calls a map asks about at once: the next ones in order (less for the server to read)
 MAP_POLL_GAP_S = 0.05  # a map's polls at most this often: results then come back in batches
+SUBMIT_WAIT_S = 5.0  # `.remote()`'s submission waits this long for the result: one round trip
 _BUILD_OPTIONS = frozenset(
     {"gpus", "gpu_mem", "cpus", "mem", "exclusive", "model", "isolation", "image", "ports", "mig"}
     | {"node_selector", "tolerations", "time_limit", "nodes"}
@@ -259,7 +261,7 @@ class RemoteFunction(Generic[P, R]):
     def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run once on the pool and return the value; the remote exception is raised here as itself.
         Ctrl-C cancels the call."""
-        handle = self.spawn(*args, **kwargs)
+        [handle] = self._submit([(args, dict(kwargs))], wait_s=SUBMIT_WAIT_S)
         try:
             return handle.result()
         except KeyboardInterrupt:
@@ -279,7 +281,11 @@ class RemoteFunction(Generic[P, R]):
             return gang.ordered(handles, return_exceptions, timeout)
         return _ordered(self, handles, return_exceptions, timeout)
 
-    def _submit(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Handle[R]]:
+    def _submit(
+        self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], wait_s: float = 0.0
+    ) -> list[Handle[R]]:
+        """Submit, BATCH calls a request; with `wait_s` (one batch), the answer waits that long for
+        the calls' news (ended, or printed), which the handles take at once."""
         if self.spec.gang:
             from computepool.sdk import gang  # noqa: PLC0415 - gang.py builds on this module
 
@@ -288,10 +294,32 @@ class RemoteFunction(Generic[P, R]):
         out: list[Handle[R]] = []
         for start in range(0, len(calls), BATCH):
             chunk = calls[start : start + BATCH]
-            body = {"calls": [{"args": base64.b64encode(pack_call(a, k)).decode()} for a, k in chunk]}
-            answer = self.pool.client.request("POST", f"/functions/{fid}/calls", json=body)
-            out += [Handle(self, int(i)) for i in answer["ids"]]
+            body: dict[str, Any] = {
+                "calls": [{"args": base64.b64encode(pack_call(a, k)).decode()} for a, k in chunk],
+                "key": uuid.uuid4().hex,
+            }
+            if wait_s > 0 and len(calls) <= BATCH:
+                body["wait_s"] = wait_s
+            answer = self._post_calls(fid, body)
+            handles = [Handle(self, int(i)) for i in answer["ids"]]
+            by_id = {h.id: h for h in handles}
+            for c in answer.get("calls") or ():
+                h = by_id.get(int(c["id"]))
+                if h is not None:
+                    h.take(c)
+            out += handles
         return out
+
+    def _post_calls(self, fid: int, body: dict[str, Any]) -> Any:
+        """POST the submission, sent again through an outage: its key makes that store it once."""
+        path = f"/functions/{fid}/calls"
+        try:
+            return self.pool.rider.call(lambda: self.pool.client.request("POST", path, json=body))
+        except PoolError as e:
+            if e.status != 422 or e.field not in ("key", "wait_s"):
+                raise
+        # a control plane older than this client refused the new fields: nothing was stored
+        return self.pool.client.request("POST", path, json={"calls": body["calls"]})
 
     def poll(self, handles: Sequence[Handle[Any]], wait_s: float, window: int = BATCH) -> None:
         """One long-poll for these calls (the first `window` not ended): printed output goes out

@@ -42,6 +42,9 @@ FUNCTION_FILE = os.path.join(HERE, "function.pkl")
 OUTCOME_FILE = os.path.join(HERE, "outcome.json")
 FIRST_CALL_WAIT_S = 60.0  # a worker is started for a waiting call: it should come at once
 LONG_POLL_S = 20.0
+MAX_CLAIM = 32  # calls a warm worker claims at once (the control plane gives it its share of those waiting)
+HAND_IN_S = 0.02  # a result waits at most this long for the rest of its batch before going back
+HAND_IN_CHARS = 8 << 20  # results of one batch go back before they add up to more than this
 FLUSH_EVERY_S = 0.2
 PIP_TAIL_LINES = 15
 
@@ -54,6 +57,11 @@ def trace(what: str) -> None:
 
 class Refused(Exception):
     """The control plane no longer accepts this worker's token (its allocation ended)."""
+
+    def __init__(self, message: str, status: int = 0, missing_route: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.missing_route = missing_route  # the route itself: a control plane older than this worker
 
 
 class Rejected(Exception):
@@ -105,7 +113,8 @@ class Api:
             if 200 <= r.status < 300:
                 return json.loads(text) if text else {}
             if r.status in (401, 403, 404, 410):
-                raise Refused(f"{path}: HTTP {r.status} {text[:300]!r}")
+                missing = r.status == 404 and b"Not Found" in text[:100]
+                raise Refused(f"{path}: HTTP {r.status} {text[:300]!r}", r.status, missing)
             if r.status in (400, 413, 422):
                 raise Rejected(f"HTTP {r.status}: {text[:500].decode(errors='replace')}")
             if attempt + 1 == tries:
@@ -319,13 +328,81 @@ class Runner:
         return {"id": cid, "ok": ok, "result": result, "traceback": tb}
 
 
+class Exchange:
+    """Results in, calls out: `POST /worker/calls` (many of each), or `/worker/next` (one) with a
+    control plane that has no such route yet."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.legacy = False
+
+    def __call__(self, done: list, max_calls: int, wait: float) -> dict:
+        """{"calls": [...], "stop": bool}; a result the control plane refuses (over its cap, say)
+        goes back as an error naming why, the others as they are."""
+        try:
+            return self._post(done, max_calls, wait)
+        except Rejected as e:
+            if not done or (len(done) == 1 and not done[0].get("result")):
+                raise
+            if len(done) > 1:  # find the one refused: each alone
+                for d in done:
+                    self([d], 0, 0.0)
+                return self([], max_calls, wait)
+            why = RuntimeError(f"the call's outcome could not be handed to the control plane: {e}")
+            ok, result, tb = dump(why, False, done[0].get("traceback"))
+            return self([{"id": done[0]["id"], "ok": ok, "result": result, "traceback": tb}], max_calls, wait)
+
+    def _post(self, done: list, max_calls: int, wait: float) -> dict:
+        if not self.legacy:
+            body = {"done": done, "max_calls": max_calls, "wait_s": round(wait, 3)}
+            try:
+                return self.api.post("/worker/calls", body, timeout=wait + 30)
+            except Refused as e:
+                if not e.missing_route:
+                    raise
+                self.legacy = True
+        calls: list = []
+        for i, d in enumerate(done or [None]):
+            last = i == max(len(done), 1) - 1
+            one = {"done": d, "wait_s": round(wait, 3) if last and max_calls else 0}
+            answer = self.api.post("/worker/next", one, timeout=wait + 30)
+            if answer.get("stop"):
+                return {"calls": [], "stop": True}
+            if answer.get("call"):
+                calls.append(answer["call"])
+        return {"calls": calls, "stop": False}
+
+
 def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
-    """Claim, run, report until idle for `keep_warm_s` (0: after one call) or told to stop."""
-    done: dict | None = None
+    """Claim, run, report until idle for `keep_warm_s` (0: after one call) or told to stop.
+
+    A warm worker claims up to MAX_CLAIM calls at once (its share of those waiting) and runs them
+    in order; their results go back together when the batch is done, or once the first of them
+    has waited HAND_IN_S, so a long call's result is not held back by the ones after it."""
+    exchange = Exchange(api)
+    max_calls = MAX_CLAIM if keep_warm_s > 0 else 1
+    done: list = []  # results not handed in yet
+    queue: list = []  # calls claimed, not run yet
     served, stopping = 0, False
     started = time.monotonic()
     last = started
+    first_done = 0.0
     while True:
+        if queue:
+            call = queue.pop(0)
+            if not done:
+                first_done = time.monotonic()
+            done.append(runner.run(call))
+            served += 1
+            last = time.monotonic()
+            size = sum(len(d.get("result") or "") + len(d.get("traceback") or "") for d in done)
+            if queue and last - first_done < HAND_IN_S and size < HAND_IN_CHARS:
+                continue
+            if queue:  # hand these in now, claim nothing: the batch is not over
+                trace("results in")
+                queue += exchange(done, 0, 0.0).get("calls") or []
+                done = []
+                continue
         now = time.monotonic()
         if stopping or (served and keep_warm_s <= 0):
             left = 0.0
@@ -333,27 +410,15 @@ def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
             left = started + max(keep_warm_s, FIRST_CALL_WAIT_S) - now
         else:
             left = last + keep_warm_s - now
-        if left <= 0 and done is None:
+        if left <= 0 and not done:
             return served
         wait = max(0.0, min(left, LONG_POLL_S))
-        trace("next" + (" (result in)" if done else ""))
-        try:
-            answer = api.post("/worker/next", {"done": done, "wait_s": round(wait, 3)}, timeout=wait + 30)
-        except Rejected as e:
-            if done is None or not done.get("result"):
-                raise
-            why = RuntimeError(f"the call's outcome could not be handed to the control plane: {e}")
-            ok, result, tb = dump(why, False, done.get("traceback"))
-            done = {"id": done["id"], "ok": ok, "result": result, "traceback": tb}
-            continue
-        trace("claimed" if answer.get("call") else "no call")
-        done = None
+        trace("next" + (f" ({len(done)} result(s) in)" if done else ""))
+        answer = exchange(done, 0 if stopping else max_calls, wait)
+        done = []
+        queue = list(answer.get("calls") or [])
+        trace(f"claimed {len(queue)}" if queue else "no call")
         stopping = stopping or bool(answer.get("stop"))
-        call = answer.get("call")
-        if call:
-            done = runner.run(call)
-            served += 1
-            last = time.monotonic()
 
 
 def once(broken: str | None) -> int:

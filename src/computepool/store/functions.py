@@ -297,7 +297,9 @@ def functions_waiting(s: Session) -> list[int]:
 _INSERT_CALL = _C.insert().returning(_C.c.id, sort_by_parameter_order=True)
 
 
-def insert_calls(s: Session, fid: int, tenant_id: int, args: Sequence[str], now: datetime) -> list[int]:
+def insert_calls(
+    s: Session, fid: int, tenant_id: int, args: Sequence[str], now: datetime, key: str | None = None
+) -> list[int]:
     rows = [
         {
             "function_id": fid,
@@ -307,10 +309,17 @@ def insert_calls(s: Session, fid: int, tenant_id: int, args: Sequence[str], now:
             "output": "",
             "stderr": "",
             "created_at": now,
+            "submit_key": key,
         }
         for a in args
     ]
     return [int(i) for (i,) in s.connection().execute(_INSERT_CALL, rows)]
+
+
+def calls_of_submission(s: Session, fid: int, key: str) -> list[int]:
+    """The calls a submission with this key stored, in their order (none: not seen, or forgotten)."""
+    stmt = select(_C.c.id).where(_C.c.function_id == fid, _C.c.submit_key == key).order_by(_C.c.id)
+    return [int(i) for (i,) in s.connection().execute(stmt)]
 
 
 def pending_count(s: Session, fid: int) -> int:

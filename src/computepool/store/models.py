@@ -426,7 +426,10 @@ class FunctionCall(Base):
     on stdout, `stderr` what it wrote on stderr (kept apart, as the caller's terminal keeps them)."""
 
     __tablename__ = "function_calls"
-    __table_args__ = (Index("ix_function_calls_queue", "function_id", "state", "id"),)
+    __table_args__ = (
+        Index("ix_function_calls_queue", "function_id", "state", "id"),
+        Index("ix_function_calls_submit_key", "function_id", "submit_key"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     function_id: Mapped[int] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"))
@@ -443,6 +446,9 @@ class FunctionCall(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # the caller's key of the submission it came in: the same submission sent again (its answer
+    # was lost to an outage) answers these calls rather than adding more
+    submit_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Service(Base):

@@ -73,6 +73,12 @@ class CallIn(In):
 
 class CallsIn(In):
     calls: list[CallIn] = Field(min_length=1, max_length=MAX_CALLS)
+    key: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_-]{16,64}$",
+        description="The caller's key of this submission: sent again with the same key (its answer "
+        "lost to an outage), it answers the calls stored the first time instead of adding more.",
+    )
     wait_s: float = Field(
         default=0.0,
         ge=0,

@@ -181,7 +181,10 @@ def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None 
         with ctx.db.write() as s:
             fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
             now = db_now(s)
-            ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now)
+            ids = store.calls_of_submission(s, fid, body.key) if body.key else []
+            if ids:  # this submission sent again: its calls are stored, and on their way
+                return CallIds(ids=ids)
+            ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now, body.key)
             left = len(ids)
             taken = handoff.take(fid, len(ids)) if handoff is not None else []
             if taken:
