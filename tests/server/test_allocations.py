@@ -101,6 +101,28 @@ def test_create_bind_explain_release(api: Api) -> None:
     assert api.ok("GET", "/api/v1/audit/verify")["ok"]
 
 
+def test_list_leaves_history_out_unless_asked(api: Api) -> None:
+    manual(api)
+    join(api, "n1", devices=2)
+    api.tenant("acme")
+    alice = api.user("alice", "acme", "member")
+    mine = alloc(api, alice, gpus=1)
+    other = alloc(api, gpus=1)
+    cycle(api)
+    plain = api.ok("GET", A)["items"]
+    assert [x["id"] for x in plain] == [other["id"], mine["id"]]
+    assert all(x["events"] is None and x["state"] == "bound" and x["slices"] for x in plain)
+    assert [x["tenant"] for x in plain] == ["default", "acme"]
+    full = api.ok("GET", A, params={"events": "true", "state": "bound"})["items"]
+    assert [[e["state"] for e in x["events"]] for x in full] == [["pending", "bound"]] * 2
+    assert dict(full[1], events=None) == plain[1]  # the rest is the same
+    seen = api.ok("GET", A, headers=alice, params={"events": "true"})["items"]  # still one tenant's
+    assert [x["id"] for x in seen] == [mine["id"]] and len(seen[0]["events"]) == 2
+    assert get(api, mine["id"])["events"] == seen[0]["events"]  # one allocation: always its history
+    r = api.get(A, headers=api.admin, params={"events": "maybe"})
+    assert r.status_code == 422 and "events" in r.text
+
+
 def test_background_loop_binds_by_itself(api: Api) -> None:
     join(api, "n1")
     a = alloc(api, gpus=1)

@@ -179,23 +179,28 @@ def end(session: Session, head: Head, state: AllocationState, reason: str, now: 
     )
 
 
-def query(session: Session, *, tenant: str | None, state: str | None, limit: int) -> Sequence[Allocation]:
-    stmt = select(Allocation)
+def query(session: Session, *, tenant: str | None, state: str | None, limit: int) -> Sequence[Any]:
+    """Allocations newest first, as plain rows with `tenant_name` (one Core query, no ORM objects)."""
+    t = Tenant.__table__
+    stmt = select(*_ALLOC.c, t.c.name.label("tenant_name")).join(t, _ALLOC.c.tenant_id == t.c.id)
     if tenant is not None:
-        stmt = stmt.join(Tenant, Allocation.tenant_id == Tenant.id).where(Tenant.name == tenant)
+        stmt = stmt.where(t.c.name == tenant)
     if state is not None:
-        stmt = stmt.where(Allocation.state == state)
-    return session.scalars(stmt.order_by(Allocation.id.desc()).limit(limit)).unique().all()
+        stmt = stmt.where(_ALLOC.c.state == state)
+    return session.connection().execute(stmt.order_by(_ALLOC.c.id.desc()).limit(limit)).all()
 
 
-def events_of(session: Session, ids: Iterable[int]) -> dict[int, list[AllocationEvent]]:
+def events_of(session: Session, ids: Iterable[int]) -> dict[int, list[Any]]:
+    """Each allocation's events (at, state, reason) in order, as plain rows."""
     wanted = list(ids)
-    out: dict[int, list[AllocationEvent]] = {i: [] for i in wanted}
-    if not wanted:
-        return out
-    stmt = select(AllocationEvent).where(AllocationEvent.allocation_id.in_(wanted))
-    for ev in session.scalars(stmt.order_by(AllocationEvent.id)):
-        out[ev.allocation_id].append(ev)
+    out: dict[int, list[Any]] = {i: [] for i in wanted}
+    conn = session.connection()
+    for i in range(0, len(wanted), 500):
+        stmt = select(_EVENTS.c.allocation_id, _EVENTS.c.at, _EVENTS.c.state, _EVENTS.c.reason).where(
+            _EVENTS.c.allocation_id.in_(wanted[i : i + 500])
+        )
+        for ev in conn.execute(stmt.order_by(_EVENTS.c.id)):
+            out[ev.allocation_id].append(ev)
     return out
 
 

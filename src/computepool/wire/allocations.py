@@ -84,6 +84,31 @@ def check_env_name(key: str) -> str:
 
 
 MAX_PORTS = 16
+MAX_SECRETS = 64
+SecretName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,62}$"),
+    Field(description="A letter or '_', then letters, digits, '_', '.' or '-'; at most 63 characters."),
+]
+
+
+class SecretUse(In):
+    """A secret of the tenant's (`cpool secrets set`) given to the job in its environment: the request
+    holds only the names; the value reaches the node in its assignment, never shown back."""
+
+    name: SecretName
+    env: EnvKey | None = Field(
+        default=None, description="The variable the job reads it from; default the name."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _not_the_pools(cls, env: str | None) -> str | None:
+        return None if env is None else check_env_name(env)
+
+    def variable(self) -> str:
+        """The job's variable: `env`, or the name when that is a variable's name (checked at admission)."""
+        return self.env or self.name
 
 
 class AllocationCreate(In):
@@ -181,6 +206,9 @@ class AllocationCreate(In):
         default=None, description="A tar.gz blob of the tenant's, unpacked into the job's work dir first."
     )
     stdin: Sha256 | None = Field(default=None, description="A blob of the tenant's, fed to the job's stdin.")
+    secrets: list[SecretUse] | None = Field(
+        default=None, max_length=MAX_SECRETS, description="Secrets of the tenant's in the job's environment."
+    )
 
     @classmethod
     def unchecked(cls, **fields: Any) -> AllocationCreate:
@@ -231,6 +259,7 @@ class RequestOut(Out):
     colocate: str | None = None
     code: str | None = None
     stdin: str | None = None
+    secrets: list[SecretUse] | None = Field(default=None, description="Names only: values are never shown.")
 
 
 class SliceOut(Out):
@@ -298,7 +327,9 @@ class AllocationOut(Out):
     bound_at: datetime | None
     started_at: datetime | None
     ended_at: datetime | None
-    events: list[EventOut]
+    events: list[EventOut] | None = Field(
+        default=None, description="The state history; null in lists unless asked (`events=true`)."
+    )
     members: list[MemberOut] = Field(
         default_factory=list, description="A gang's members in rank order; empty for one node."
     )

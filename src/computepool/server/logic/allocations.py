@@ -30,6 +30,7 @@ from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic import gangs, images, published, request_defaults
+from computepool.server.logic import secrets as secret_logic
 from computepool.server.logic.audit import record
 from computepool.server.logic.request_defaults import RequestDefaults
 from computepool.server.policy import Target, authorize
@@ -37,7 +38,7 @@ from computepool.server.scheduling.backfill import about_reservation
 from computepool.store import allocations as store
 from computepool.store import logs
 from computepool.store.db import db_now
-from computepool.store.models import Allocation, AllocationEvent, Tenant
+from computepool.store.models import Allocation, Tenant
 from computepool.wire.allocations import (
     AllocationCreate,
     AllocationOut,
@@ -55,7 +56,9 @@ MAX_LOG_READ = 1 << 20
 
 
 # --- shaping ------------------------------------------------------------------------------------
-def _out(a: Allocation, events: Sequence[AllocationEvent], tenant: str | None = None) -> AllocationOut:
+def _out(a: Any, events: Sequence[Any] | None, tenant: str | None = None) -> AllocationOut:
+    """`a`: an ORM allocation or a plain row of its columns (then with `tenant`); `events`:
+    its history, or None when the caller did not ask for it (lists)."""
     return AllocationOut(
         id=a.id,
         name=a.name,
@@ -76,9 +79,13 @@ def _out(a: Allocation, events: Sequence[AllocationEvent], tenant: str | None = 
         bound_at=a.bound_at,
         started_at=a.started_at,
         ended_at=a.ended_at,
-        events=[EventOut(at=e.at, state=e.state, reason=e.reason) for e in events],
+        events=None if events is None else [_event_out(e) for e in events],
         members=gangs.members_out(a),
     )
+
+
+def _event_out(e: Any) -> EventOut:
+    return EventOut(at=e.at, state=e.state, reason=e.reason)
 
 
 def _one(s: Session, a: Allocation) -> AllocationOut:
@@ -154,6 +161,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "colocate": body.colocate,
         "code": body.code,
         "stdin": body.stdin,
+        "secrets": secret_logic.stored_uses(body.secrets, body.env),  # names only
     }
 
 
@@ -268,6 +276,9 @@ def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, A
     if req.get("image") is not None:
         with ctx.db.read() as s:
             images.pin(s, ctx.settings, tenant, tenant_id, req)
+    if req.get("secrets"):
+        with ctx.db.read() as s:
+            secret_logic.check_known(s, tenant_id, req, lock=False)
     return req, tenant_id
 
 
@@ -310,6 +321,7 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
             now = db_now(s)
             images.pin(s, ctx.settings, tenant_name, tenant_id, req)  # the image id the job will run
             blob_service.claim(s, tenant_id, req, now)  # code and stdin: blobs the tenant holds
+            secret_logic.check_known(s, tenant_id, req)  # the secrets it names: the tenant's own
             alloc_id = store.insert_pending(
                 s,
                 {
@@ -367,7 +379,11 @@ def _brief(req: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- read ---------------------------------------------------------------------------------------
-def list_all(ctx: Ctx, *, state: str | None, tenant: str | None, limit: int) -> Items[AllocationOut]:
+def list_all(
+    ctx: Ctx, *, state: str | None, tenant: str | None, limit: int, events: bool = False
+) -> Items[AllocationOut]:
+    """Newest first; each one's history only when asked (`events`): a list of many rows is read in
+    one query, without reading every row's events."""
     scope = authorize(ctx.caller(), ctx.action)
     if scope.tenant is not None:
         if tenant is not None and tenant != scope.tenant:
@@ -375,8 +391,10 @@ def list_all(ctx: Ctx, *, state: str | None, tenant: str | None, limit: int) -> 
         tenant = scope.tenant
     with ctx.db.read() as s:
         rows = store.query(s, tenant=tenant, state=state, limit=limit)
-        events = store.events_of(s, [a.id for a in rows])
-        return Items[AllocationOut](items=[_out(a, events[a.id]) for a in rows])
+        history = store.events_of(s, [r.id for r in rows]) if events else {}
+    return Items[AllocationOut](
+        items=[_out(r, history[r.id] if events else None, tenant=r.tenant_name) for r in rows]
+    )
 
 
 def get(ctx: Ctx, alloc_id: int) -> AllocationOut:

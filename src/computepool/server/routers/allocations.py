@@ -65,8 +65,11 @@ def list_allocations(
     state: Annotated[AllocationState | None, Query(description="Only this state.")] = None,
     tenant: Annotated[str | None, Query(max_length=63, description="Only this tenant (admins).")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000, description="At most this many.")] = 100,
+    events: Annotated[
+        bool, Query(description="Include each allocation's history (else `events` is null).")
+    ] = False,
 ) -> Items[AllocationOut]:
-    return allocations.list_all(ctx, state=state, tenant=tenant, limit=limit)
+    return allocations.list_all(ctx, state=state, tenant=tenant, limit=limit, events=events)
 
 
 @router.get(
