@@ -16,6 +16,7 @@ class Hub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self.scheduler_event = asyncio.Event()
+        self.wakes = 0  # wake_scheduler calls so far: a cycle that saw no new one may skip deciding
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the app's loop (in the lifespan); before that, notifications are dropped."""
@@ -30,6 +31,7 @@ class Hub:
             loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
 
     def wake_scheduler(self) -> None:
+        self.wakes += 1  # from any thread: a lost increment between two racing callers still changes it
         self._call(self.scheduler_event.set)
 
     def notify(self, *keys: str) -> None:

@@ -25,10 +25,12 @@ Step = Callable[[], object]
 @dataclass
 class Periodic:
     """`step()` every `every_s` seconds (a plain function runs in a worker thread, a coroutine
-    function on the loop). `wake` ends a wait early (the scheduler's hub event); `enabled` is read
-    before each step (tests turn a loop off and drive its step themselves). Steps that judge time
-    take it from the database's clock, which every replica shares; their passes take `now` too,
-    for tests."""
+    function on the loop). `wake` ends a wait early (the scheduler's hub event); after a wake-up
+    the loop waits `settle()` seconds more, so a burst of wake-ups (many submissions, many agent
+    reports) is one step, and wake-ups during a step are one more step, not one each. `enabled`
+    is read before each step (tests turn a loop off and drive its step themselves). Steps that
+    judge time take it from the database's clock, which every replica shares; their passes take
+    `now` too, for tests."""
 
     name: str
     every_s: float
@@ -38,7 +40,9 @@ class Periodic:
     enabled: Callable[[], bool] = lambda: True
     quiet: bool = False  # a failed step is logged at debug level (expected while the database is away)
     first_at_start: bool = False  # run once right away instead of after the first wait
+    settle: Callable[[], float] = lambda: 0.0  # seconds to gather more wake-ups after the first
     _task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _waiting: bool = field(default=False, init=False, repr=False)
 
 
 class Loops:
@@ -64,8 +68,8 @@ class Loops:
         """Stop waiting, let each step in flight finish (up to STOP_GRACE_S), then return."""
         self._stopping.set()
         for p in self.loops:
-            if p.wake is not None:
-                p.wake().set()
+            if p._task is not None and p._waiting:
+                p._task.cancel()  # between steps: nothing to finish
         tasks = [p._task for p in self.loops if p._task is not None]
         _, late = await asyncio.wait(tasks, timeout=STOP_GRACE_S) if tasks else (set(), set())
         for task in late:
@@ -79,7 +83,15 @@ class Loops:
         first = p.first_at_start
         while not self._stopping.is_set():
             if not first:
-                await self._wait(p)
+                p._waiting = True
+                try:
+                    await self._wait(p)
+                except asyncio.CancelledError:
+                    if self._stopping.is_set():
+                        return  # stop() ends a loop that waits
+                    raise
+                finally:
+                    p._waiting = False
             first = False
             if self._stopping.is_set():
                 return
@@ -107,16 +119,21 @@ class Loops:
         else:
             self.outage.answered()
 
-    async def _wait(self, p: Periodic) -> None:
-        stop = asyncio.ensure_future(self._stopping.wait())
-        waits = [stop]
-        if p.wake is not None:
-            waits.append(asyncio.ensure_future(p.wake().wait()))
-        try:
-            await asyncio.wait(waits, timeout=p.every_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-        if p.wake is not None:
-            p.wake().clear()
+    @staticmethod
+    async def _wait(p: Periodic) -> None:
+        """`every_s`, or until `wake` (then `settle()` more). One timer per wait, no extra tasks:
+        a dozen loops tick every second or so, and an idle server's CPU is mostly their waits."""
+        if p.wake is None:
+            await asyncio.sleep(p.every_s)
+            return
+        event = p.wake()
+        if not event.is_set():
+            try:
+                async with asyncio.timeout(p.every_s):
+                    await event.wait()
+            except TimeoutError:
+                return
+        settle = p.settle()
+        if settle > 0:
+            await asyncio.sleep(settle)  # wake-ups meanwhile are served by the same step
+        p.wake().clear()

@@ -7,6 +7,14 @@ When more than `lost_brake_share` of the nodes are silent together, the silence 
 the control plane's (its network, its database) than theirs: no node is declared lost until
 enough report again (Kubernetes' node-lifecycle disruption mode), said once in the log, and on
 /metrics and by the `nodes-silent` alert rule.
+
+Wake-ups are gathered: those during a cycle are one more cycle (`loops.Periodic`), and a cycle
+starts no sooner than `settle_s` after the last one ended, so a burst of submissions and agent
+reports is decided together while a lone submission is placed at once. A cycle whose snapshot
+equals the last decided one's, with no wake-up since, decides nothing anew (decisions are a
+function of the snapshot): a queue that cannot move costs a few reads a second, not a decision
+and a commit. Time alone changes a few things a snapshot does not show (a reservation's shadow
+time), so such a snapshot is still decided again every `refresh_s`.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
@@ -26,7 +35,7 @@ from computepool.server.leadership import LEASE_TTL_S, Leadership
 from computepool.server.loops import Periodic
 from computepool.server.scheduling.commit import CommitResult, LostLease, commit
 from computepool.server.scheduling.decide import decide
-from computepool.server.scheduling.snapshot import SnapshotCache
+from computepool.server.scheduling.snapshot import Snapshot, SnapshotCache
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as store
 from computepool.store.db import Database, db_now
@@ -34,6 +43,8 @@ from computepool.store.db import Database, db_now
 log = logging.getLogger("computepool.server")
 
 CYCLE_INTERVAL_S = 1.0
+SETTLE_S = 0.02  # the least time between the end of a cycle and the start of the next one woken
+REFRESH_S = 5.0  # an unchanged snapshot is decided again this often all the same
 STANDBY_POLL_S = 0.25  # how often a standby tries the leader's advisory lock (PostgreSQL)
 
 
@@ -47,6 +58,25 @@ class CycleReport:
     result: CommitResult | None = None
     snapshot_seconds: float = 0.0
     commit_seconds: float = 0.0
+    skipped: bool = False  # the snapshot equals the last decided one: nothing decided anew
+
+
+@dataclass(frozen=True)
+class _Basis:
+    """What a cycle decided from: the same basis, with no wake-up since, gives the same decisions."""
+
+    term: int
+    wakes: int
+    nodes: list[Any]
+    weights: dict[str, float]
+    quotas: dict[str, Any]
+    live: tuple[tuple[int, str, int, str], ...]
+    braked: bool
+
+    @staticmethod
+    def of(term: int, wakes: int, snap: Snapshot) -> _Basis:
+        live = tuple((a.id, a.state, a.attempt, a.reason) for a in snap.live)
+        return _Basis(term, wakes, snap.nodes, snap.weights, snap.quotas, live, snap.braked)
 
 
 class Controller:
@@ -63,18 +93,24 @@ class Controller:
         lease_ttl_s: float = LEASE_TTL_S,
         holder: str | None = None,
         leadership: Leadership | None = None,
+        settle_s: float = SETTLE_S,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         self.db = db
         self.settings = settings
         self.hub = hub
         self.observe = observe
         self.interval_s = interval_s
+        self.settle_s = settle_s  # read at each wake-up (tests widen it)
+        self._ended = float("-inf")  # when the last cycle ended (time.monotonic)
+        self.refresh_s = refresh_s
         self.leadership = leadership or Leadership(db, ttl_s=lease_ttl_s, holder=holder)
         self.auto = True  # tests turn the background loop off and call run_once
         self._lock = threading.Lock()
         self._snapshots = SnapshotCache()
         self._periodic: Periodic | None = None
         self.braked = False  # whether the last cycle held back lost-node decisions
+        self._decided: tuple[_Basis, float] | None = None  # the last decided basis, and when
 
     @property
     def holder(self) -> str:
@@ -107,9 +143,12 @@ class Controller:
             except DBAPIError:
                 self.leadership.lost()  # what this leader observes counts again from its next renewal
                 raise
+            finally:
+                self._ended = time.monotonic()
 
     def _cycle(self) -> CycleReport:
         t0 = time.perf_counter()
+        wakes = self.hub.wakes  # read first: a wake-up from here on is seen by the next cycle
         term = self.leadership.renewed_term()
         if term is None:
             return CycleReport(leader=False)
@@ -118,6 +157,11 @@ class Controller:
                 return CycleReport(True, term, time.perf_counter() - t0, 0.0, 0, CommitResult())
             snap = self._snapshots.load(s, self.settings, observed_since=self.leadership.since)
         self._set_brake(snap.braked, snap.silent, len(snap.nodes))
+        pending = sum(1 for a in snap.live if a.state == "pending")
+        basis = _Basis.of(term, wakes, snap)
+        if self._unchanged(basis):
+            t1 = time.perf_counter()
+            return CycleReport(True, term, t1 - t0, 0.0, pending, CommitResult(), t1 - t0, skipped=True)
         t1 = time.perf_counter()
         plan = decide(snap)
         t2 = time.perf_counter()
@@ -125,6 +169,7 @@ class Controller:
             ports = (self.settings.gang_port_min, self.settings.gang_port_max)
             result = commit(self.db, plan, self.holder, term, gang_ports=ports)
         except LostLease:
+            self._decided = None
             self.leadership.lost()
             if self.leadership.acquire() != term:  # another replica schedules now
                 return CycleReport(leader=False)
@@ -137,8 +182,18 @@ class Controller:
         self.hub.notify(*topics.allocs(result.bound))
         if result.requeued:  # moved work waits in the queue: place it without waiting a second
             self.hub.wake_scheduler()
-        pending = sum(1 for a in snap.live if a.state == "pending")
+        self._decided = (basis, time.monotonic())
         return CycleReport(True, term, elapsed, t2 - t1, pending, result, t1 - t0, t3 - t2)
+
+    def _settle(self) -> float:
+        """How long a wake-up waits for more: what is left of `settle_s` since the last cycle ended
+        (nothing after a quiet spell: a lone submission is placed at once)."""
+        return max(0.0, self._ended + self.settle_s - time.monotonic())
+
+    def _unchanged(self, basis: _Basis) -> bool:
+        """Whether the last decided basis is this one, and recent enough to stand for it."""
+        last = self._decided
+        return last is not None and last[0] == basis and time.monotonic() - last[1] < self.refresh_s
 
     def _set_brake(self, braked: bool, silent: int, total: int) -> None:
         """Say once when the brake engages and once when it lets go."""
@@ -163,6 +218,7 @@ class Controller:
             self._step,
             wake=lambda: self.hub.scheduler_event,
             enabled=lambda: self.auto,
+            settle=self._settle,
         )
         return self._periodic
 
