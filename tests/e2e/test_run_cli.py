@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
 
@@ -77,3 +79,51 @@ def test_run_detach_then_logs(pool_env: dict[str, str]) -> None:
     job_id = submitted.group(1)
     logs = run(pool_env, "logs", "--follow", job_id)
     assert "detached hi" in logs.stdout, logs.stdout + logs.stderr
+
+
+def _explain_calls(pool: Pool) -> float:
+    """GET …/explain answers so far, from the server's request-latency histogram."""
+    text = pool.http.get("/metrics").text
+    route = 'route="/api/v1/allocations/{alloc_id}/explain"'
+    return sum(
+        float(x.split()[-1])
+        for x in text.splitlines()
+        if x.startswith("cpool_api_request_seconds_count") and route in x
+    )
+
+
+def test_run_pending_shows_the_reason_the_scheduler_stored(pool_env: dict[str, str], tmp_path: Path) -> None:
+    """While it waits, `cpool run` shows the allocation's stored reason: no explain each poll."""
+    pool = Pool(pool_env["CPOOL_SERVER"], Path(pool_env["CPOOL_CA"]).parent.parent)
+    holder = pool.http.post("/api/v1/allocations", json={"gpus": 1, "exclusive": True})
+    assert holder.status_code == 201, holder.text
+    holder_id = int(holder.json()["id"])
+    err = tmp_path / "run.err"
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for("the whole device held", lambda: pool.state(holder_id) == "bound", 30)
+        explained = _explain_calls(pool)
+        with err.open("wb") as out:
+            proc = subprocess.Popen(
+                cpool("run", "--gpus", "1", "--", JOB_PYTHON, "-c", "print('ran at last')"),
+                env=pool_env, stdout=subprocess.PIPE, stderr=out,
+            )  # fmt: skip
+
+        def stored() -> str | None:
+            waiting = pool.http.get("/api/v1/allocations", params={"state": "pending"}).json()["items"]
+            why = [a["reason"] for a in waiting if a["reason"] != "submitted"]
+            line = f"pending: {why[0]}" if why else None
+            return line if line is not None and line in err.read_text() else None
+
+        line = wait_for("the stored reason on stderr", stored, 30, err.read_text)
+        assert _explain_calls(pool) == explained, "a pending run asked for explain"
+        assert pool.http.post(f"/api/v1/allocations/{holder_id}/release").status_code == 200
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and b"ran at last" in out, err.read_text()
+        assert line in err.read_text() and "Traceback" not in err.read_text()
+    finally:
+        if proc is not None:
+            stop(proc, signal.SIGINT)
+        with contextlib.suppress(httpx.HTTPError):
+            pool.http.post(f"/api/v1/allocations/{holder_id}/release")
+        pool.close()
