@@ -267,6 +267,15 @@ def register(app: typer.Typer) -> None:
                 "start). Replicas sharing one database must all use the same key.",
             ),
         ] = None,
+        secrets_key_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--secrets-key-file",
+                envvar="CPOOL_SECRETS_KEY_FILE",
+                help="Key tenants' secrets are sealed with (default DATA_DIR/secrets-key, made on first "
+                "start). Replicas sharing one database must all use the same key.",
+            ),
+        ] = None,
         smtp_host: Annotated[
             str | None,
             typer.Option("--smtp-host", envvar="CPOOL_SMTP_HOST", help="Mail server for alert mail."),
@@ -366,6 +375,7 @@ def register(app: typer.Typer) -> None:
                 alerts_interval_s=alerts_interval,
                 ledger_interval_s=ledger_interval,
                 webhook_key_file=webhook_key_file.expanduser() if webhook_key_file else None,
+                secrets_key_file=secrets_key_file.expanduser() if secrets_key_file else None,
                 smtp_host=smtp_host or None,
                 smtp_port=smtp_port,
                 smtp_starttls=smtp_starttls,

@@ -25,7 +25,7 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from computepool.server import metrics, web
+from computepool.server import metrics, secret_box, web
 from computepool.server.alerts import AlertEngine
 from computepool.server.caches import Caches
 from computepool.server.coop.controller import CoopController
@@ -152,6 +152,7 @@ def _migrate_and_bootstrap(db: Database, settings: ServerSettings) -> None:
             time.sleep(1.0)
     upgrade(db)
     audit_checks.prepare(db, settings.audit_key_path, settings.audit_anchor_path)
+    secret_box.prepare(db, settings.secrets_key_path)  # made now, so replicas can be given a copy
     ensure_admin(db, settings.admin_token_path)
 
 

@@ -101,6 +101,9 @@ class Action(StrEnum):
     IMAGE_PUBLISH = "image.publish"  # pin an image name to a digest for all or named tenants
     IMAGE_LIST = "image.list"
     IMAGE_UNPUBLISH = "image.unpublish"
+    SECRET_SET = "secret.set"  # a tenant's secret: set (or replace) its value
+    SECRET_LIST = "secret.list"  # names, who set them and when; never values
+    SECRET_DELETE = "secret.delete"
 
     @property
     def mutating(self) -> bool:
@@ -152,6 +155,9 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.IMAGE_PUBLISH: _ADMIN,
     Action.IMAGE_LIST: _ALL,  # a tenant's users see the images their tenant may run
     Action.IMAGE_UNPUBLISH: _ADMIN,
+    Action.SECRET_SET: _ADMINS,  # jobs of the tenant's writers use them; only its admins change them
+    Action.SECRET_LIST: _ALL,
+    Action.SECRET_DELETE: _ADMINS,
     Action.ALLOCATION_CREATE: _WRITERS,
     Action.ALLOCATION_LIST: _ALL,
     Action.ALLOCATION_GET: _ALL,

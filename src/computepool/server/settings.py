@@ -203,6 +203,11 @@ class ServerSettings(BaseModel):
         description="Secret the pool's LAN discovery key is derived from (default DATA_DIR/discovery-key, "
         "made on first start); replicas sharing a database must share it.",
     )
+    secrets_key_file: Path | None = Field(
+        default=None,
+        description="Key tenants' secrets are sealed with (default DATA_DIR/secrets-key, made on first "
+        "start); replicas sharing a database must share it.",
+    )
     rpc_port_min: int = Field(
         default=32000, ge=1024, le=65535, description="Lowest port a cooperative service's RPC server gets."
     )
@@ -301,6 +306,10 @@ class ServerSettings(BaseModel):
     @property
     def discovery_key_path(self) -> Path:
         return self.discovery_key_file or self.data_dir / "discovery-key"
+
+    @property
+    def secrets_key_path(self) -> Path:
+        return self.secrets_key_file or self.data_dir / "secrets-key"
 
     @property
     def audit_anchor_path(self) -> Path:

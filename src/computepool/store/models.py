@@ -698,3 +698,20 @@ class CoopPlan(Base):
     reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Secret(Base):
+    """A tenant's named secret (an API token, a password): only its ciphertext, sealed with the
+    server's secrets key and bound to its tenant and name (server/secret_box.py); the value reaches
+    nothing but the environment of the tenant's jobs that name it."""
+
+    __tablename__ = "secrets"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_secrets_tenant_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    ciphertext: Mapped[str] = mapped_column(Text)
+    set_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

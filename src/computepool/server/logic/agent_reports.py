@@ -19,6 +19,7 @@ from computepool.server.errors import Conflict, Forbidden, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic import gangs
+from computepool.server.logic import secrets as secret_logic
 from computepool.server.logic.audit import record
 from computepool.server.logic.report_times import reported_start
 from computepool.server.policy import Target, authorize
@@ -49,6 +50,8 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
     gang_ports = (ctx.settings.gang_port_min, ctx.settings.gang_port_max)
     with ctx.db.read() as s:
         _node(s, ctx, name)
+        held = [a for a in store.holding_on(s, name) if a.command is not None]
+        envs = secret_logic.job_envs(s, ctx.settings, held)  # secrets' values: only here, for the node
         items = [
             Assignment(
                 allocation_id=a.id,
@@ -57,7 +60,7 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 tenant=a.tenant.name,
                 slices=[SliceOut.model_validate(sl) for sl in a.slices if sl["node"] == name],
                 command=list(a.command or []),
-                env=dict(a.env or {}),
+                env=envs[a.id],
                 isolation=a.request["isolation"],
                 cpu_milli=int(a.request["cpu_milli"]),
                 memory_mib=int(a.request["memory_mib"]),
@@ -72,8 +75,8 @@ def assignments(ctx: Ctx, name: str) -> Assignments:
                 service_port=a.service_port,
                 private_network=a.coop_role == "rpc",
             )
-            for a in store.holding_on(s, name)
-            if a.command is not None and not gangs.awaits_rank0(a, name)
+            for a in held
+            if a.id in envs and not gangs.awaits_rank0(a, name)
         ]
         term = lease.current_term(s)
         files = blob_service.pending_for(s, name)
