@@ -7,13 +7,14 @@ import pwd
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
 from computepool.agent import cgroups
-from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, CgroupV2, Executor, JobSpec
+from computepool.agent.executor import STDERR_LOG, STDOUT_LOG, CgroupV1, CgroupV2, Executor, JobSpec
 from computepool.agent.localstate import JobState
 
 
@@ -222,3 +223,33 @@ def test_a_job_that_ends_wakes_its_watcher_at_once(tmp_path: Path) -> None:
             ex.kill(rec.key, "test teardown", grace_s=0)
         ex.close()
         ex.state.close()
+
+
+def test_what_left_the_jobs_group_dies_with_it_through_its_cgroup(tmp_path: Path) -> None:
+    """A child that left the job's process group (setsid) is still in its cgroup: killed at the
+    job's end through the cgroup (cgroup.kill on v2, each member on v1), found without a scan."""
+    base = Path(f"/sys/fs/cgroup/computepool-test-{uuid.uuid4().hex[:8]}")
+    ex = Executor(tmp_path / "agent", cgroup_base=base, kill_grace_s=1)
+    if ex.cgroups is None or ex.cgroup_dir is None or not ex.cgroups.usable()[0]:
+        pytest.skip("no writable cgroup hierarchy here")
+    pidfile = tmp_path / "escaped.pid"
+    try:
+        rec = ex.start(JobSpec("esc", 1, ["sh", "-c", f"setsid sleep 60 & echo $! > {pidfile}; exit 0"], memory_mib=256))
+        assert rec.cgroup, rec.limits
+        assert ex.wait(rec.key, 20).state is JobState.SUCCEEDED
+        escaped = int(_wait_for_file(pidfile))
+        deadline = time.monotonic() + 10
+        while not _gone(escaped) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _gone(escaped)
+        assert not Path(rec.cgroup).exists()  # emptied, so removed with the job
+    finally:
+        for rec in ex.running():
+            ex.kill(rec.key, "test teardown", grace_s=0)
+        ex.state.close()
+        if isinstance(ex.cgroups, CgroupV1):
+            for c in ex.cgroups.controllers:
+                top = ex.cgroups.root / c / base.name
+                cgroups.remove([top / ex.cgroup_dir.name, top])
+        else:
+            cgroups.remove([ex.cgroup_dir, base])

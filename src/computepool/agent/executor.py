@@ -46,7 +46,7 @@ from computepool.agent.jobspec import (
 )
 from computepool.agent.launch import Launcher, default_env, which
 from computepool.agent.localstate import JobRecord, JobState, LocalState
-from computepool.agent.outcome import alive, explain_exit, kill_leftovers, read_exit
+from computepool.agent.outcome import alive, child_exited, explain_exit, kill_leftovers, read_exit
 from computepool.agent.removal import Remover
 from computepool.agent.sandbox import SandboxConfig
 from computepool.core.errors import InvalidInput
@@ -337,7 +337,7 @@ class Executor:
         rec = live.rec
         rc = None
         if live.popen is not None:
-            ended = _exited(live.popen)  # still unreaped: its pid and group id stay the job's
+            ended = child_exited(live.popen)  # still unreaped: its pid and group id stay the job's
         else:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(rec.pid, os.WNOHANG)  # reap it if it happens to be our child
@@ -445,19 +445,14 @@ class Executor:
         return self.wait(key, timeout=grace + 10)
 
     def _signal_group(self, rec: JobRecord, sig: signal.Signals) -> None:
-        if not alive(rec, zombie_ok=True):
-            # the leader is gone (or its pid reused): reach the members we can prove are ours
-            if sig == signal.SIGKILL:
-                kill_leftovers(rec)
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(rec.pgid, sig)
-        if rec.cgroup and sig == signal.SIGKILL:
-            for pid in cgroups.pids(Path(rec.cgroup)):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, sig)
+        leader = alive(rec, zombie_ok=True)  # else gone, or its pid reused: only what is provably ours
         if sig == signal.SIGKILL:
-            self._remove_container(rec)
+            kill_leftovers(rec)  # its group while the id is the job's, and its cgroup (cgroup.kill)
+            if leader:
+                self._remove_container(rec)
+        elif leader:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec.pgid, sig)
 
     # ---- restart --------------------------------------------------------------------------
 
@@ -490,16 +485,6 @@ class Executor:
                 with contextlib.suppress(Exception):
                     engine.sweep(keep=set(self._live))
         return AdoptReport(adopted, ended)
-
-
-def _exited(popen: subprocess.Popen[bytes]) -> bool:
-    """Whether the child ended, leaving it unreaped (a zombie holds its pid and group id)."""
-    if popen.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped by someone else: Popen.wait() says so
-        return True
 
 
 @contextlib.contextmanager

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -30,6 +32,16 @@ def alive(rec: JobRecord, zombie_ok: bool = False) -> bool:
         return zombie_ok or p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def child_exited(popen: subprocess.Popen[bytes]) -> bool:
+    """Whether the child ended, leaving it unreaped (a zombie holds its pid and group id)."""
+    if popen.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by someone else: Popen.wait() says so
+        return True
 
 
 def kill_leftovers(rec: JobRecord) -> None:
@@ -58,20 +70,27 @@ def group_is_ours(rec: JobRecord) -> bool:
         return False
 
 
-def kill_cgroup(paths: list[Path]) -> None:
+def kill_cgroup(paths: list[Path], wait_s: float = 2.0) -> None:
     """SIGKILL to every process of a job's cgroup: `cgroup.kill` (v2, Linux 5.14+) takes forks in
-    flight too; elsewhere (v1, or older kernels) the listed members are killed until none is left."""
+    flight too; elsewhere (v1, older kernels) each listed member, again while any is listed. Waits
+    (at most `wait_s`) until the cgroup is empty: a dying process still holds it, and the cgroup is
+    removed right after."""
+    by_kernel = False
     for path in paths:
         with contextlib.suppress(OSError):
             (path / "cgroup.kill").write_text("1")
-            return
-    for _ in range(20):  # a member may fork while it is being killed: list again until empty
+            by_kernel = True
+            break
+    deadline = time.monotonic() + wait_s
+    while True:
         members = set().union(*(cgroups.pids(p) for p in paths)) if paths else set()
-        if not members:
+        if not members or time.monotonic() >= deadline:
             return
-        for pid in members:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        if not by_kernel:  # a member may fork while it is being killed: those are listed next time
+            for pid in members:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
 
 
 def explain_exit(rec: JobRecord, rc: int) -> str:
