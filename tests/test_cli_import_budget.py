@@ -73,12 +73,15 @@ def _heavy(loaded: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("args", "own"),
-    [(PS, {"alloc_cmd", "pool_cmd"}), (RUN, {"run_cmd", "alloc_cmd", "pool_cmd"})],
+    ("args", "own", "shared"),
+    [
+        (PS, "alloc_cmd", {"pool_cmd"}),
+        (RUN, "run_cmd", {"alloc_cmd", "pool_cmd", "secrets_cmd"}),  # whose options `run` shares
+    ],
     ids=["ps", "run"],
 )
 def test_a_command_loads_its_own_module_and_nothing_heavy(
-    refused: tuple[dict[str, str], Path], args: tuple[str, ...], own: set[str]
+    refused: tuple[dict[str, str], Path], args: tuple[str, ...], own: str, shared: set[str]
 ) -> None:
     env, home = refused
     loaded = _probe(env, home / f"{args[0]}.json", args)
@@ -86,7 +89,8 @@ def test_a_command_loads_its_own_module_and_nothing_heavy(
     commands = {
         m.rsplit(".", 1)[1] for m in loaded if m.startswith("computepool.cli.") and m.endswith("_cmd")
     }
-    assert commands == own
+    assert own in commands
+    assert commands - shared - {own} == set(), "another command's module"
     if args == PS:
         assert not any(m.startswith("computepool.wire.") for m in loaded), "ps needs no wire model"
 
