@@ -70,6 +70,7 @@ def _register() -> None:
         peers_cmd,
         quota_cmd,
         run_cmd,
+        secrets_cmd,
         serve_cmd,
         server_cmd,
         sim_fill,
@@ -93,6 +94,7 @@ def _register() -> None:
     access_cmd.register_login(app)  # the order of `cpool --help`
     tenants_cmd.register(app)
     images_cmd.register(app)
+    secrets_cmd.register(app)
     access_cmd.register_tokens(app)
     quota_cmd.register(app)
     access_cmd.register_join_token(app)
@@ -130,6 +132,7 @@ _QUICK: dict[str, tuple[str, str]] = {
     },
     "alerts": ("alerts_cmd", "register"),
     "cp": ("cp_cmd", "register"),
+    "secrets": ("secrets_cmd", "register"),
 }
 
 # Optional imports of libraries the client loads that no `cpool` command uses: httpcore imports trio

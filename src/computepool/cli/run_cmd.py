@@ -54,6 +54,7 @@ from computepool.cli.pool_cmd import (
     pool_command,
     table,
 )
+from computepool.cli.secrets_cmd import SecretOpt, secret_uses
 from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, NoStdinOpt, OutputOpt, WorkdirOpt
 from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.http import ENDED_STATES
@@ -150,6 +151,7 @@ def register(app: typer.Typer) -> None:
         no_stdin: NoStdinOpt = False,
         env: EnvOpt = None,
         env_file: EnvFileOpt = None,
+        secret: SecretOpt = None,
         output: OutputOpt = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
@@ -164,7 +166,7 @@ def register(app: typer.Typer) -> None:
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
-            colocate=colocate,
+            colocate=colocate, secrets=secret_uses(secret),
         )  # fmt: skip
         from computepool.cli import ship  # archive and tar code: loaded by the command that ships
 

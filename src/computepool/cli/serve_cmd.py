@@ -41,6 +41,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
+from computepool.cli.secrets_cmd import SecretOpt
 from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, WorkdirOpt
 from computepool.client import PoolClient, PoolError
 from computepool.client.http import ENDED_STATES
@@ -131,6 +132,7 @@ def register(app: typer.Typer) -> None:
         priority: Annotated[int, typer.Option("--priority", help="Replicas' priority in the tenant.")] = 0,
         env: EnvOpt = None,
         env_file: EnvFileOpt = None,
+        secret: SecretOpt = None,
         workdir: WorkdirOpt = None,
         no_code: NoCodeOpt = False,
         min_: Annotated[

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from computepool.cli.secrets_cmd import secret_uses
 from computepool.client.options import build_request
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_duration_s
@@ -43,6 +44,7 @@ FILE_KEYS: dict[str, str] = {
             "priority",
             "env",
             "env_file",
+            "secret",
             "workdir",
             "no_code",
             "target_inflight",
@@ -318,6 +320,7 @@ def draft_service(name: str | None, src: Sources, extra: list[str]) -> ServiceDr
             tolerations=_words(src, "toleration"),
             priority=priority,
             command=command,
+            secrets=secret_uses(_words(src, "secret")),
         ),
     )
     fields: dict[str, Any] = {}
