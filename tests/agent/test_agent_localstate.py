@@ -136,7 +136,8 @@ def test_a_pass_reads_the_open_rows_alone(tmp_path: Path) -> None:
     state.put(live)
     state.put(ended)
     executor = Executor(tmp_path, state, cgroup_base=None)
-    reporter = Reporter(AgentApi("http://127.0.0.1:9"), executor, lambda what, e: None)
+    api = AgentApi("http://127.0.0.1:9")  # never called: pending() is what a pass would send
+    reporter = Reporter(api, executor, lambda what, e: None)
     assert reporter.acknowledged.keys() == {r.key for r in _done(tmp_path, 2000)}  # keys only, no records
     before = state.rows_read
     assert [k for k, _, _ in reporter.pending()] == ["end#1"]
@@ -146,6 +147,7 @@ def test_a_pass_reads_the_open_rows_alone(tmp_path: Path) -> None:
     assert list(reporter.pending()) == [] and state.get("end#1").reported  # type: ignore[union-attr]
     state.mark_reported("live#1")  # a running attempt is never marked: its end is still to come
     assert state.running() == [live]
+    api.close()
     state.close()
 
 
@@ -156,7 +158,8 @@ def test_acknowledged_ends_are_forgotten_once_the_pool_no_longer_assigns_them(tm
         state.put(rec)
     state.close()
     state = LocalState(tmp_path)  # a restarted agent: acknowledged before this run began
-    reporter = Reporter(AgentApi("http://127.0.0.1:9"), Executor(tmp_path, state, cgroup_base=None), print)
+    api = AgentApi("http://127.0.0.1:9")  # never called: acknowledgements are given below
+    reporter = Reporter(api, Executor(tmp_path, state, cgroup_base=None), lambda what, e: None)
     assert reporter.forget_done({done[0].key}, sent=1.0) == [done[1].key, done[2].key]
     assert state.known(done[0].key) and not state.known(done[1].key)  # still assigned: kept
     # an end acknowledged now: an answer asked for before that says nothing about it
@@ -169,6 +172,7 @@ def test_acknowledged_ends_are_forgotten_once_the_pool_no_longer_assigns_them(tm
     assert reporter.forget_done(set(), sent=at + 1.0) == [rec.key]
     assert state.jobs() == [] and reporter.acknowledged == {}
     assert state.tenants() == {"t1"}  # a non-root agent still refuses a second tenant (launch.py)
+    api.close()
     state.close()
 
 
