@@ -155,3 +155,17 @@ def test_bad_uses_are_422_naming_the_secret(
     r = api.post(A, json=body, headers=member)
     assert r.status_code == 422 and message in r.json()["error"], r.text
     assert r.json()["field"].startswith("secrets[")
+
+
+def test_a_service_names_secrets_and_holds_them(api: Api) -> None:
+    manual(api)
+    api.app.state.service_controller.auto = False
+    who = _people(api)
+    api.ok("PUT", f"{S}/HF_TOKEN", json={"value": VALUE}, headers=who["a-admin"])
+    request = {"command": ["sh", "-c", "true"], "secrets": [{"name": "HF_TOKEN"}]}
+    out = api.ok("PUT", "/api/v1/services/chat", json={"spec": {"request": request}}, headers=who["a-member"])
+    assert out["spec"]["request"]["secrets"] == [{"name": "HF_TOKEN", "env": None}] and VALUE not in str(out)
+    held = api.delete(f"{S}/HF_TOKEN", headers=who["a-admin"])
+    assert held.status_code == 409 and "service chat" in held.json()["error"]
+    api.ok("DELETE", "/api/v1/services/chat", headers=who["a-member"])
+    assert api.delete(f"{S}/HF_TOKEN", headers=who["a-admin"]).status_code == 200

@@ -46,6 +46,7 @@ class _Replica:
         self.url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "computepool.cli.main", "server", "--data-dir", str(self.data_dir)]
         argv += ["--port", str(port), "--db", self.db_url, "--audit-key-file", str(self.audit_key)]
+        argv += ["--secrets-key-file", str(self.audit_key.with_name("secrets-key"))]  # shared, as audit-key
         argv += [*TIMING, "--log-level", "warning"]
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with (self.data_dir / "server.log").open("ab") as log:

@@ -106,7 +106,9 @@ def _users(s: Session, tenant_id: int, name: str) -> list[str]:
             Allocation.tenant_id == tenant_id, Allocation.state.in_(LIVE)
         )
     ).all()
-    services = s.execute(select(Service.name, Service.spec).where(Service.tenant_id == tenant_id)).all()
+    services = s.execute(
+        select(Service.name, Service.spec).where(Service.tenant_id == tenant_id, Service.deleted_at.is_(None))
+    ).all()
     found = [f"allocation {i}" for i, req in allocs if name in _names(req)]
     return found + [f"service {n}" for n, spec in services if name in _names(spec.get("request") or {})]
 
