@@ -6,7 +6,10 @@ shows the job's processes only; a private `/tmp`, `/var/tmp`, `/dev/shm` and `/r
 objects and POSIX message queues of the job's own, gone with it), `setpriv` drops to the tenant's
 uid and gid with no supplementary groups, an empty capability bounding set and `no_new_privs`.
 Where the host refuses namespaces (a container without CAP_SYS_ADMIN), the job still runs as its
-user with `setpriv`, and the job's `limits` says that namespaces were not applied.
+user with `setpriv`, and the job's `limits` says that namespaces were not applied. The job's first
+step (the syscall filter's loader, syscall_filter.py) also gives it a network namespace of its own
+unless it must keep the node's (jobnet.py), and a Landlock domain scoped for abstract unix sockets
+and signals (landlock.py).
 
 Layout of one attempt, under the agent's data dir (0711: others may pass through, never list):
 
