@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import test_functions_api as fn_api
 from harness import Api, H
 from sqlalchemy import select
 from test_allocations import A, alloc, cycle, get, join, manual
@@ -169,3 +170,20 @@ def test_a_service_names_secrets_and_holds_them(api: Api) -> None:
     assert held.status_code == 409 and "service chat" in held.json()["error"]
     api.ok("DELETE", "/api/v1/services/chat", headers=who["a-member"])
     assert api.delete(f"{S}/HF_TOKEN", headers=who["a-admin"]).status_code == 200
+
+
+def test_a_functions_workers_get_its_secrets(api: Api) -> None:
+    manual(api)
+    who = _people(api)
+    node = fn_api.join(api, "n1", ["3.11"])
+    api.ok("PUT", f"{S}/HF_TOKEN", json={"value": VALUE}, headers=who["a-admin"])
+    request = {"cpu_milli": 500, "command": fn_api.CMD, "secrets": [{"name": "NOPE"}]}
+    r = api.post(fn_api.F, json={"name": "f", "request": request, "python": "3.11"}, headers=who["a-member"])
+    assert r.status_code == 422 and "unknown secret 'NOPE'" in r.json()["error"], r.text
+    request["secrets"] = [{"name": "HF_TOKEN", "env": "TOKEN"}]
+    fid = fn_api.register(api, who["a-member"], request=request)["id"]
+    fn_api.submit(api, fid, b"x", headers=who["a-member"])
+    cycle(api)
+    [worker] = api.ok("GET", "/api/v1/nodes/n1/assignments", headers=node)["assignments"]
+    assert worker["env"]["TOKEN"] == VALUE and "CPOOL_WORKER_TOKEN" in worker["env"]
+    assert VALUE not in _everything_said(api) and VALUE not in api.get(fn_api.F, headers=who["a-member"]).text

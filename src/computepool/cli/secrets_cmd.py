@@ -45,15 +45,9 @@ def _checked(name: str) -> str:
 
 def secret_uses(values: list[str] | None) -> list[dict[str, str]] | None:
     """`--secret` values as the request's `secrets` (the server checks names and variables)."""
-    if not values:
-        return None
-    uses: list[dict[str, str]] = []
-    for v in values:
-        name, eq, var = v.partition("=")
-        if not name or (eq and not var):
-            raise InvalidInput("--secret", f"expected NAME or NAME=VARIABLE, got {v!r}")
-        uses.append({"name": name, "env": var} if eq else {"name": name})
-    return uses
+    from computepool.client.options import parse_secrets  # noqa: PLC0415 (loaded by the commands using it)
+
+    return parse_secrets(values)
 
 
 def read_value(name: str) -> str:

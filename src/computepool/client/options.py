@@ -87,6 +87,19 @@ def build_request(
     )
 
 
+def parse_secrets(items: Sequence[str] | None, field: str = "--secret") -> list[dict[str, str]] | None:
+    """`["HF_TOKEN", "HF_TOKEN=VAR"]` → a request's `secrets` (the server checks names and variables)."""
+    if isinstance(items, str):
+        raise InvalidInput(field, f"expected a list of NAME or NAME=VARIABLE, not the string {items!r}")
+    uses: list[dict[str, str]] = []
+    for item in items or []:
+        name, eq, var = str(item).partition("=")
+        if not name or (eq and not var):
+            raise InvalidInput(field, f"expected NAME or NAME=VARIABLE, got {item!r}")
+        uses.append({"name": name, "env": var} if eq else {"name": name})
+    return uses or None
+
+
 def parse_selector(items: Sequence[str] | None, field: str = "--node-selector") -> dict[str, str] | None:
     """`["gpu=a100", "zone=b"]` → {"gpu": "a100", "zone": "b"}; each item must be KEY=VALUE."""
     out: dict[str, str] = {}

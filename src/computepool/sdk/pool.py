@@ -34,7 +34,7 @@ from computepool.client.config import resolve_config
 from computepool.client.errors import PoolError
 from computepool.client.follow import OutageRider
 from computepool.client.http import PoolClient
-from computepool.client.options import build_request
+from computepool.client.options import build_request, parse_secrets
 from computepool.core.errors import InvalidInput
 from computepool.core.servers import ServerArg
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
@@ -106,6 +106,7 @@ class Pool:
         max_workers: int = 8,
         name: str | None = None,
         env: dict[str, str] | None = None,
+        secrets: Sequence[str] | None = None,
         all_ranks: bool = False,
         **options: Any,
     ) -> Any:
@@ -113,7 +114,8 @@ class Pool:
         gpu_mem, isolation, image, time_limit, …) per worker; `pip` its requirements;
         `keep_warm` the seconds an idle worker waits for the next call (0: one call per worker).
         `nodes=N` (N > 1): each call runs on N nodes at once as one gang (options per node), and
-        answers rank 0's value, or every rank's in rank order with `all_ranks=True`."""
+        answers rank 0's value, or every rank's in rank order with `all_ranks=True`. `secrets`: the
+        tenant's secrets in each worker's environment, `NAME` or `NAME=VARIABLE` (`cpool secrets`)."""
         unknown = sorted(set(options) - _OPTION_NAMES)
         if unknown:
             raise InvalidInput(
@@ -132,6 +134,8 @@ class Pool:
         if not isinstance(all_ranks, bool):
             raise InvalidInput("all_ranks", f"must be True or False, got {all_ranks!r}")
         request = build_request(flag="", **options)  # checks every option, naming the one at fault
+        if secrets:
+            request = request.changed(secrets=parse_secrets(secrets, "secrets"))
         if request.gang_nodes > 1 and keep_warm:
             raise InvalidInput(
                 "keep_warm", "a call over several nodes starts its gang for itself: no warm workers"
@@ -300,15 +304,27 @@ class RemoteFunction(Generic[P, R]):
             }
             if wait_s > 0 and len(calls) <= BATCH:
                 body["wait_s"] = wait_s
-            answer = self._post_calls(fid, body)
-            handles = [Handle(self, int(i)) for i in answer["ids"]]
-            by_id = {h.id: h for h in handles}
-            for c in answer.get("calls") or ():
-                h = by_id.get(int(c["id"]))
-                if h is not None:
-                    h.take(c)
+            try:
+                answer = self._post_calls(fid, body)
+                handles = [Handle(self, int(i)) for i in answer["ids"]]
+                by_id = {h.id: h for h in handles}
+                for c in answer.get("calls") or ():
+                    h = by_id.get(int(c["id"]))
+                    if h is not None:
+                        h.take(c)
+            except KeyboardInterrupt:  # Ctrl-C with the submission under way: cancel what it stored
+                _cancel_all(out + self._stored(fid, body))
+                raise
             out += handles
         return out
+
+    def _stored(self, fid: int, body: dict[str, Any]) -> list[Handle[R]]:
+        """The calls a submission stored, found by its key (sent again: stored once, if not before)."""
+        with contextlib.suppress(Exception):
+            again = {"calls": body["calls"], "key": body["key"]}
+            ids = self.pool.client.request("POST", f"/functions/{fid}/calls", json=again)["ids"]
+            return [Handle(self, int(i)) for i in ids]
+        return []
 
     def _post_calls(self, fid: int, body: dict[str, Any]) -> Any:
         """POST the submission, sent again through an outage: its key makes that store it once."""
