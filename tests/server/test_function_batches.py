@@ -62,6 +62,7 @@ def test_a_worker_claims_its_share_oldest_first_and_hands_in_a_batch(api: Api) -
     assert claim(api, t1, [ok(c, b"r%d" % c) for c in ids[:5]], max_calls=0).json() == {
         "calls": [],
         "stop": False,
+        "drop": [],
     }
     # the last calls go one per claim: no worker sits on calls the others could run
     assert len(claim(api, t2, max_calls=8).json()["calls"]) == 1
@@ -82,7 +83,7 @@ def test_a_worker_claims_its_share_oldest_first_and_hands_in_a_batch(api: Api) -
 def test_a_one_call_worker_claims_one_call_whatever_it_asks(api: Api) -> None:
     _, ids, (t1, _t2), _ = two_workers(api, 4, keep_warm_s=0)
     assert [c["id"] for c in claim(api, t1, max_calls=8).json()["calls"]] == ids[:1]
-    assert claim(api, t1, [ok(ids[0], b"a")], max_calls=8).json() == {"calls": [], "stop": True}
+    assert claim(api, t1, [ok(ids[0], b"a")], max_calls=8).json() == {"calls": [], "stop": True, "drop": []}
 
 
 def test_a_parked_worker_is_handed_the_call_and_the_caller_waits_for_its_result(api: Api) -> None:
@@ -166,3 +167,24 @@ def test_a_submission_sent_again_with_its_key_stores_its_calls_once(api: Api) ->
     for key in ("short", "k" * 65, "no spaces allowed here!"):
         r = api.post(f"{F}/{fid}/calls", json=body | {"key": key}, headers=api.admin)
         assert r.status_code == 422 and r.json()["field"] == "key", r.text
+
+
+def test_cancelling_a_call_of_a_batch_spares_the_others_and_the_worker_drops_it(api: Api) -> None:
+    fid, ids, (t1, _t2), node = two_workers(api, 8)
+    a, b, c, d = (x["id"] for x in claim(api, t1, max_calls=8).json()["calls"])
+    w1 = min(worker_tokens(api, "n1", node))
+    r = api.request("DELETE", f"{F}/{fid}/calls/{c}", headers=api.admin)
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    # the worker still holds a, b and d: it is not ended for c, and they are not failed
+    assert api.ok("GET", f"/api/v1/allocations/{w1}")["state"] in ("bound", "active")
+    # it hands a in, still holding b, c, d not begun: told to drop c
+    answer = claim(api, t1, [ok(a, b"A")], max_calls=0, holding=[b, c, d]).json()
+    assert answer == {"calls": [], "stop": False, "drop": [c]}
+    claim(api, t1, [ok(b, b"B")], max_calls=0)
+    # the last call it holds, cancelled: the worker is ended with it, as a lone running call's is
+    api.request("DELETE", f"{F}/{fid}/calls/{d}", headers=api.admin)
+    assert api.ok("GET", f"/api/v1/allocations/{w1}")["state"] == "cancelled"
+    out = {x["id"]: x["state"] for x in results(api, fid, [a, b, c, d])}
+    assert out == {a: "done", b: "done", c: "cancelled", d: "cancelled"}
+    r = api.post("/api/v1/worker/calls", json={"holding": [0]}, headers=bearer(t1))
+    assert r.status_code in (401, 403, 422)

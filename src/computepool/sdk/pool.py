@@ -304,15 +304,27 @@ class RemoteFunction(Generic[P, R]):
             }
             if wait_s > 0 and len(calls) <= BATCH:
                 body["wait_s"] = wait_s
-            answer = self._post_calls(fid, body)
-            handles = [Handle(self, int(i)) for i in answer["ids"]]
-            by_id = {h.id: h for h in handles}
-            for c in answer.get("calls") or ():
-                h = by_id.get(int(c["id"]))
-                if h is not None:
-                    h.take(c)
+            try:
+                answer = self._post_calls(fid, body)
+                handles = [Handle(self, int(i)) for i in answer["ids"]]
+                by_id = {h.id: h for h in handles}
+                for c in answer.get("calls") or ():
+                    h = by_id.get(int(c["id"]))
+                    if h is not None:
+                        h.take(c)
+            except KeyboardInterrupt:  # Ctrl-C with the submission under way: cancel what it stored
+                _cancel_all(out + self._stored(fid, body))
+                raise
             out += handles
         return out
+
+    def _stored(self, fid: int, body: dict[str, Any]) -> list[Handle[R]]:
+        """The calls a submission stored, found by its key (sent again: stored once, if not before)."""
+        with contextlib.suppress(Exception):
+            again = {"calls": body["calls"], "key": body["key"]}
+            ids = self.pool.client.request("POST", f"/functions/{fid}/calls", json=again)["ids"]
+            return [Handle(self, int(i)) for i in ids]
+        return []
 
     def _post_calls(self, fid: int, body: dict[str, Any]) -> Any:
         """POST the submission, sent again through an outage: its key makes that store it once."""

@@ -336,11 +336,11 @@ class Exchange:
         self.api = api
         self.legacy = False
 
-    def __call__(self, done: list, max_calls: int, wait: float) -> dict:
+    def __call__(self, done: list, max_calls: int, wait: float, holding: list | None = None) -> dict:
         """{"calls": [...], "stop": bool}; a result the control plane refuses (over its cap, say)
         goes back as an error naming why, the others as they are."""
         try:
-            return self._post(done, max_calls, wait)
+            return self._post(done, max_calls, wait, holding or [])
         except Rejected as e:
             if not done or (len(done) == 1 and not done[0].get("result")):
                 raise
@@ -352,9 +352,9 @@ class Exchange:
             ok, result, tb = dump(why, False, done[0].get("traceback"))
             return self([{"id": done[0]["id"], "ok": ok, "result": result, "traceback": tb}], max_calls, wait)
 
-    def _post(self, done: list, max_calls: int, wait: float) -> dict:
+    def _post(self, done: list, max_calls: int, wait: float, holding: list) -> dict:
         if not self.legacy:
-            body = {"done": done, "max_calls": max_calls, "wait_s": round(wait, 3)}
+            body = {"done": done, "max_calls": max_calls, "wait_s": round(wait, 3), "holding": holding}
             try:
                 return self.api.post("/worker/calls", body, timeout=wait + 30)
             except Refused as e:
@@ -378,7 +378,8 @@ def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
 
     A warm worker claims up to MAX_CLAIM calls at once (its share of those waiting) and runs them
     in order; their results go back together when the batch is done, or once the first of them
-    has waited HAND_IN_S, so a long call's result is not held back by the ones after it."""
+    has waited HAND_IN_S, so a long call's result is not held back by the ones after it; the
+    answer to such a hand-in names the calls of the batch cancelled meanwhile, which it drops."""
     exchange = Exchange(api)
     max_calls = MAX_CLAIM if keep_warm_s > 0 else 1
     done: list = []  # results not handed in yet
@@ -400,7 +401,9 @@ def serve(api: Api, runner: Runner, keep_warm_s: float) -> int:
                 continue
             if queue:  # hand these in now, claim nothing: the batch is not over
                 trace("results in")
-                queue += exchange(done, 0, 0.0).get("calls") or []
+                answer = exchange(done, 0, 0.0, [c["id"] for c in queue])
+                dropped = set(answer.get("drop") or ())  # cancelled meanwhile: not run
+                queue = [c for c in queue if c["id"] not in dropped] + list(answer.get("calls") or [])
                 done = []
                 continue
         now = time.monotonic()

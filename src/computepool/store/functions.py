@@ -476,6 +476,14 @@ def append_output(s: Session, cid: int, worker: int, data: str, stream: str = "s
     return bool(s.connection().execute(_APPEND[stream], params).rowcount)
 
 
+def held_by(s: Session, worker: int, among: Sequence[int] | None = None) -> list[int]:
+    """The calls running on `worker` (claimed, not handed back), or those of them among `among`."""
+    stmt = select(_C.c.id).where(_C.c.worker_allocation_id == worker, _C.c.state == "running")
+    if among is not None:
+        stmt = stmt.where(_C.c.id.in_(list(among)))
+    return [int(i) for (i,) in s.connection().execute(stmt.order_by(_C.c.id))]
+
+
 def fail_calls_of_worker(s: Session, worker: int, error: str, now: datetime) -> list[int]:
     """Fail the running calls a worker claimed (it ended); their ids."""
     conn = s.connection()

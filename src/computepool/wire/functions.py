@@ -158,10 +158,18 @@ class ClaimIn(In):
         default=1, strict=True, ge=0, le=MAX_CLAIM, description="Calls to claim at most (0: none)."
     )
     wait_s: float = Field(default=0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
+    holding: list[Id] = Field(
+        default_factory=list,
+        max_length=MAX_CLAIM,
+        description="Calls claimed earlier and not begun yet: the answer says which to drop.",
+    )
 
 
 class ClaimOut(Out):
     calls: list[NextCall] = Field(description="Claimed by this worker, oldest first; run in this order.")
+    drop: list[int] = Field(
+        default_factory=list, description="Of `holding`, the calls no longer this worker's (cancelled)."
+    )
     stop: bool = Field(description="The worker should exit (function deleted, or one call per worker).")
 
 

@@ -185,17 +185,24 @@ def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
     return NextOut(call=got, stop=out.stop)
 
 
-def claim_calls(ctx: Ctx, done: Sequence[Done], max_calls: int, hub: Hub) -> ClaimOut:
+def claim_calls(
+    ctx: Ctx, done: Sequence[Done], max_calls: int, hub: Hub, holding: Sequence[int] = ()
+) -> ClaimOut:
     """Record the results handed in, in one transaction, then claim up to `max_calls` (their share
-    of the calls waiting): a worker serving many short calls makes one request per batch."""
+    of the calls waiting): a worker serving many short calls makes one request per batch. Of the
+    calls it still `holding`, those cancelled meanwhile are named to drop."""
+    drop: list[int] = []
     with ctx.db.write() as s:
         worker, fid, head = _check(ctx, s)
         got, stop, started = _hand_in_and_claim(s, worker, fid, head, done, max_calls, db_now(s))
+        if holding:
+            kept = set(store.held_by(s, worker, holding))
+            drop = [i for i in holding if i not in kept]
     if done:
         hub.notify(topics.fn_results(fid))
     if started:
         hub.wake_scheduler()
-    return ClaimOut(calls=[NextCall(id=i, args=a) for i, a in got], stop=stop)
+    return ClaimOut(calls=[NextCall(id=i, args=a) for i, a in got], stop=stop, drop=drop)
 
 
 def claim(ctx: Ctx, hub: Hub, max_calls: int = 1) -> ClaimOut:

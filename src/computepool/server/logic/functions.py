@@ -267,7 +267,9 @@ def _relevant(
 
 
 def cancel_call(ctx: Ctx, fid: int, cid: int, hub: Hub) -> CallOut:
-    """A waiting call is dropped; a running one ends with its worker allocation."""
+    """A waiting call is dropped; a running one ends with its worker allocation, unless that worker
+    still holds other calls of a batch: those are not failed for it; the worker drops the call at
+    its next hand-in if it has not begun it (its outcome, if it ran, is not kept)."""
     with ctx.db.write() as s:
         fn = _visible(ctx, store.get_function(s, fid, lock=True), fid)
         found = store.call_of(s, cid)
@@ -279,7 +281,8 @@ def cancel_call(ctx: Ctx, fid: int, cid: int, hub: Hub) -> CallOut:
         now = db_now(s)
         why = f"cancelled by {ctx.caller().actor}"
         store.cancel_call(s, cid, now, why)
-        nodes = function_workers.cancel_workers(s, [worker] if worker else [], why, now)
+        alone = worker is not None and not store.held_by(s, worker)
+        nodes = function_workers.cancel_workers(s, [worker] if worker and alone else [], why, now)
         record(s, ctx, f"function:{fid}", tenant=fn.tenant, detail={"call": cid, "was": state}, now=now)
         [row] = store.results(s, fid, [cid])
     hub.notify(topics.fn_results(fid), *topics.nodes(nodes))

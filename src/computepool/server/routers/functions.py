@@ -174,11 +174,17 @@ async def worker_calls(
     hub: Annotated[Hub, Depends(get_hub)],
     handoff: Annotated[Handoff, Depends(get_handoff)],
 ) -> ClaimOut:
-    return await _claim(ctx, hub, handoff, body.done, body.max_calls, body.wait_s)
+    return await _claim(ctx, hub, handoff, body.done, body.max_calls, body.wait_s, body.holding)
 
 
 async def _claim(
-    ctx: Ctx, hub: Hub, handoff: Handoff, done: list[Done], max_calls: int, wait_s: float
+    ctx: Ctx,
+    hub: Hub,
+    handoff: Handoff,
+    done: list[Done],
+    max_calls: int,
+    wait_s: float,
+    holding: list[int] | None = None,
 ) -> ClaimOut:
     """Hand in, claim; with nothing to claim, park until a submission on this replica hands calls
     over, the queue's topic wakes it (then read the queue), or the wait ends."""
@@ -186,7 +192,7 @@ async def _claim(
     topic = topics.fn_calls(fid)
     ev = hub.subscribe(topic)  # before the first read: a call queued after it still wakes this poll
     try:
-        out = await run_in_threadpool(function_workers.claim_calls, ctx, done, max_calls, hub)
+        out = await run_in_threadpool(function_workers.claim_calls, ctx, done, max_calls, hub, holding or [])
         if out.calls or out.stop or wait_s <= 0 or max_calls == 0:
             return out
         deadline = time.monotonic() + wait_s
