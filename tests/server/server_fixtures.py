@@ -93,6 +93,7 @@ BOTH_DATABASES = {
     "test_time_limits",
     "test_request_defaults",
     "test_image_admission",
+    "test_secrets_api",
 }
 
 
