@@ -86,14 +86,15 @@ class DiskGuard:
     """Removes finished attempts' run dirs and stops a job that fills the disk (see the module).
 
     `runs` is the agent's `runs/<allocation>/<attempt>` tree; `key(allocation, attempt)` names an
-    attempt as LocalState does; `protected()` lists the attempts not to touch; `jobs()` the
+    attempt as LocalState does; `protected()` lists the attempts not to touch (None: touch none);
+    `jobs()` the
     running ones with their dirs; `stop(key, reason)` stops one."""
 
     def __init__(
         self,
         runs: Path,
         key: Callable[[str, int], str],
-        protected: Callable[[], set[str]],
+        protected: Callable[[], set[str] | None],
         jobs: Callable[[], Iterable[DiskJob]],
         stop: Callable[[str, str], None],
         *,
@@ -121,6 +122,8 @@ class DiskGuard:
     def finished(self) -> list[tuple[float, Path]]:
         """(ended at, run dir) of the attempts no one uses any more, oldest first."""
         keep = self.protected()
+        if keep is None:  # the agent does not know yet what it runs: nothing goes
+            return []
         out = []
         try:
             allocs = list(self.runs.iterdir())

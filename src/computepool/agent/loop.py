@@ -47,12 +47,13 @@ from computepool.agent.cgroups import unheld_warning
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
 from computepool.agent.discovery_link import DiscoveryLink, start_discovery
+from computepool.agent.disk_guard import DiskGuard, DiskJob
 from computepool.agent.executor import Executor
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
 from computepool.agent.join import check_credential, connect, default_node_name, tenant_pythons
 from computepool.agent.listeners import ListenerWatch, Replica
-from computepool.agent.localstate import JobRecord, JobState
+from computepool.agent.localstate import JobRecord, JobState, job_key
 from computepool.agent.logship import LogShipper
 from computepool.agent.port_guard import GuardedJob, PortGuard, given_ports, parse_ranges
 from computepool.agent.preparing import Preparer
@@ -132,6 +133,10 @@ class Agent:
         self.listeners = ListenerWatch(self._replicas, self._wake.set)  # who holds each replica's port
         self.reports.listeners = self.listeners.found
         self.port_guard = PortGuard(self._guarded_jobs, self._stop_squatter)  # the pool's port ranges
+        self.disk_guard = DiskGuard(  # finished attempts' files, and a job that fills the disk
+            self.executor.data_dir / "runs", job_key, self._kept_attempts, self._disk_jobs,
+            self._stop_squatter,
+        )  # fmt: skip
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
         self.preparing = Preparer(
             lambda: self.starter.blobs, self.executor.launcher, self._wake.set, unpack=self.starter.unpack
@@ -173,6 +178,7 @@ class Agent:
             self.watchdog.start()
         self.listeners.start()
         self.port_guard.start()
+        self.disk_guard.start()
         try:
             while not self._stop.is_set():
                 self._step()
@@ -186,6 +192,7 @@ class Agent:
                 self.watchdog.close()
             self.listeners.close()
             self.port_guard.close()
+            self.disk_guard.close()
             for t in threads:
                 t.join(timeout=1.0)
             self.preparing.close()
@@ -540,6 +547,18 @@ class Agent:
             for rec in self.executor.running()
             if not rec.stop_reason
         ]
+
+    def _kept_attempts(self) -> set[str] | None:
+        """Attempts whose files the agent may still use: running or with an end not yet
+        acknowledged, or assigned (maybe being prepared); None before the first answer."""
+        with self._lock:
+            desired = None if self._desired is None else set(self._desired)
+        if desired is None:
+            return None
+        return desired | {r.key for r in self.state.open_jobs()}
+
+    def _disk_jobs(self) -> list[DiskJob]:
+        return [DiskJob(r.key, Path(r.run_dir)) for r in self.executor.running() if not r.stop_reason]
 
     def _stop_squatter(self, key: str, reason: str) -> None:
         self.executor.stop(key, reason)
