@@ -37,12 +37,14 @@ class Kit:
     def __init__(self, pool: Pool, browser: Browser, tokens: dict[str, str]) -> None:
         self.pool, self.browser, self.tokens = pool, browser, tokens
 
-    def context(self) -> BrowserContext:
+    def context(self, script: bool = True) -> BrowserContext:
         # cpool up's certificate is its own (self-signed): trusted for this test's browser only
-        return self.browser.new_context(ignore_https_errors=True, viewport={"width": 1360, "height": 900})
+        return self.browser.new_context(
+            ignore_https_errors=True, viewport={"width": 1360, "height": 900}, java_script_enabled=script
+        )
 
-    def sign_in(self, who: str) -> tuple[BrowserContext, Page]:
-        ctx = self.context()
+    def sign_in(self, who: str, script: bool = True) -> tuple[BrowserContext, Page]:
+        ctx = self.context(script)
         page = ctx.new_page()
         page.goto(self.pool.url + "/")
         page.fill("#token", self.tokens[who])
@@ -106,7 +108,7 @@ def test_sign_in_then_a_job_appears_runs_and_ends(kit: Kit) -> None:
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
-    page.goto(kit.pool.url + "/ui/work")
+    page.goto(kit.pool.url + "/ui/work?state=all")
     alloc = kit.job("alice", sleeper(1, "hello from the dashboard test"), name="webjob")
     row = page.locator(f"#alloc-{alloc}")
     expect(row).to_contain_text("webjob", timeout=WAIT_MS)
@@ -139,7 +141,7 @@ def test_a_member_does_not_see_another_tenants_work(kit: Kit) -> None:
     theirs = kit.job("alice", sleeper(60), name="alphas-secret")
     ctx, page = kit.sign_in("bob")
     mine = kit.job("bob", "print('beta')", name="betas-own")
-    page.goto(kit.pool.url + "/ui/work")
+    page.goto(kit.pool.url + "/ui/work?state=all")
     expect(page.locator(f"#alloc-{mine}")).to_contain_text("betas-own", timeout=WAIT_MS)
     expect(page.locator("#allocations")).not_to_contain_text("alphas-secret")
     assert page.locator(f"#alloc-{theirs}").count() == 0
@@ -199,4 +201,62 @@ def test_every_page_renders_without_script_errors(kit: Kit) -> None:
     page.click("#sign-out")
     expect(page.locator("#token")).to_be_visible()
     assert [c["name"] for c in ctx.cookies()] == []
+    ctx.close()
+
+
+class Busy:
+    """Both devices held (alice half of one, bob the other whole) and one request waiting."""
+
+    def __init__(self, held: list[int], waiting: int, why: str) -> None:
+        self.held, self.waiting, self.why = held, waiting, why
+
+
+@pytest.fixture(scope="module")
+def busy(kit: Kit) -> Iterator[Busy]:
+    held = [
+        kit.job("alice", sleeper(120), name="hold-half", gpus=1, gpu_milli=500),
+        kit.job("bob", sleeper(120), name="hold-whole", gpus=1),
+    ]
+    for alloc in held:
+        wait_for(f"allocation {alloc} active", lambda a=alloc: kit.pool.state(a) == "active", 30)
+    waiting = kit.job("alice", sleeper(1), name="wait-whole", gpus=1)
+    why = wait_for(
+        "the scheduler's reason", lambda: (r := kit.pool.get(waiting)["reason"]) != "submitted" and r, 30
+    )
+    yield Busy(held, waiting, why)
+    for alloc in [*held, waiting]:
+        kit.pool.http.post(f"/api/v1/allocations/{alloc}/cancel")
+
+
+def test_work_filters_search_pages_and_pins_pending(kit: Kit, busy: Busy) -> None:
+    batch = [kit.job("alice", f"print({i})", name=f"batch-{i}") for i in range(6)]
+    for alloc in batch:
+        wait_for(f"allocation {alloc} ended", lambda a=alloc: ENDED.match(kit.pool.state(a)), 30)
+    ctx, page = kit.sign_in("admin")
+    page.goto(kit.pool.url + "/ui/work")  # by default: active and pending only
+    expect(page.locator("#allocations tbody tr").first).to_have_id(f"alloc-{busy.waiting}")
+    expect(page.locator(f"#alloc-{busy.held[0]}")).to_be_visible()
+    assert page.locator(f"#alloc-{batch[0]}").count() == 0
+    shoot(page, "work")
+    page.goto(kit.pool.url + "/ui/work?state=all&per=5")
+    rows = page.locator("#allocations tbody tr")
+    expect(rows).to_have_count(5)
+    expect(rows.first).to_have_id(f"alloc-{busy.waiting}")  # pinned above newer, ended work
+    expect(rows.first).to_contain_text("ago")
+    page.click("#page-next")
+    expect(page.locator("#work-count")).to_contain_text("page 2 of")
+    assert "page=2" in page.url and "per=5" in page.url
+    ctx.close()
+    # the filters are a plain GET form: they work with the script off
+    ctx, plain = kit.sign_in("admin", script=False)
+    plain.goto(kit.pool.url + "/ui/work?state=all")
+    plain.select_option("#f-tenant", "alpha")
+    plain.fill("#f-q", "batch-3")
+    plain.click("#f-apply")
+    assert "tenant=alpha" in plain.url and "q=batch-3" in plain.url
+    expect(plain.locator("#allocations tbody tr")).to_have_count(1)
+    expect(plain.locator(f"#alloc-{batch[3]}")).to_contain_text("batch-3")
+    plain.goto(kit.pool.url + "/ui/work?state=all&tenant=beta")
+    expect(plain.locator(f"#alloc-{busy.held[1]}")).to_be_visible()
+    assert plain.locator(f"#alloc-{busy.held[0]}").count() == 0
     ctx.close()

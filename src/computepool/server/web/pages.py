@@ -18,8 +18,9 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
-from computepool.server.logic import allocations
+from computepool.server.logic import allocations, nodes, services
 from computepool.server.policy import Action, authorize
+from computepool.server.web import fmt, work
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,
@@ -39,6 +40,7 @@ PAGES: dict[str, str] = {
     "overview": "Overview",
     "nodes": "Nodes and devices",
     "work": "Work",
+    "services": "Services",
     "tenants": "Tenants",
     "usage": "Usage",
     "alerts": "Alerts",
@@ -51,6 +53,7 @@ _templates = Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
+_templates.filters.update(fmt.FILTERS)
 
 
 def _html(template: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -151,6 +154,54 @@ async def allocation(request: Request, alloc_id: str) -> Response:
     except ApiError as e:
         return _page(session, "allocation", e.status, alloc_id=alloc_id, error=e.message)
     return _page(session, "allocation", alloc_id=number, error="")
+
+
+def _ctx(request: Request, session: Session, action: Action) -> Ctx:
+    """The API's own context for a page's reads: the same authorization and tenant scoping."""
+    authorize(session.principal, action)
+    return Ctx(
+        db=request.app.state.db,
+        settings=request.app.state.settings,
+        action=action,
+        request_id=request.state.request_id,
+        principal=session.principal,
+        caches=request.app.state.caches,
+    )
+
+
+@router.get("/ui/work")
+async def work_page(request: Request) -> Response:
+    """Active and pending work by default, pending pinned on top; filters and search are query
+    parameters (a plain GET form), so the page works without its script."""
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    f = work.Filters.parse(dict(request.query_params))
+
+    def read() -> work.WorkView:
+        rows = allocations.list_all(
+            _ctx(request, session, Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS
+        )
+        found = nodes.list_all(_ctx(request, session, Action.NODE_LIST))
+        return work.build(rows.items, found.items, f)
+
+    try:
+        view = await run_in_threadpool(read)
+    except ApiError as e:
+        return _page(session, "work", e.status, error=e.message, view=None, states=work.STATES)
+    return _page(session, "work", view=view, states=work.STATES, error="")
+
+
+@router.get("/ui/services")
+async def services_page(request: Request) -> Response:
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    try:
+        found = await run_in_threadpool(services.list_all, _ctx(request, session, Action.SERVICE_LIST))
+    except ApiError as e:
+        return _page(session, "services", e.status, error=e.message, services=[])
+    return _page(session, "services", services=found.items, error="")
 
 
 @router.get("/ui/{page}")

@@ -354,55 +354,28 @@
     put("nodes", sections.length ? h("div", {}, sections) : message("no nodes have joined yet"));
   }
 
-  async function work() {
-    const [allocsR, servicesR] = await Promise.all([api("/allocations?limit=500"), api("/services")]);
-    const filter = document.getElementById("state-filter").value;
-    const allocs = items(allocsR).filter(
-      (a) => !filter || (filter === "live" ? LIVE.includes(a.state) : !LIVE.includes(a.state)),
-    );
-    put(
-      "allocations",
-      allocsR.ok
-        ? table(
-            [
-              { label: "id", value: allocLink },
-              { label: "name", value: (a) => a.name },
-              { label: "state", value: (a) => stateBadge(a.state), cls: "state-cell" },
-              { label: "tenant", value: (a) => a.tenant },
-              { label: "owner", value: (a) => a.owner },
-              { label: "resources", value: (a) => resources(a.request) },
-              { label: "nodes", value: (a) => a.nodes.join(", ") || dash },
-              { label: "reason", value: (a) => a.reason, cls: "reason" },
-              { label: "created", value: (a) => when(a.created_at) },
-            ],
-            allocs,
-            "no allocations",
-            (a) => "alloc-" + a.id,
-          )
-        : message(allocsR.error, "error"),
-    );
-    put(
-      "services",
-      servicesR.ok
-        ? table(
-            [
-              { label: "service", value: (s) => s.name },
-              { label: "tenant", value: (s) => s.tenant },
-              { label: "replicas ready / wanted", value: (s) => s.ready + " / " + s.desired },
-              { label: "in flight", value: (s) => String(s.inflight) },
-              { label: "queued", value: (s) => String(s.queued) },
-              { label: "why", value: (s) => s.reason, cls: "reason" },
-              {
-                label: "replicas",
-                value: (s) => h("span", {}, s.replicas.map((r) => [allocLink({ id: r.allocation_id }), " " + r.state + " "])),
-              },
-            ],
-            items(servicesR),
-            "no services",
-            (s) => "service-" + s.name,
-          )
-        : message(servicesR.error, "error"),
-    );
+  // pages the server renders (data-render="server"): fetch the same address again and swap in
+  // each [data-live] region by id; the server escaped every value, and DOMParser runs no script.
+  // Expanded <details> stay expanded across the swap.
+  async function serverView() {
+    let res;
+    try {
+      res = await fetch(window.location.href, { credentials: "same-origin", headers: { Accept: "text/html" } });
+    } catch (e) {
+      throw new Error("the control plane cannot be reached");
+    }
+    if (res.redirected || res.status === 401) {
+      window.location.assign("/"); // the session ended: sign in again
+      return;
+    }
+    const doc = new DOMParser().parseFromString(await res.text(), "text/html");
+    for (const old of document.querySelectorAll("[data-live]")) {
+      const fresh = doc.getElementById(old.id);
+      if (!fresh) continue;
+      const open = new Set([...old.querySelectorAll("details[open]")].map((d) => d.id));
+      for (const d of fresh.querySelectorAll("details")) if (d.id && open.has(d.id)) d.open = true;
+      old.replaceWith(document.adoptNode(fresh));
+    }
   }
 
   const logState = { stdout: 0, stderr: 0, ended: false };
@@ -457,7 +430,10 @@
         for (const stream of ["stdout", "stderr"]) {
           const pre = document.getElementById(stream);
           const chunk = lr.data[stream];
+          // follow the end (the tail), unless the reader scrolled up to read
+          const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 8;
           if (chunk.data) pre.textContent = (pre.textContent + chunk.data).slice(-LOG_CAP);
+          if (chunk.data && atEnd) pre.scrollTop = pre.scrollHeight;
           logState[stream] = chunk.next;
         }
         logState.ended = lr.data.ended;
@@ -689,7 +665,6 @@
   const views = {
     overview,
     nodes: nodesView,
-    work,
     allocation,
     tenants,
     usage: usageView,
@@ -701,7 +676,7 @@
 
   async function refresh() {
     clearTimeout(timer);
-    const view = views[page];
+    const view = body.dataset.render === "server" ? serverView : views[page];
     if (!view || running) return;
     running = true;
     const live = document.getElementById("live");
@@ -716,7 +691,7 @@
     }
   }
 
-  for (const id of ["state-filter", "by", "since", "alert-state"]) {
+  for (const id of ["by", "since", "alert-state"]) {
     const control = document.getElementById(id);
     if (control) control.addEventListener("change", refresh);
   }
