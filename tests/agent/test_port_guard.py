@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
+
+import psutil
+import pytest
 
 from computepool.agent.port_guard import (
     GuardedJob,
@@ -124,3 +130,29 @@ def test_a_socket_bound_on_a_reserved_port_without_listening_is_found_too() -> N
         assert stopped[0][1].startswith(f"bound port {port}, which the pool reserves for its publish range")
     with socket.socket() as fresh:  # not bound: no port
         assert bound_port(os.getpid(), fresh.fileno()) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_a_socket_in_a_jobs_own_network_namespace_holds_no_port_of_the_nodes() -> None:
+    """A job with a network of its own may listen on any port there: nobody on the node is kept
+    from it, and the guard leaves the job alone (its socket is in no table of ours either)."""
+    port = random.randrange(10000, 19999)
+    code = (
+        "import socket, sys, time\n"
+        f"s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen()\n"
+        "b = socket.socket(); b.bind(('0.0.0.0', 0))\n"  # and one bound only
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    job = subprocess.Popen(["unshare", "-n", sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+        pids = frozenset({job.pid, *(c.pid for c in psutil.Process(job.pid).children(recursive=True))})
+        stopped: list[tuple[str, str]] = []
+        guard = PortGuard(lambda: [GuardedJob("7.1", frozenset(), pids)], lambda k, w: stopped.append((k, w)))
+        guard.set_ranges((PortRange("service", 1024, 65535),))
+        assert guard.scan() == [] and guard.scan() == [] and stopped == []
+        with socket.socket() as mine:  # the node's port is free for anyone on the node
+            mine.bind(("0.0.0.0", port))
+    finally:
+        job.kill()
+        job.wait()

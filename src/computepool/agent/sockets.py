@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import platform
 import socket
@@ -89,9 +90,26 @@ def bound_port(pid: int, fd: int) -> int | None:
     try:
         if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
             return None
+        if not _in_our_network(s):  # a job's own network namespace: its ports are not the node's
+            return None
         port = int(s.getsockname()[1])
         return port or None
     except OSError:
         return None
     finally:
         s.close()  # the copy only: the job's descriptor and its socket stay as they were
+
+
+SIOCGSKNS = 0x894C  # linux/sockios.h: a descriptor of the socket's network namespace
+
+
+def _in_our_network(s: socket.socket) -> bool:
+    """Whether `s` belongs to this process's network namespace (True when that cannot be told)."""
+    try:
+        ns = fcntl.ioctl(s.fileno(), SIOCGSKNS)
+    except OSError:
+        return True
+    try:
+        return os.fstat(ns).st_ino == os.stat("/proc/self/ns/net").st_ino
+    finally:
+        os.close(ns)
