@@ -1,18 +1,19 @@
-"""Function workers: starting them, their two routes, and settling those whose allocation ended.
+"""Function workers: starting them, their routes, and settling those whose allocation ended.
 
 A worker is an ordinary allocation of the function's tenant and owner, named fn-<name>, running
 the registered request's command with three more variables: CPOOL_FUNCTION_ID,
 CPOOL_WORKER_TOKEN (a bearer token minted for this allocation, stored hashed, valid only while
-the allocation is bound or active, good for nothing but /worker/next and /worker/output of its
-own function) and CPOOL_KEEP_WARM_S. Workers are started when calls wait, none is idle and fewer
-than max_workers are live; a worker exits by itself after keep_warm_s without a call (0: after
-one call, the server answers `stop`).
+the allocation is bound or active, good for nothing but /worker/next, /worker/calls and
+/worker/output of its own function) and CPOOL_KEEP_WARM_S. Workers are started when calls wait,
+none is idle and fewer than max_workers are live; a worker exits by itself after keep_warm_s
+without a call (0: after one call, the server answers `stop`). A warm worker claims its share of
+the waiting calls at once (`share`) and hands their results in together, one transaction a batch.
 
 The sweep (`Sweeper`, once a second in every replica) settles workers whose allocation ended:
-a call it had claimed fails with "worker ended: <state> (<reason>)". When two workers in a row
-end failed before claiming any call (the command is missing, the image cannot be pulled …), the
-function's waiting calls fail with that reason instead of waiting forever; the count starts over,
-so later calls try a fresh worker.
+every call it had claimed and not handed back fails with "worker ended: <state> (<reason>)".
+When two workers in a row end failed before claiming any call (the command is missing, the image
+cannot be pulled …), the function's waiting calls fail with that reason instead of waiting
+forever; the count starts over, so later calls try a fresh worker.
 """
 
 from __future__ import annotations
