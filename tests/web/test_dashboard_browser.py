@@ -260,3 +260,23 @@ def test_work_filters_search_pages_and_pins_pending(kit: Kit, busy: Busy) -> Non
     expect(plain.locator(f"#alloc-{busy.held[1]}")).to_be_visible()
     assert plain.locator(f"#alloc-{busy.held[0]}").count() == 0
     ctx.close()
+
+
+def test_overview_bars_chart_denominators_and_alerts(kit: Kit, busy: Busy) -> None:
+    ctx, page = kit.sign_in("admin")
+    expect(page.locator("#card-allocated .value")).to_have_text("1.5 / 2 GPUs")
+    expect(page.locator("#card-used .value")).to_contain_text(" / 2 GPUs")
+    expect(page.locator("#card-nodes .value")).to_have_text("1 / 1")
+    # a bar's length is the share of its device: alice's half slice is half the track
+    half = page.locator("#heatmap .cell", has_text="alloc 50%")
+    track = float(half.locator("rect.track").first.get_attribute("width") or 0)
+    assert float(half.locator("rect.alloc").get_attribute("width") or 0) == pytest.approx(track / 2)
+    whole = page.locator("#heatmap .cell", has_text="alloc 100%")
+    assert float(whole.locator("rect.alloc").get_attribute("width") or 0) == pytest.approx(track)
+    expect(page.locator("#heatmap")).to_contain_text("0.5 / 1 GPU")
+    expect(page.locator("#history-chart svg polyline.line-alloc")).to_have_count(1)
+    expect(page.locator("#pending-chart svg polyline.line-pending")).to_have_count(1)
+    expect(page.locator(f"#pending-{busy.waiting}")).to_contain_text("wait-whole")
+    expect(page.locator("#firing")).to_be_visible()
+    shoot(page, "overview")
+    ctx.close()

@@ -8,19 +8,21 @@ seconds, so what a user sees is exactly what the API lets that user read.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from computepool.server.alerts import api as alerts_api
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
-from computepool.server.logic import allocations, nodes, services
+from computepool.server.logic import allocations, nodes, services, usage
 from computepool.server.policy import Action, authorize
-from computepool.server.web import fmt, work
+from computepool.server.web import board, fmt, work
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,
@@ -33,7 +35,9 @@ from computepool.server.web.session import (
     same_origin,
 )
 from computepool.wire.common import MAX_ID
+from computepool.wire.usage import DeviceSampleOut
 
+T = TypeVar("T")
 router = APIRouter(include_in_schema=False)
 # name → (title, heading shown in the nav); the order is the nav's
 PAGES: dict[str, str] = {
@@ -85,7 +89,7 @@ def _to(path: str) -> RedirectResponse:
 @router.get("/")
 async def home(request: Request) -> Response:
     session = await current(request)
-    return _page(session, "overview") if session else _sign_in()
+    return await _overview(request, session) if session else _sign_in()
 
 
 @router.get("/ui")
@@ -202,6 +206,44 @@ async def services_page(request: Request) -> Response:
     except ApiError as e:
         return _page(session, "services", e.status, error=e.message, services=[])
     return _page(session, "services", services=found.items, error="")
+
+
+def _optional(read: Callable[[], T]) -> T | None:
+    """A part of a page the viewer may lack (a 403 or 404 from its API): None, shown as a dash."""
+    try:
+        return read()
+    except ApiError:
+        return None
+
+
+async def _overview(request: Request, session: Session) -> Response:
+    def read() -> board.Overview:
+        def ctx(action: Action) -> Ctx:
+            return _ctx(request, session, action)
+
+        found = nodes.list_all(ctx(Action.NODE_LIST)).items
+        rows = allocations.list_all(ctx(Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS)
+        history: dict[str, list[DeviceSampleOut]] = {}
+        for n in found:
+            try:
+                history[n.name] = usage.node_history(ctx(Action.NODE_HISTORY_GET), n.name, "24h").items
+            except ApiError:
+                continue
+        used = _optional(lambda: usage.usage(ctx(Action.USAGE_LIST), "tenant", "1d", None).items)
+        firing = _optional(lambda: alerts_api.list_alerts(ctx(Action.ALERT_LIST), "firing", None).items)
+        return board.build(found, rows.items, history, used, firing)
+
+    try:
+        o = await run_in_threadpool(read)
+    except ApiError as e:
+        return _page(session, "overview", e.status, error=e.message, o=None)
+    return _page(session, "overview", o=o, error="")
+
+
+@router.get("/ui/overview")
+async def overview_page(request: Request) -> Response:
+    session = await current(request)
+    return await _overview(request, session) if session else _to("/")
 
 
 @router.get("/ui/{page}")

@@ -130,14 +130,6 @@
   function allocLink(a) {
     return h("a", { href: "/ui/work/" + Number(a.id), text: "#" + Number(a.id) });
   }
-  // a colour for a share in [0, 1]: pale to deep
-  function heat(el, share, hue) {
-    const v = Math.max(0, Math.min(1, share || 0));
-    el.style.backgroundColor = "hsl(" + hue + ", 70%, " + (96 - v * 56) + "%)";
-    if (v > 0.6) el.style.color = "#fff";
-    return el;
-  }
-
   // ---- views --------------------------------------------------------------------------------
 
   // slices of allocations holding devices, by "node/index"
@@ -156,82 +148,6 @@
 
   function sumOf(rows, field) {
     return rows.reduce((t, r) => t + (Number(r[field]) || 0), 0);
-  }
-
-  async function overview() {
-    const [nodesR, allocsR, usageR, alertsR] = await Promise.all([
-      api("/nodes"),
-      api("/allocations?limit=1000"),
-      api("/usage?by=tenant&since=1d"),
-      api("/alerts?state=firing"),
-    ]);
-    const nodes = items(nodesR);
-    const allocs = items(allocsR);
-    const held = slicesByDevice(allocs);
-    const devices = nodes.flatMap((n) => n.devices.map((d) => ({ node: n, d })));
-    const allocatedMilli = devices.reduce(
-      (t, { node, d }) => t + (held.get(node.name + "/" + d.index) || []).reduce((u, x) => u + x.slice.compute_milli, 0),
-      0,
-    );
-    const measured = devices.filter(({ d }) => d.utilization_pct !== null);
-    const meanUtil = measured.length ? measured.reduce((t, { d }) => t + d.utilization_pct, 0) / measured.length : null;
-    const usage = usageR.ok ? items(usageR) : null;
-    const pending = allocs.filter((a) => a.state === "pending");
-    put(
-      "cards",
-      cards([
-        ["nodes ready", nodes.filter((n) => n.state === "ready").length + " / " + nodes.length, "card-nodes"],
-        ["devices", String(devices.length), "card-devices"],
-        ["GPUs allocated" + (me.role === "admin" ? "" : " (your tenant)"), num(allocatedMilli / 1000, 2), "card-allocated"],
-        ["mean utilization", pct(meanUtil), "card-util"],
-        ["running", String(allocs.filter((a) => a.state === "active").length), "card-running"],
-        ["waiting", String(pending.length), "card-pending"],
-        ["alerts firing", alertsR.ok ? String(items(alertsR).length) : dash, "card-alerts"],
-        ["energy, last 24 h", usage ? num(sumOf(usage, "energy_kwh"), 2) + " kWh" : dash, "card-energy"],
-        ["cost, last 24 h", usage ? num(sumOf(usage, "cost"), 2) : dash, "card-cost"],
-      ]),
-    );
-    const grid = nodes.map((n) =>
-      h(
-        "div",
-        { class: "heatrow" },
-        h("div", { class: "heatnode" }, h("strong", { text: n.name }), " ", stateBadge(n.state)),
-        n.devices.map((d) => {
-          const on = held.get(n.name + "/" + d.index) || [];
-          const share = on.reduce((t, x) => t + x.slice.compute_milli, 0) / (d.compute_milli || 1000);
-          const util = d.utilization_pct === null ? null : d.utilization_pct / 100;
-          const top = heat(h("div", { class: "half", text: "alloc " + pct(share * 100) }), share, 215);
-          const used = "used " + (util === null ? dash : pct(util * 100));
-          const bottom = heat(h("div", { class: "half", text: used }), util, 20);
-          const tenants = [...new Set(on.map((x) => x.alloc.tenant))].join(", ");
-          return h(
-            "div",
-            { class: "cell", id: "dev-" + n.name + "-" + d.index, title: n.name + " #" + d.index + " " + d.model + (tenants ? " · " + tenants : "") },
-            h("div", { class: "devname", text: "#" + d.index + " " + d.model }),
-            top,
-            bottom,
-          );
-        }),
-      ),
-    );
-    put("heatmap", grid.length ? h("div", {}, grid) : message("no nodes have joined yet"));
-    put(
-      "pending",
-      table(
-        [
-          { label: "id", value: allocLink },
-          { label: "tenant", value: (a) => a.tenant },
-          { label: "owner", value: (a) => a.owner },
-          { label: "name", value: (a) => a.name },
-          { label: "asks for", value: (a) => resources(a.request) },
-          { label: "waiting", value: (a) => ago(a.created_at) },
-          { label: "why", value: (a) => a.reason, cls: "reason" },
-        ],
-        pending,
-        "nothing is waiting",
-        (a) => "pending-" + a.id,
-      ),
-    );
   }
 
   const history = new Map(); // node → {device index → [samples]}
@@ -663,7 +579,6 @@
   // ---- the refresh loop ---------------------------------------------------------------------
 
   const views = {
-    overview,
     nodes: nodesView,
     allocation,
     tenants,
