@@ -147,7 +147,8 @@ def test_agent_joins_heartbeats_and_reuses_its_credential(server: Server, tmp_pa
         pythons = {f"cpool.io/python-{v}": "yes" for v in tenant_pythons()}
         assert node["labels"] == {"simulated": "true", "cpool.io/node": "sim-1", **pythons}
         assert node["pythons"] == tenant_pythons()
-        cred = data / "node.json"
+        cred = data / "node.json"  # saved once the join's answer is read: a moment after the server has it
+        wait_for("the credential", cred.exists)
         assert stat.S_IMODE(cred.stat().st_mode) == 0o600
         # a root agent lets its sandboxed jobs pass through to their own dirs, never list or read it
         # (the executor sets it as it starts, a moment after the join)

@@ -1,6 +1,7 @@
 """The node agent's loop: heartbeat, run what the control plane assigns, report, ship logs.
 
-Public API: `Agent`, `run_agent` (settings and errors in config.py, joining in join.py).
+Public API: `Agent` (`run_agent` in start.py starts one; settings and errors in config.py, joining
+in join.py).
 
 The agent starts every connection (NAT-friendly). Three threads share one `Agent`:
 
@@ -21,14 +22,11 @@ import logging
 import os
 import pwd
 import random
-import signal
 import subprocess
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from computepool.agent import fencing
@@ -38,27 +36,22 @@ from computepool.agent.api import (
     ApiError,
     Credential,
     Unreachable,
-    load_credential,
-    server_verify,
 )
 from computepool.agent.assignment import Assignment, refusal, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
-from computepool.agent.cgroups import unheld_warning
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
-from computepool.agent.devices import NodeInventory, SimulatedBackend, discover_all
-from computepool.agent.discovery_link import DiscoveryLink, start_discovery
+from computepool.agent.devices import NodeInventory, SimulatedBackend
 from computepool.agent.disk_guard import DiskGuard, DiskJob
 from computepool.agent.executor import Executor
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
-from computepool.agent.join import check_credential, connect, default_node_name, tenant_pythons
+from computepool.agent.join import tenant_pythons
 from computepool.agent.listeners import ListenerWatch, Replica
 from computepool.agent.localstate import JobRecord, JobState, job_key
 from computepool.agent.logship import LogShipper
 from computepool.agent.port_guard import GuardedJob, PortGuard, given_ports, parse_ranges
 from computepool.agent.preparing import Preparer
 from computepool.agent.reports import Reporter
-from computepool.core.tls import TlsError
 
 log = logging.getLogger("computepool.agent")
 
@@ -571,67 +564,3 @@ class Agent:
             with self._lock:
                 self._stale |= stale
             self._wake.set()
-
-
-class _StoppedEarly(Exception):
-    """SIGTERM or SIGINT before the agent ran: it exits as cleanly as a running one would."""
-
-
-def run_agent(config: AgentConfig, *, api: AgentApi | None = None) -> None:
-    """Discover, join (or reuse the credential), run until SIGTERM/SIGINT. Raises AgentFatal.
-
-    On SIGTERM/SIGINT the agent stops polling and exits; workloads keep running and are
-    re-adopted by the next start (an agent upgrade or restart must not cost running jobs).
-    """
-    stored = load_credential(config.data_dir)
-    if stored is not None and config.simulate is None and stored.simulate:
-        config = replace(config, simulate=stored.simulate)  # the devices it joined with
-    name = stored.name if stored is not None else (config.name or default_node_name())
-    inventory = discover_all(config.simulate, seed=name)  # simulated uuids differ from node to node
-    for note in inventory.notes:
-        log.info("%s", note)
-    unheld = unheld_warning(config.cgroup_base, os.geteuid() == 0)  # a root agent serves every tenant
-    if unheld:  # said once the node's devices are known good (a bad --simulate is its one line)
-        log.warning("%s", unheld)
-    if api is None:
-        try:
-            verify = server_verify(config.server, config.data_dir, config.ca, config.join_token)
-        except TlsError as e:
-            raise AgentFatal(str(e)) from None
-        api = AgentApi(config.server, verify=verify)
-    previous: dict[signal.Signals, Any] = {}
-    link: DiscoveryLink | None = None
-    joining = [True]
-    stopped: list[Agent] = []  # the agent, once made; stopped by a signal whenever that comes
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("%s: stopping the agent; workloads keep running", signal.Signals(signum).name)
-        if joining[0]:  # nothing of ours runs yet: leave the join at once
-            raise _StoppedEarly
-        joining.append(False)  # a stop asked for while the agent is being made
-        for a in stopped:
-            a.stop()
-
-    try:
-        # before the first request: a stop that comes while the agent joins is a clean stop too
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, on_signal)
-        cred = check_credential(config, inventory, api, connect(config, inventory, api))
-        joining[0] = False
-        agent = Agent(config, inventory, api, cred)
-        stopped.append(agent)
-        if len(joining) > 1:
-            agent.stop()
-        link = start_discovery(
-            api, cred.name, inventory, config.discovery, agent_address=config.address, server=config.server
-        )
-        log.info("agent of node '%s' talking to %s; data in %s", cred.name, config.server, config.data_dir)
-        agent.run()
-    except _StoppedEarly:
-        return
-    finally:
-        if link is not None:
-            link.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        api.close()
