@@ -45,6 +45,11 @@ class ReferenceDefault(DefaultScorer):
             best = np.argmax(np.where(s == top[:, None], f0[:, None] - f1, -np.inf), axis=1)
             return top, np.left_shift(np.int64(1), best.astype(np.int64))
         pick = first_fit(view, req, need)
+        tiebreak = np.zeros(len(view))
+        if req.gpu_count == 0:  # nodes with less of their GPU compute idle first (none: all in use)
+            for b in range(len(view)):
+                cap, idle = int(view.gpu_cap[b].sum()), int(view.gpu_free[b].sum())
+                tiebreak[b] = 0.5 * (1.0 - (idle / cap if cap else 0.0))
         left1 = view.gpu_free.copy()
         for b, mask in enumerate(pick.tolist()):
             for j in range(view.g):
@@ -52,7 +57,7 @@ class ReferenceDefault(DefaultScorer):
                     left1[b, j] = 0
         f0 = frag_amount(view.cpu_free, view.gpu_free, acc, typ)
         f1 = frag_amount(view.cpu_free - req.cpu_milli, left1, acc, typ)
-        return _sigmoid(f0, f1, self.whole_temperature), pick
+        return _sigmoid(f0, f1, self.whole_temperature) + tiebreak, pick
 
 
 def _decisions(sched: Scheduler, n_nodes: int, n_requests: int, seed: int) -> list[object]:

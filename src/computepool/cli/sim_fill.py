@@ -113,6 +113,14 @@ def register(sim_app: typer.Typer) -> None:
                 help="Include the curves (allocation, fragmentation amount and rate by arrived %).",
             ),
         ] = True,
+        cpu_only_scale: Annotated[
+            float,
+            typer.Option(
+                "--cpu-only-scale",
+                help="Multiply the workload's CPU-only pods by this (≥ 1; the fractional part is a fixed "
+                "sample of them), for mixes heavier in CPU-only work than the published lists.",
+            ),
+        ] = 1.0,
     ) -> None:
         """Fill the cluster with the workload's pods (no departures) and measure what is left."""
         from computepool.scheduler.policies import POLICIES  # numpy: only when the command runs
@@ -127,14 +135,20 @@ def register(sim_app: typer.Typer) -> None:
         workload = workload or default_workload()
         nodes = load_nodes(cluster)
         pods = load_pods(workload)
-        with progress_bar(f"fill {workload_name(workload)} with {policy}", not json_out) as update:
+        name = workload_name(workload)
+        if cpu_only_scale != 1.0:
+            from computepool.sim.variants import scale_cpu_only
+
+            pods = scale_cpu_only(pods, cpu_only_scale)
+            name = f"{name}-cpu-only-x{cpu_only_scale:g}"
+        with progress_bar(f"fill {name} with {policy}", not json_out) as update:
             res = run_fill(
                 nodes,
                 pods,
                 policy,
                 seed,
                 tune=tune,
-                workload=workload_name(workload),
+                workload=name,
                 progress=update,
                 prices=prices,
                 empty_powered=empty_powered,
