@@ -22,7 +22,7 @@ from computepool.server.logic.audit import record
 from computepool.server.policy import authorize
 from computepool.store import usage as sql
 from computepool.store.db import db_now
-from computepool.store.models import Price, Tenant
+from computepool.store.models import Allocation, Node, Price, Tenant
 from computepool.wire.common import Items
 from computepool.wire.usage import (
     DeviceSampleOut,
@@ -195,11 +195,21 @@ def node_history(ctx: Ctx, name: str, since: str | None) -> Items[DeviceSampleOu
 # -- the static equivalent ------------------------------------------------------------------------
 
 
+def _pool_start(s: Session) -> datetime | None:
+    """The pool's first record: its first tenant, node or allocation (None for an empty pool)."""
+    firsts = [
+        s.execute(select(func.min(col))).scalar_one_or_none()
+        for col in (Tenant.created_at, Node.joined_at, Allocation.created_at)
+    ]
+    known = [t for t in firsts if t is not None]
+    return min(known) if known else None
+
+
 def static_equivalent(ctx: Ctx, since: str | None, until: str | None) -> StaticEquivalentOut:
     scope = authorize(ctx.caller(), ctx.action)
     with ctx.db.read() as s:
         start, end = _window(s, since, until, "30d")
-        born = s.execute(select(func.min(Tenant.created_at))).scalar_one_or_none()
+        born = _pool_start(s)
         clipped = born is not None and start < born < end
         if clipped and born is not None:  # idle static devices are charged only while the pool was
             start = born
