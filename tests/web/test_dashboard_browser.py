@@ -280,3 +280,29 @@ def test_overview_bars_chart_denominators_and_alerts(kit: Kit, busy: Busy) -> No
     expect(page.locator("#firing")).to_be_visible()
     shoot(page, "overview")
     ctx.close()
+
+
+def test_a_pending_jobs_page_explains_each_node_and_logs_follow_the_tail(kit: Kit, busy: Busy) -> None:
+    ctx, page = kit.sign_in("alice")
+    page.goto(f"{kit.pool.url}/ui/work/{busy.waiting}")
+    expect(page.locator("#field-state")).to_have_text("pending", timeout=WAIT_MS)
+    # one row per node, saying what that node lacks for this request (the API counts them)
+    rows = page.locator("#why-nodes tbody tr")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text("no exclusive idle GPU")
+    r = kit.pool.http.get(f"/api/v1/allocations/{busy.waiting}/explain")
+    assert r.status_code == 200 and "no exclusive idle GPU" in r.json()["summary"], r.text
+    expect(page.locator("#why-summary")).to_contain_text("no exclusive idle GPU")
+    position = r.json()["queue_position"]
+    expect(page.locator("#why-queue")).to_contain_text(f"Queue position {position} among alpha")
+    expect(page.locator("#why-queue")).to_contain_text("priority 0")
+    expect(page.locator("#why-quota")).to_contain_text("GPUs")
+    shoot(page, "pending")
+    # a long log shows its tail: the view is scrolled to the end
+    chatty = kit.job("alice", "for i in range(400): print('line', i, flush=True)", name="chatty")
+    page.goto(f"{kit.pool.url}/ui/work/{chatty}")
+    expect(page.locator("#stdout")).to_contain_text("line 399", timeout=WAIT_MS)
+    expect(page.locator("#why-nodes")).to_have_count(0)
+    at_end = "e => e.scrollHeight > e.clientHeight && e.scrollTop + e.clientHeight >= e.scrollHeight - 8"
+    assert page.locator("#stdout").evaluate(at_end)
+    ctx.close()

@@ -22,7 +22,7 @@ from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
 from computepool.server.logic import allocations, nodes, services, usage
 from computepool.server.policy import Action, authorize
-from computepool.server.web import board, fmt, work
+from computepool.server.web import board, explain, fmt, work
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,
@@ -154,10 +154,13 @@ async def allocation(request: Request, alloc_id: str) -> Response:
             principal=session.principal,
             caches=request.app.state.caches,
         )
-        await run_in_threadpool(allocations.get, ctx, number)
+        found = await run_in_threadpool(allocations.get, ctx, number)
+        why = await run_in_threadpool(explain.explain, ctx, number) if found.state == "pending" else None
     except ApiError as e:
         return _page(session, "allocation", e.status, alloc_id=alloc_id, error=e.message)
-    return _page(session, "allocation", alloc_id=number, error="")
+    return _page(
+        session, "allocation", alloc_id=number, a=found, why=why, quota=explain.quota_rows(why), error=""
+    )
 
 
 def _ctx(request: Request, session: Session, action: Action) -> Ctx:

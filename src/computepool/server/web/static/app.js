@@ -270,7 +270,7 @@
     put("nodes", sections.length ? h("div", {}, sections) : message("no nodes have joined yet"));
   }
 
-  // pages the server renders (data-render="server"): fetch the same address again and swap in
+  // parts the server renders ([data-live]): fetch the same address again and swap in
   // each [data-live] region by id; the server escaped every value, and DOMParser runs no script.
   // Expanded <details> stay expanded across the swap.
   async function serverView() {
@@ -591,12 +591,14 @@
 
   async function refresh() {
     clearTimeout(timer);
-    const view = body.dataset.render === "server" ? serverView : views[page];
-    if (!view || running) return;
+    const view = views[page];
+    const served = document.querySelector("[data-live]") !== null;
+    if ((!view && !served) || running) return;
     running = true;
     const live = document.getElementById("live");
     try {
-      if (!document.hidden) await view();
+      if (!document.hidden && view) await view();
+      if (!document.hidden && served) await serverView();
       if (live) live.textContent = "updated " + new Date().toLocaleTimeString();
     } catch (e) {
       if (live) live.textContent = "not updated: " + e;
