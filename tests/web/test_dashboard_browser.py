@@ -306,3 +306,22 @@ def test_a_pending_jobs_page_explains_each_node_and_logs_follow_the_tail(kit: Ki
     at_end = "e => e.scrollHeight > e.clientHeight && e.scrollTop + e.clientHeight >= e.scrollHeight - 8"
     assert page.locator("#stdout").evaluate(at_end)
     ctx.close()
+
+
+def test_nodes_page_shows_units_power_health_and_allocated_capacity(kit: Kit, busy: Busy) -> None:
+    node = kit.pool.http.get("/api/v1/nodes").json()["items"][0]
+    name, devices = node["name"], node["devices"]
+    ctx, page = kit.sign_in("admin")
+    page.goto(kit.pool.url + "/ui/nodes")
+    cpus = f"{node['cpu_milli'] / 1000:g}"
+    expect(page.locator(f"#node-{name}-cpu")).to_have_text(re.compile(rf"^CPU [0-9.]+ / {cpus} allocated$"))
+    expect(page.locator(f"#node-{name}-mem")).to_contain_text("GiB allocated")
+    first = page.locator(f"#device-{name}-0")
+    expect(first).to_contain_text(f"/ {devices[0]['memory_mib'] // 1024} GiB")
+    if devices[0]["power_w"] is not None:  # A100: its rated board power is the denominator
+        expect(first).to_contain_text("/ 400 W")
+    expect(first.locator(".health .state")).to_have_text("ok")
+    expect(page.locator("#nodes")).to_contain_text("0.5 / 1 GPU")  # alice's half slice
+    expect(page.locator("#nodes svg.spark")).to_have_count(2 * len(devices))
+    shoot(page, "nodes")
+    ctx.close()

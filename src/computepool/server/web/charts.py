@@ -123,3 +123,22 @@ def timeline(
             )
     out.append("</svg>")
     return Markup("".join(out))
+
+
+def spark(points: Sequence[tuple[datetime, float]], top: float, css: str, label: str) -> Markup:
+    """A small line of (time, value) points, value from 0 to `top`."""
+    w, h = 120, 24
+    out = [
+        f'<svg class="spark" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+        f'role="img" aria-label="{escape(label)}">'
+    ]
+    if len(points) > 1:
+        t0 = points[0][0]
+        span = max(1.0, (points[-1][0] - t0).total_seconds())
+        xy = [
+            f"{(t - t0).total_seconds() / span * (w - 2) + 1:.1f},{h - 1 - _frac(v, top) * (h - 2):.1f}"
+            for t, v in points
+        ]
+        out.append(f'<polyline class="{css}" points="{" ".join(xy)}"/>')
+    out.append("</svg>")
+    return Markup("".join(out))

@@ -22,7 +22,7 @@ from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
 from computepool.server.logic import allocations, nodes, services, usage
 from computepool.server.policy import Action, authorize
-from computepool.server.web import board, explain, fmt, work
+from computepool.server.web import board, explain, fmt, racks, work
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,
@@ -35,6 +35,7 @@ from computepool.server.web.session import (
     same_origin,
 )
 from computepool.wire.common import MAX_ID
+from computepool.wire.nodes import NodeOut
 from computepool.wire.usage import DeviceSampleOut
 
 T = TypeVar("T")
@@ -219,6 +220,40 @@ def _optional(read: Callable[[], T]) -> T | None:
         return None
 
 
+def _history(
+    request: Request, session: Session, found: list[NodeOut], since: str
+) -> dict[str, list[DeviceSampleOut]]:
+    history: dict[str, list[DeviceSampleOut]] = {}
+    for n in found:
+        try:
+            history[n.name] = usage.node_history(
+                _ctx(request, session, Action.NODE_HISTORY_GET), n.name, since
+            ).items
+        except ApiError:
+            continue
+    return history
+
+
+@router.get("/ui/nodes")
+async def nodes_page(request: Request) -> Response:
+    session = await current(request)
+    if session is None:
+        return _to("/")
+
+    def read() -> list[racks.Rack]:
+        found = nodes.list_all(_ctx(request, session, Action.NODE_LIST)).items
+        rows = allocations.list_all(
+            _ctx(request, session, Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS
+        )
+        return racks.build(found, rows.items, _history(request, session, found, "1h"))
+
+    try:
+        found = await run_in_threadpool(read)
+    except ApiError as e:
+        return _page(session, "nodes", e.status, error=e.message, racks=[])
+    return _page(session, "nodes", racks=found, error="")
+
+
 async def _overview(request: Request, session: Session) -> Response:
     def read() -> board.Overview:
         def ctx(action: Action) -> Ctx:
@@ -226,12 +261,7 @@ async def _overview(request: Request, session: Session) -> Response:
 
         found = nodes.list_all(ctx(Action.NODE_LIST)).items
         rows = allocations.list_all(ctx(Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS)
-        history: dict[str, list[DeviceSampleOut]] = {}
-        for n in found:
-            try:
-                history[n.name] = usage.node_history(ctx(Action.NODE_HISTORY_GET), n.name, "24h").items
-            except ApiError:
-                continue
+        history = _history(request, session, found, "24h")
         used = _optional(lambda: usage.usage(ctx(Action.USAGE_LIST), "tenant", "1d", None).items)
         firing = _optional(lambda: alerts_api.list_alerts(ctx(Action.ALERT_LIST), "firing", None).items)
         return board.build(found, rows.items, history, used, firing)

@@ -5,7 +5,6 @@
 
 (() => {
   const POLL_MS = 2000;
-  const HISTORY_EVERY = 5; // node history is refreshed every fifth poll
   const LOG_CAP = 2_000_000; // characters of a log kept on the page
   const HOLDING = ["bound", "active"];
   const LIVE = ["pending", "bound", "active"];
@@ -132,142 +131,8 @@
   }
   // ---- views --------------------------------------------------------------------------------
 
-  // slices of allocations holding devices, by "node/index"
-  function slicesByDevice(allocs) {
-    const map = new Map();
-    for (const a of allocs) {
-      if (!HOLDING.includes(a.state)) continue;
-      for (const s of a.slices) {
-        const key = s.node + "/" + s.device_index;
-        if (!map.has(key)) map.set(key, []);
-        map.get(key).push({ alloc: a, slice: s });
-      }
-    }
-    return map;
-  }
-
   function sumOf(rows, field) {
     return rows.reduce((t, r) => t + (Number(r[field]) || 0), 0);
-  }
-
-  const history = new Map(); // node → {device index → [samples]}
-  let polls = 0;
-
-  function sparkline(samples, field, scale, label) {
-    const ns = "http://www.w3.org/2000/svg";
-    const w = 120;
-    const ht = 24;
-    const svg = document.createElementNS(ns, "svg");
-    svg.setAttribute("width", String(w));
-    svg.setAttribute("height", String(ht));
-    svg.setAttribute("class", "spark");
-    svg.setAttribute("role", "img");
-    svg.setAttribute("aria-label", label);
-    const pts = samples.filter((s) => s[field] !== null && s[field] !== undefined);
-    if (pts.length > 1) {
-      const t0 = new Date(pts[0].at).getTime();
-      const span = Math.max(1, new Date(pts[pts.length - 1].at).getTime() - t0);
-      const line = document.createElementNS(ns, "polyline");
-      line.setAttribute(
-        "points",
-        pts
-          .map((s) => {
-            const x = ((new Date(s.at).getTime() - t0) / span) * (w - 2) + 1;
-            const y = ht - 1 - Math.max(0, Math.min(1, s[field] / scale)) * (ht - 2);
-            return x.toFixed(1) + "," + y.toFixed(1);
-          })
-          .join(" "),
-      );
-      line.setAttribute("class", "line-" + field);
-      svg.append(line);
-    }
-    return svg;
-  }
-
-  async function loadHistory(nodes) {
-    await Promise.all(
-      nodes.map(async (n) => {
-        const r = await api("/nodes/" + encodeURIComponent(n.name) + "/history?since=1h");
-        if (!r.ok) {
-          history.set(n.name, null);
-          return;
-        }
-        const by = {};
-        for (const s of items(r)) (by[s.device_index] = by[s.device_index] || []).push(s);
-        for (const list of Object.values(by)) list.sort((a, b) => new Date(a.at) - new Date(b.at));
-        history.set(n.name, by);
-      }),
-    );
-  }
-
-  async function nodesView() {
-    const [nodesR, allocsR] = await Promise.all([api("/nodes"), api("/allocations?limit=1000")]);
-    const nodes = items(nodesR);
-    if (polls++ % HISTORY_EVERY === 0) await loadHistory(nodes);
-    const held = slicesByDevice(items(allocsR));
-    const sections = nodes.map((n) => {
-      const flags = [];
-      if (n.cordoned) flags.push(n.draining ? "draining" : "cordoned");
-      if (n.dedicated) flags.push("dedicated" + (n.dedicated_to ? " to " + n.dedicated_to : ""));
-      const labels = Object.entries(n.labels).map(([k, v]) => k + "=" + v);
-      const hist = history.get(n.name);
-      return h(
-        "section",
-        { class: "node", id: "node-" + n.name },
-        h("h2", {}, n.name + " ", stateBadge(n.state)),
-        h(
-          "p",
-          { class: "meta" },
-          "heartbeat " + num(n.heartbeat_age_s, 1) + " s ago · " + num(n.cpu_milli / 1000, 1) + " CPU · " +
-            num(n.memory_mib / 1024, 1) + " GiB" + (flags.length ? " · " + flags.join(", ") : "") +
-            (labels.length ? " · " + labels.join(" ") : ""),
-        ),
-        table(
-          [
-            { label: "device", value: (d) => "#" + d.index },
-            { label: "model", value: (d) => d.model },
-            { label: "utilization", value: (d) => pct(d.utilization_pct) },
-            {
-              label: "memory used",
-              value: (d) => (d.used_memory_mib === null ? dash : num(d.used_memory_mib, 0)) + " / " + num(d.memory_mib, 0) + " MiB",
-            },
-            { label: "power", value: (d) => (d.power_w === null ? dash : num(d.power_w, 0) + " W") },
-            { label: "health", value: (d) => d.health || "ok", cls: "health" },
-            {
-              label: "slices (tier)",
-              value: (d) => {
-                const on = held.get(n.name + "/" + d.index) || [];
-                if (!on.length) return "free";
-                return h(
-                  "ul",
-                  { class: "slices" },
-                  on.map(({ alloc, slice }) =>
-                    h("li", {}, allocLink(alloc), " " + alloc.tenant + " · " + num(slice.compute_milli / 1000, 3) + " GPU · " +
-                      num(slice.memory_mib, 0) + " MiB · " + slice.isolation),
-                  ),
-                );
-              },
-            },
-            {
-              label: "last hour (utilization, memory)",
-              value: (d) => {
-                if (hist === null) return dash;
-                const samples = (hist && hist[d.index]) || [];
-                return h(
-                  "span",
-                  {},
-                  sparkline(samples, "utilization_pct", 100, "utilization, last hour"),
-                  sparkline(samples, "used_memory_mib", d.memory_mib || 1, "memory used, last hour"),
-                );
-              },
-            },
-          ],
-          n.devices,
-          "no accelerators: CPU only",
-        ),
-      );
-    });
-    put("nodes", sections.length ? h("div", {}, sections) : message("no nodes have joined yet"));
   }
 
   // parts the server renders ([data-live]): fetch the same address again and swap in
@@ -579,7 +444,6 @@
   // ---- the refresh loop ---------------------------------------------------------------------
 
   const views = {
-    nodes: nodesView,
     allocation,
     tenants,
     usage: usageView,
