@@ -104,6 +104,9 @@ class _KindCache:
     score: np.ndarray  # per class id: score, -inf when infeasible
     pick: np.ndarray  # per class id: device bitmask
     stamp: np.ndarray  # per class id: stamp of the class instance scored (0: none)
+    node_score: np.ndarray | None = None  # per node, as of `synced` (read-only for callers)
+    node_pick: np.ndarray | None = None
+    synced: int = -1  # position in the state's change log the node arrays reflect
 
 
 class Scheduler:
@@ -178,14 +181,36 @@ class Scheduler:
             stamp = np.zeros(grow, np.int64)
             stamp[: len(entry.stamp)] = entry.stamp
             entry.stamp = stamp
-        missing = entry.stamp[cls] != state.node_stamp
-        if missing.any():
-            uniq = np.unique(cls[missing])
-            s, p = self._score_classes(state, uniq, req)
-            entry.score[uniq] = s
-            entry.pick[uniq] = p
-            entry.stamp[cls[missing]] = state.node_stamp[missing]
-        return entry.score[cls], entry.pick[cls]
+        log, base = state.changed, state.changed_base
+        behind = base + len(log) - entry.synced
+        if entry.node_score is None or entry.synced < base or behind > len(cls) // 4:
+            missing = entry.stamp[cls] != state.node_stamp
+            if missing.any():
+                self._refresh(state, req, entry, cls[missing], state.node_stamp[missing])
+            entry.node_score, entry.node_pick = entry.score[cls], entry.pick[cls]
+        elif behind:
+            # only the nodes whose class changed since this kind was last placed
+            nodes = np.unique(np.array(log[entry.synced - base :], dtype=np.int64))
+            ids = cls[nodes]
+            missing = entry.stamp[ids] != state.node_stamp[nodes]
+            if missing.any():
+                self._refresh(state, req, entry, ids[missing], state.node_stamp[nodes[missing]])
+            entry.node_score[nodes] = entry.score[ids]
+            assert entry.node_pick is not None
+            entry.node_pick[nodes] = entry.pick[ids]
+        entry.synced = base + len(log)
+        assert entry.node_pick is not None
+        return entry.node_score, entry.node_pick
+
+    def _refresh(
+        self, state: ClusterState, req: Request, entry: _KindCache, ids: np.ndarray, stamps: np.ndarray
+    ) -> None:
+        """Score the classes `ids` (repeats allowed) and remember the stamps they were scored at."""
+        uniq = np.unique(ids)
+        s, p = self._score_classes(state, uniq, req)
+        entry.score[uniq] = s
+        entry.pick[uniq] = p
+        entry.stamp[ids] = stamps
 
     def _score_classes(
         self, state: ClusterState, classes: np.ndarray, req: Request

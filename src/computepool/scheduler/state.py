@@ -120,6 +120,9 @@ class ClusterState:
     _class_stamp: list[int] = field(init=False, default_factory=list)
     class_stamps: np.ndarray = field(init=False)  # (classes,) `_class_stamp` as an array, for memos
     _free_ids: list[int] = field(init=False, default_factory=list)
+    # nodes whose class changed, in order; `changed_base` counts entries dropped from the front
+    changed: list[int] = field(init=False, default_factory=list)
+    changed_base: int = field(init=False, default=0)
     _next_stamp: int = field(init=False, default=0)
     version: int = field(init=False, default=0)
     uid: str = field(init=False, default="")
@@ -379,6 +382,10 @@ class ClusterState:
                 self._free_ids.append(old)
             self.class_of[i] = cid
             self.node_stamp[i] = self._class_stamp[cid]
+            if len(self.changed) >= 8 * len(self.names) + 64:  # readers that far behind rescan
+                self.changed_base += len(self.changed)
+                self.changed.clear()
+            self.changed.append(i)
         self.version += 1
 
     # --- changes --------------------------------------------------------------------------
