@@ -402,9 +402,14 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
         return dict(self.request("POST", "/allocations", json=req.body(), headers={"Idempotency-Key": key}))
 
     def list_allocations(
-        self, state: str | None = None, tenant: str | None = None, limit: int | None = None
+        self,
+        state: str | None = None,
+        tenant: str | None = None,
+        limit: int | None = None,
+        array: int | None = None,
     ) -> list[JSON]:
-        return self._items("/allocations", {"state": state, "tenant": tenant, "limit": limit})
+        params = {"state": state, "tenant": tenant, "limit": limit, "array": array}
+        return self._items("/allocations", params)
 
     def get_allocation(self, alloc_id: AllocId, wait: float = 0.0, state: str | None = None) -> JSON:
         """The allocation; with `wait`, the server answers once its state differs from `state`

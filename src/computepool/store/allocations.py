@@ -179,10 +179,16 @@ def end(session: Session, head: Head, state: AllocationState, reason: str, now: 
     )
 
 
-def query(session: Session, *, tenant: str | None, state: str | None, limit: int) -> Sequence[Any]:
-    """Allocations newest first, as plain rows with `tenant_name` (one Core query, no ORM objects)."""
+def query(
+    session: Session, *, tenant: str | None, state: str | None, limit: int, array: int | None = None
+) -> Sequence[Any]:
+    """Allocations newest first, as plain rows with `tenant_name` (one Core query, no ORM objects);
+    with `array`, the members of that job array (its members' ids start at the array's)."""
     t = Tenant.__table__
     stmt = select(*_ALLOC.c, t.c.name.label("tenant_name")).join(t, _ALLOC.c.tenant_id == t.c.id)
+    if array is not None:
+        member_of = _ALLOC.c.request[("array", "id")].as_integer()
+        stmt = stmt.where(_ALLOC.c.id >= array, member_of == array)
     if tenant is not None:
         stmt = stmt.where(t.c.name == tenant)
     if state is not None:
@@ -389,3 +395,14 @@ def count_by(session: Session, state: str) -> dict[str, int]:
         .group_by(Tenant.name)
     )
     return {name: int(n) for name, n in session.execute(stmt).all()}
+
+
+def end_states(session: Session, ids: Sequence[int]) -> dict[int, str]:
+    """The states of those of `ids` that have ended, by id."""
+    out: dict[int, str] = {}
+    for i in range(0, len(ids), 500):
+        stmt = select(_ALLOC.c.id, _ALLOC.c.state).where(
+            _ALLOC.c.id.in_(list(ids[i : i + 500])), _ALLOC.c.state.in_(ENDED)
+        )
+        out.update((int(r.id), str(r.state)) for r in session.connection().execute(stmt))
+    return out

@@ -111,6 +111,66 @@ class SecretUse(In):
         return self.env or self.name
 
 
+MAX_ARRAY = 1000
+MAX_AFTER = 16
+MAX_RETRIES = 20
+AfterOn = Literal["ok", "any", "failed"]
+
+
+def parse_array(spec: str) -> tuple[list[int], int | None]:
+    """A job array's indices and its throttle from `0-99%8`, `0-9`, `1,3,5` or `0-20:2` (Slurm's
+    --array); ValueError with a readable message otherwise."""
+    body, _, limit_text = spec.strip().partition("%")
+    limit: int | None = None
+    if limit_text:
+        if not limit_text.isdigit() or int(limit_text) < 1:
+            raise ValueError(f"{spec!r}: the limit after % must be a whole number of at least 1")
+        limit = int(limit_text)
+    indices: list[int] = []
+    for part in body.split(","):
+        rng, _, step_text = part.partition(":")
+        lo_text, dash, hi_text = rng.partition("-")
+        texts = [lo_text, hi_text] if dash else [lo_text]
+        if step_text:
+            texts.append(step_text)
+        if not all(t.isdigit() for t in texts) or (step_text and not dash):
+            raise ValueError(f"{spec!r}: give indices as 0-99, 1,3,5 or 0-20:2, optionally with %LIMIT")
+        lo = int(lo_text)
+        hi = int(hi_text) if dash else lo
+        step = int(step_text) if step_text else 1
+        if hi < lo or step < 1:
+            raise ValueError(f"{spec!r}: {part} is an empty range")
+        if (hi - lo) // step + 1 + len(indices) > MAX_ARRAY:
+            raise ValueError(f"{spec!r}: an array has at most {MAX_ARRAY} members")
+        indices.extend(range(lo, hi + 1, step))
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{spec!r}: an index is given twice")
+    return indices, limit
+
+
+def _array_spec(spec: str) -> str:
+    parse_array(spec)
+    return spec
+
+
+ArraySpec = Annotated[
+    str,
+    StringConstraints(max_length=200),
+    AfterValidator(_array_spec),
+    Field(
+        description="A job array: one allocation per index (0-99, 1,3,5, 0-20:2), %N runs at most N at once."
+    ),
+]
+
+
+class After(In):
+    """Start only once allocation `id` has ended this way: ok (released, exit 0), failed (failed or
+    preempted) or any end at all (cancelled too)."""
+
+    id: Id
+    on: AfterOn = "ok"
+
+
 class AllocationCreate(In):
     """What to allocate. Device quantities are per node; a gang asks for `gang_nodes` such nodes."""
 
@@ -209,6 +269,23 @@ class AllocationCreate(In):
     secrets: list[SecretUse] | None = Field(
         default=None, max_length=MAX_SECRETS, description="Secrets of the tenant's in the job's environment."
     )
+    array: ArraySpec | None = None
+    after: list[After] | None = Field(
+        default=None, max_length=MAX_AFTER, description="Allocations (of the same tenant) to wait for."
+    )
+    retries: int = Field(
+        default=0,
+        strict=True,
+        ge=0,
+        le=MAX_RETRIES,
+        description="Run a job that exits non-zero again, up to this many times (back-off 1, 2, 4 … s).",
+    )
+    retry_on_exit: list[Annotated[int, Field(strict=True, ge=1, le=255)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="Retry only these exit codes; default any non-zero.",
+    )
 
     @classmethod
     def unchecked(cls, **fields: Any) -> AllocationCreate:
@@ -260,6 +337,21 @@ class RequestOut(Out):
     code: str | None = None
     stdin: str | None = None
     secrets: list[SecretUse] | None = Field(default=None, description="Names only: values are never shown.")
+    array: ArrayOut | None = None
+    after: list[After] | None = None
+    retries: int = 0
+    retry_on_exit: list[int] | None = None
+    retried: int = Field(default=0, description="Retries so far after the job's own failure.")
+    retry_at: datetime | None = Field(default=None, description="A retry waits for its back-off until then.")
+
+
+class ArrayOut(Out):
+    """A member of a job array: the array's id is its first member's id."""
+
+    id: int
+    index: int = Field(description="This member's index (CPOOL_ARRAY_INDEX).")
+    count: int = Field(description="Members of the array (CPOOL_ARRAY_COUNT).")
+    limit: int | None = Field(description="At most this many members bound or running at once.")
 
 
 class SliceOut(Out):
@@ -333,6 +425,12 @@ class AllocationOut(Out):
     members: list[MemberOut] = Field(
         default_factory=list, description="A gang's members in rank order; empty for one node."
     )
+    array_id: int | None = Field(
+        default=None, description="The job array it belongs to (its first member's id)."
+    )
+    array_index: int | None = Field(default=None, description="Its index in the job array.")
+    after: list[After] | None = Field(default=None, description="What it waits for before it starts.")
+    retries: int = Field(default=0, description="Retries allowed after the job's own failure.")
 
 
 class ReasonsOut(Out):

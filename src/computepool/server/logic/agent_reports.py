@@ -18,7 +18,7 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Forbidden, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
-from computepool.server.logic import gangs
+from computepool.server.logic import gangs, job_control
 from computepool.server.logic import secrets as secret_logic
 from computepool.server.logic.audit import record
 from computepool.server.logic.report_times import reported_start
@@ -131,9 +131,13 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
             elif r.state in ("exited", "failed"):
                 a.exit_code = r.exit_code
                 what = f"exited {r.exit_code}" if r.state == "exited" else "failed"
-                store.transition(
-                    s, a, "failed", f"{what} on {name}" + (f": {r.reason}" if r.reason else ""), now
-                )
+                what = f"{what} on {name}" + (f": {r.reason}" if r.reason else "")
+                delay = job_control.retry_delay(a.request, r.exit_code if r.state == "exited" else None)
+                if delay is not None:  # the job's own failure, and it may run again
+                    touched.update(a.nodes)
+                    job_control.retry(s, a, what, delay, now)
+                else:
+                    store.transition(s, a, "failed", what, now)
             else:  # lost: the agent no longer knows the process
                 lost = f"process lost on {name}" + (f": {r.reason}" if r.reason else "")
                 touched.update(a.nodes)

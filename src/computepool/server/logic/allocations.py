@@ -29,7 +29,7 @@ from computepool.server.context import Ctx
 from computepool.server.errors import Conflict, Invalid, NotFound
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
-from computepool.server.logic import gangs, images, published, request_defaults
+from computepool.server.logic import gangs, images, job_control, published, request_defaults
 from computepool.server.logic import secrets as secret_logic
 from computepool.server.logic.audit import record
 from computepool.server.logic.request_defaults import RequestDefaults
@@ -81,6 +81,7 @@ def _out(a: Any, events: Sequence[Any] | None, tenant: str | None = None) -> All
         ended_at=a.ended_at,
         events=None if events is None else [_event_out(e) for e in events],
         members=gangs.members_out(a),
+        **job_control.out_fields(a.request),
     )
 
 
@@ -162,7 +163,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "code": body.code,
         "stdin": body.stdin,
         "secrets": secret_logic.stored_uses(body.secrets, body.env),  # names only
-    }
+    } | job_control.stored(body)
 
 
 def _load_shape(ctx: Ctx) -> tuple[scheduling.Snapshot, dict[str, int], dict[str, RequestDefaults]]:
@@ -322,21 +323,20 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
             images.pin(s, ctx.settings, tenant_name, tenant_id, req)  # the image id the job will run
             blob_service.claim(s, tenant_id, req, now)  # code and stdin: blobs the tenant holds
             secret_logic.check_known(s, tenant_id, req)  # the secrets it names: the tenant's own
-            alloc_id = store.insert_pending(
-                s,
-                {
-                    "name": body.name or "",
-                    "tenant_id": tenant_id,
-                    "owner": caller.name,
-                    "idempotency_key": key,
-                    "request": req,
-                    "priority": body.priority,
-                    "command": body.command,
-                    "env": body.env,
-                    "restartable": body.restartable,
-                },
-                now,
-            )
+            job_control.check_after(s, tenant_id, req)  # what it waits for: the tenant's own
+            row: dict[str, Any] = {
+                "name": body.name or "",
+                "tenant_id": tenant_id,
+                "owner": caller.name,
+                "idempotency_key": key,
+                "request": req,
+                "priority": body.priority,
+                "command": body.command,
+                "env": body.env,
+                "restartable": body.restartable,
+            }
+            alloc_id = job_control.insert(s, body, row, now)
+            req = row["request"]  # a job array's first member: its array and environment set
             record(
                 s, ctx, f"allocation:{alloc_id}", tenant=tenant_name, detail={"request": _brief(req)}, now=now
             )
@@ -347,7 +347,7 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
             owner=caller.name,
             request=RequestOut.model_validate(req),
             command=body.command,
-            env=body.env,
+            env=row["env"],
             restartable=body.restartable,
             state="pending",
             reason="submitted",
@@ -361,6 +361,7 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
             started_at=None,
             ended_at=None,
             events=[EventOut(at=now, state="pending", reason="submitted")],
+            **job_control.out_fields(req),
         )
     except IntegrityError:
         if key is None:
@@ -380,7 +381,13 @@ def _brief(req: dict[str, Any]) -> dict[str, Any]:
 
 # --- read ---------------------------------------------------------------------------------------
 def list_all(
-    ctx: Ctx, *, state: str | None, tenant: str | None, limit: int, events: bool = False
+    ctx: Ctx,
+    *,
+    state: str | None,
+    tenant: str | None,
+    limit: int,
+    events: bool = False,
+    array: int | None = None,
 ) -> Items[AllocationOut]:
     """Newest first; each one's history only when asked (`events`): a list of many rows is read in
     one query, without reading every row's events."""
@@ -390,7 +397,7 @@ def list_all(
             return Items[AllocationOut](items=[])
         tenant = scope.tenant
     with ctx.db.read() as s:
-        rows = store.query(s, tenant=tenant, state=state, limit=limit)
+        rows = store.query(s, tenant=tenant, state=state, limit=limit, array=array)
         history = store.events_of(s, [r.id for r in rows]) if events else {}
     return Items[AllocationOut](
         items=[_out(r, history[r.id] if events else None, tenant=r.tenant_name) for r in rows]

@@ -68,8 +68,11 @@ def list_allocations(
     events: Annotated[
         bool, Query(description="Include each allocation's history (else `events` is null).")
     ] = False,
+    array: Annotated[
+        int | None, Query(ge=1, le=MAX_ID, description="Only the members of this job array (its id).")
+    ] = None,
 ) -> Items[AllocationOut]:
-    return allocations.list_all(ctx, state=state, tenant=tenant, limit=limit, events=events)
+    return allocations.list_all(ctx, state=state, tenant=tenant, limit=limit, events=events, array=array)
 
 
 @router.get(

@@ -9,6 +9,7 @@ unless their time limit ends by the shadow time. The reasons say so in the user'
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from datetime import datetime, timedelta
 
 from computepool.scheduler.placement import Scheduler
@@ -33,9 +34,12 @@ def ends_at(a: Live, now: datetime | None) -> float | None:
     return max(0.0, (a.bound_at - now).total_seconds() + limit)  # overdue work ends any moment
 
 
-def plan(snap: Snapshot, world: World, sched: Scheduler, running: list[Live]) -> Reservation | None:
-    """The reservation for the oldest gang that cannot start now; None when no gang waits."""
-    gangs = [a for a in snap.live if a.state == "pending" and a.core.gang_nodes > 1]
+def plan(
+    snap: Snapshot, world: World, sched: Scheduler, running: list[Live], waiting: Collection[int] = ()
+) -> Reservation | None:
+    """The reservation for the oldest gang that cannot start now (those in `waiting` may not start
+    yet whatever is free: scheduling/gates.py); None when no gang waits."""
+    gangs = [a for a in snap.live if a.state == "pending" and a.core.gang_nodes > 1 and a.id not in waiting]
     if not gangs or world.state.n_nodes == 0:
         return None
     gangs.sort(key=lambda a: (-a.priority, a.id))

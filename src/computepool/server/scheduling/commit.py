@@ -22,6 +22,7 @@ class CommitResult:
     bound: list[int] = field(default_factory=list)
     stopped: list[int] = field(default_factory=list)
     requeued: list[int] = field(default_factory=list)
+    unstarted: list[int] = field(default_factory=list)  # pending ones ended: a dependency never met
     nodes: set[str] = field(default_factory=set)
 
 
@@ -58,6 +59,15 @@ def commit(
                 store.transition(s, a, st.state, st.reason, now, term=term)
                 sql.audit_scheduler(s, now, "allocation.fail", a, term, {"reason": st.reason})
             res.stopped.append(a.id)
+        ending = sql.lock_allocations(s, list(plan.ends))
+        for alloc_id, (attempt, why) in plan.ends.items():  # dependencies never met: ended unstarted
+            a = ending.get(alloc_id)
+            if a is None or a.attempt != attempt or a.state != "pending":
+                continue
+            store.transition(s, a, "failed", why, now, term=term)
+            sql.audit_scheduler(s, now, "allocation.fail", a, term, {"reason": why})
+            res.stopped.append(a.id)
+            res.unstarted.append(a.id)
         s.flush()
         if plan.binds:
             heads = sql.bind_heads(s, [b.id for b in plan.binds])

@@ -180,9 +180,10 @@ class Controller:
             self.observe(elapsed)
         self.hub.notify(*topics.nodes(result.nodes), *topics.ended(result.stopped))
         self.hub.notify(*topics.allocs(result.bound))
-        if result.requeued:  # moved work waits in the queue: place it without waiting a second
+        if result.requeued or result.unstarted:  # moved work waits; others may wait for what ended
             self.hub.wake_scheduler()
-        self._decided = (basis, time.monotonic())
+        fresh_for = self.refresh_s if plan.recheck_s is None else min(self.refresh_s, plan.recheck_s)
+        self._decided = (basis, time.monotonic() + fresh_for - self.refresh_s)  # a back-off ends sooner
         return CycleReport(True, term, elapsed, t2 - t1, pending, result, t1 - t0, t3 - t2)
 
     def _settle(self) -> float:

@@ -27,7 +27,7 @@ from computepool.scheduler.filters import Reasons
 from computepool.scheduler.placement import Decision, Scheduler
 from computepool.scheduler.policies import make_scorer
 from computepool.scheduler.reservation import Reservation
-from computepool.server.scheduling import backfill
+from computepool.server.scheduling import backfill, gates
 from computepool.server.scheduling.quota import (
     host_usage,
     over_limit,
@@ -70,6 +70,8 @@ class Plan:
     binds: list[Bind] = field(default_factory=list)
     stops: list[Stop] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)  # pending id → why it waits
+    ends: dict[int, tuple[int, str]] = field(default_factory=dict)  # pending id → (attempt, why never)
+    recheck_s: float | None = None  # decide again this soon even if nothing changes (a retry's back-off)
 
     def touched_nodes(self) -> set[str]:
         return {n for b in self.binds for n in b.nodes} | {n for st in self.stops for n in st.nodes}
@@ -118,9 +120,10 @@ def build_world(snap: Snapshot) -> tuple[World, list[Live], list[Stop]]:
 def decide(snap: Snapshot) -> Plan:
     """Every decision of one cycle, from the snapshot alone."""
     world, running, stops = build_world(snap)
-    plan = Plan(stops=stops)
+    gate = gates.judge(snap)  # dependencies, array limits, retries' back-off
+    plan = Plan(stops=stops, ends=gate.ends, recheck_s=gate.recheck_s)
     sched = new_scheduler(snap)
-    _serve_pending(snap, world, sched, running, plan)
+    _serve_pending(snap, world, sched, running, plan, gate.held)
     return plan
 
 
@@ -149,10 +152,13 @@ class _Cycle:
         return res.within(backfill.time_limit_s(a))  # pending: it would end its limit from now
 
 
-def _serve_pending(snap: Snapshot, world: World, sched: Scheduler, running: list[Live], plan: Plan) -> None:
+def _serve_pending(
+    snap: Snapshot, world: World, sched: Scheduler, running: list[Live], plan: Plan, held: dict[int, str]
+) -> None:
     queues: dict[str, list[Live]] = {}
+    plan.reasons.update(held)
     for a in snap.live:
-        if a.state == "pending":
+        if a.state == "pending" and a.id not in held and a.id not in plan.ends:
             queues.setdefault(a.tenant, []).append(a)
     for q in queues.values():
         q.sort(key=lambda a: (-a.priority, a.id))
@@ -169,7 +175,7 @@ def _serve_pending(snap: Snapshot, world: World, sched: Scheduler, running: list
     heap = [(rank(t), t) for t in sorted(queues)]
     heapq.heapify(heap)
     cycle = _Cycle(snap, world, sched, running, plan)
-    cycle.reservation = backfill.plan(snap, world, sched, running)
+    cycle.reservation = backfill.plan(snap, world, sched, running, held.keys() | plan.ends.keys())
     first: dict[Kind, Request] = {}
     while heap:
         _, t = heapq.heappop(heap)

@@ -89,6 +89,7 @@ class Snapshot:
     topology_label: str | None = None  # the node label gangs prefer to share (ServerSettings)
     silent: int = 0  # nodes not heard from for suspect_after_s
     braked: bool = False  # so many are silent that none is declared lost (`lost_brake`)
+    ended: dict[int, str] = field(default_factory=dict)  # ended allocations pending ones wait for: state
 
 
 def node_state(age_s: float, settings: ServerSettings) -> str:
@@ -157,6 +158,7 @@ class SnapshotCache:
     def __init__(self) -> None:
         self._devices: dict[tuple[int, str, datetime], tuple[DevSnap, ...]] = {}
         self._live: dict[int, Live] = {}
+        self._ended: dict[int, str] = {}  # an end is final: read once
 
     def load(
         self,
@@ -220,4 +222,17 @@ class SnapshotCache:
             keep[i] = a
             current.append(a)
         self._live = keep
-        return Snapshot(nodes, weights, quotas, current, now, settings.topology_label, silent, braked)
+        snap = Snapshot(nodes, weights, quotas, current, now, settings.topology_label, silent, braked)
+        snap.ended = self._ends_awaited(s, current)
+        return snap
+
+    def _ends_awaited(self, s: Session, current: list[Live]) -> dict[int, str]:
+        """The final states of the ended allocations that pending ones name in `after`."""
+        wanted = {
+            int(d["id"]) for a in current if a.state == "pending" for d in a.request.get("after") or []
+        } - {a.id for a in current}
+        missing = [i for i in wanted if i not in self._ended]
+        if missing:
+            self._ended.update(store.end_states(s, missing))
+        self._ended = {i: st for i, st in self._ended.items() if i in wanted}
+        return dict(self._ended)
