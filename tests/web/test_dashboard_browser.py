@@ -325,3 +325,47 @@ def test_nodes_page_shows_units_power_health_and_allocated_capacity(kit: Kit, bu
     expect(page.locator("#nodes svg.spark")).to_have_count(2 * len(devices))
     shoot(page, "nodes")
     ctx.close()
+
+
+def test_usage_chart_csv_download_and_silencing_an_alert_rule(kit: Kit, busy: Busy) -> None:
+    ctx, page = kit.sign_in("admin")
+    page.goto(kit.pool.url + "/ui/usage?by=tenant&since=7d")
+    chart = page.locator("#usage-chart svg")
+    expect(chart.locator("polygon")).to_have_count(2)  # alpha and beta, stacked
+    expect(chart.locator("polygon.stack-0 title")).to_have_text("alpha")
+    expect(page.locator("#efficiency")).to_be_visible()
+    static = kit.pool.http.get("/api/v1/usage/static-equivalent", params={"since": "7d"}).json()
+    assert static["clipped"]  # the pool is minutes old: savings count only its life
+    expect(page.locator("#static-window")).to_contain_text("only its life is counted")
+    with page.expect_download() as got:
+        page.click("#csv")
+    text = Path(got.value.path()).read_text()
+    assert text.splitlines()[0].startswith("tenant,gpu_hours,cpu_hours")
+    assert {line.split(",")[0] for line in text.splitlines()[1:]} >= {"alpha", "beta"}
+    shoot(page, "usage")
+    # silencing a rule: the API's audited rule change, from a form carrying the CSRF token
+    page.click("#rule-node-lost-toggle")
+    expect(page.locator("#rule-node-lost")).to_contain_text("silenced")
+    rules = {r["name"]: r for r in kit.pool.http.get("/api/v1/alert-rules").json()["items"]}
+    assert rules["node-lost"]["enabled"] is False
+    last = kit.pool.http.get("/api/v1/audit", params={"limit": 1000}).json()["items"][-1]
+    assert (last["action"], last["target"], last["actor"]) == (
+        "alert.rule.set",
+        "alert-rule:node-lost",
+        "user:admin",
+    )
+    page.click("#rule-node-lost-toggle")
+    expect(page.locator("#rule-node-lost")).to_contain_text("on")
+    forged = page.request.post(kit.pool.url + "/ui/alert-rules/node-lost/silence", form={"csrf": "forged"})
+    assert forged.status == 403
+    ctx.close()
+    ctx, page = kit.sign_in("alice")  # a member: no buttons, and the route refuses
+    page.goto(kit.pool.url + "/ui/usage")
+    expect(page.locator("#rules")).to_be_visible()
+    assert page.locator("#rules button").count() == 0
+    csrf = page.locator('meta[name="csrf-token"]').get_attribute("content") or ""
+    refused = page.request.post(kit.pool.url + "/ui/alert-rules/node-lost/silence", form={"csrf": csrf})
+    assert refused.status == 403
+    rules = {r["name"]: r for r in kit.pool.http.get("/api/v1/alert-rules").json()["items"]}
+    assert rules["node-lost"]["enabled"] is True
+    ctx.close()

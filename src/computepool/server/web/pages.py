@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -16,13 +18,15 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
 
+from computepool.core.usage import UsageBy
 from computepool.server.alerts import api as alerts_api
 from computepool.server.context import Ctx
 from computepool.server.errors import ApiError, NotFound
 from computepool.server.logic import allocations, nodes, services, usage
 from computepool.server.policy import Action, authorize
-from computepool.server.web import board, explain, fmt, racks, work
+from computepool.server.web import board, explain, fmt, racks, spend, work
 from computepool.server.web.session import (
     SECURITY_HEADERS,
     Refused,
@@ -34,9 +38,10 @@ from computepool.server.web.session import (
     open_session,
     same_origin,
 )
+from computepool.wire.alerts import AlertOut, AlertRuleIn, AlertRuleOut
 from computepool.wire.common import MAX_ID
 from computepool.wire.nodes import NodeOut
-from computepool.wire.usage import DeviceSampleOut
+from computepool.wire.usage import DeviceSampleOut, StaticEquivalentOut, UsageOut
 
 T = TypeVar("T")
 router = APIRouter(include_in_schema=False)
@@ -277,6 +282,107 @@ async def _overview(request: Request, session: Session) -> Response:
 async def overview_page(request: Request) -> Response:
     session = await current(request)
     return await _overview(request, session) if session else _to("/")
+
+
+@dataclass(frozen=True)
+class UsageView:
+    by: str
+    since: str
+    rows: UsageOut | None
+    static: StaticEquivalentOut | None
+    start: datetime
+    chart: Markup
+    tenants: list[str]
+    efficiency: list[spend.Efficiency]
+    firing: list[AlertOut] | None
+    rules: list[AlertRuleOut] | None
+
+
+def _usage_choice(request: Request) -> tuple[UsageBy, str]:
+    q = request.query_params
+    return spend.grouping(q.get("by")), spend.window(q.get("since"))
+
+
+@router.get("/ui/usage")
+async def usage_page(request: Request) -> Response:
+    """The ledger, its CSV, GPUs held per tenant over time, efficiency, savings over the observed
+    window, and the firing alerts with their rules (silenced here by an admin)."""
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    by, since = _usage_choice(request)
+
+    def read() -> UsageView:
+        def ctx(action: Action) -> Ctx:
+            return _ctx(request, session, action)
+
+        rows = _optional(lambda: usage.usage(ctx(Action.USAGE_LIST), by, since, None))
+        static = _optional(lambda: usage.static_equivalent(ctx(Action.USAGE_STATIC_GET), since, None))
+        allocs = allocations.list_all(
+            ctx(Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS
+        )
+        found = nodes.list_all(ctx(Action.NODE_LIST)).items
+        now = datetime.now(UTC)
+        start = static.since if static else now - timedelta(days=int(since[:-1]))
+        start = min(start, now - timedelta(minutes=5))
+        chart, tenants = spend.stacked(allocs.items, start, now)
+        eff = spend.efficiency(allocs.items, _history(request, session, found, since), start, now)
+        firing = _optional(lambda: alerts_api.list_alerts(ctx(Action.ALERT_LIST), "firing", None).items)
+        rules = _optional(lambda: alerts_api.list_rules(ctx(Action.ALERT_RULE_LIST)).items)
+        return UsageView(by, since, rows, static, start, chart, tenants, eff, firing, rules)
+
+    try:
+        view = await run_in_threadpool(read)
+    except ApiError as e:
+        return _page(session, "usage", e.status, error=e.message, u=None)
+    return _page(
+        session, "usage", u=view, keys=spend.KEYS, measures=spend.MEASURES, choices=spend.SINCE, error=""
+    )
+
+
+@router.get("/ui/usage.csv")
+async def usage_csv(request: Request) -> Response:
+    """The Usage table as a CSV download, with the same grouping, window and scope."""
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    by, since = _usage_choice(request)
+    try:
+        rows = await run_in_threadpool(
+            usage.usage,
+            _ctx(request, session, Action.USAGE_LIST),
+            by,
+            since,
+            None,
+        )
+    except ApiError as e:
+        return Response(e.message, status_code=e.status, media_type="text/plain", headers=SECURITY_HEADERS)
+    disposition = f'attachment; filename="usage-by-{by}-{since}.csv"'
+    return Response(
+        spend.csv_text(rows.items, by),
+        media_type="text/csv; charset=utf-8",
+        headers={**SECURITY_HEADERS, "Content-Disposition": disposition},
+    )
+
+
+@router.post("/ui/alert-rules/{rule}/{change}")
+async def alert_rule(request: Request, rule: str, change: str) -> Response:
+    """Silence (turn off) or turn on an alert rule from the page: the API's own rule change, so it
+    is for admins and lands in the audit log; the form carries the CSRF token."""
+    session = await current(request)
+    if session is None:
+        return _to("/")
+    if change not in ("silence", "enable"):
+        return _page(session, "missing", 404, error=f"no action '{change}' on alert rules")
+    given = (await form(request)).get("csrf", "").encode()
+    if not (same_origin(request) and hmac.compare_digest(given, session.csrf.encode())):
+        return _page(session, "missing", 403, error="refused: missing or wrong CSRF token")
+    try:
+        ctx = _ctx(request, session, Action.ALERT_RULE_SET)
+        await run_in_threadpool(alerts_api.set_rule, ctx, rule, AlertRuleIn(enabled=change == "enable"))
+    except ApiError as e:
+        return _page(session, "missing", e.status, error=e.message)
+    return _to("/ui/usage#usage-alerts")
 
 
 @router.get("/ui/{page}")

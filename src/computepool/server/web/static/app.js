@@ -78,16 +78,6 @@
     );
   }
 
-  function cards(list) {
-    return h(
-      "div",
-      { class: "cards" },
-      list.map(([label, value, id]) =>
-        h("div", { class: "card", id }, h("div", { class: "value", text: value }), h("div", { class: "label", text: label })),
-      ),
-    );
-  }
-
   function message(text, cls = "empty") {
     return h("p", { class: cls, text });
   }
@@ -130,10 +120,6 @@
     return h("a", { href: "/ui/work/" + Number(a.id), text: "#" + Number(a.id) });
   }
   // ---- views --------------------------------------------------------------------------------
-
-  function sumOf(rows, field) {
-    return rows.reduce((t, r) => t + (Number(r[field]) || 0), 0);
-  }
 
   // parts the server renders ([data-live]): fetch the same address again and swap in
   // each [data-live] region by id; the server escaped every value, and DOMParser runs no script.
@@ -293,60 +279,6 @@
     );
   }
 
-  const KEYS = { tenant: ["tenant"], user: ["tenant", "user"], job: ["tenant", "user", "job", "allocation_id"], model: ["model"] };
-  const MEASURES = [
-    ["gpu_hours", "GPU-hours", 2],
-    ["cpu_hours", "CPU-hours", 2],
-    ["memory_gib_hours", "memory GiB-hours", 1],
-    ["energy_kwh", "energy kWh", 3],
-    ["idle_waste_kwh", "idle waste kWh", 3],
-    ["cost", "cost", 2],
-  ];
-
-  async function usageView() {
-    const by = document.getElementById("by").value;
-    const since = document.getElementById("since").value;
-    const [r, st] = await Promise.all([
-      api("/usage?by=" + by + "&since=" + since),
-      api("/usage/static-equivalent?since=" + since),
-    ]);
-    if (!r.ok) {
-      put("usage", message(r.status === 404 ? "usage accounting is not available on this control plane" : r.error, "error"));
-    } else {
-      const rows = items(r);
-      const cols = KEYS[by].map((k) => ({ label: k.replace("_", " "), value: (row) => (row[k] === null || row[k] === undefined ? dash : String(row[k])) }));
-      for (const [field, label, digits] of MEASURES) cols.push({ label, value: (row) => num(row[field], digits), cls: "n" });
-      const total = Object.fromEntries(MEASURES.map(([f]) => [f, sumOf(rows, f)]));
-      total[KEYS[by][0]] = "total";
-      put("usage", table(cols, rows.length ? [...rows, total] : [], "no usage booked in this period"));
-    }
-    if (!st.ok) {
-      put("static", message(st.status === 404 ? "not available on this control plane" : st.error, "error"));
-      return;
-    }
-    const s = st.data;
-    const tenantsRows = s.tenants || [];
-    const tenantCols = tenantsRows.length
-      ? Object.keys(tenantsRows[0]).map((k) => ({ label: k.replaceAll("_", " "), value: (row) => (typeof row[k] === "number" ? num(row[k], 2) : k.endsWith("_at") ? when(row[k]) : String(row[k] ?? dash)) }))
-      : [];
-    put(
-      "static",
-      h(
-        "div",
-        {},
-        cards([
-          ["most devices in use at once", num(s.pool_devices, 1) + " of " + num(s.pool_size_devices, 1), "static-pool"],
-          ["devices static partitions need", num(s.static_devices, 1), "static-static"],
-          ["devices saved", num(s.devices_saved, 1) + " (" + pct(s.devices_saved_pct) + ")", "static-saved"],
-          ["cost saved", num(s.cost_saved, 2), "static-cost"],
-          ["energy saved", num(s.energy_saved_kwh, 2) + " kWh", "static-energy"],
-        ]),
-        h("p", { class: "legend", text: s.method || "" }),
-        table(tenantCols, tenantsRows, "no allocations in this period"),
-      ),
-    );
-  }
-
   async function alerts() {
     const state = document.getElementById("alert-state").value;
     const [r, rules] = await Promise.all([api("/alerts?state=" + state), api("/alert-rules")]);
@@ -446,7 +378,6 @@
   const views = {
     allocation,
     tenants,
-    usage: usageView,
     alerts,
     audit: auditView,
   };
@@ -472,7 +403,7 @@
     }
   }
 
-  for (const id of ["by", "since", "alert-state"]) {
+  for (const id of ["alert-state"]) {
     const control = document.getElementById(id);
     if (control) control.addEventListener("change", refresh);
   }
