@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -368,4 +369,18 @@ def test_usage_chart_csv_download_and_silencing_an_alert_rule(kit: Kit, busy: Bu
     assert refused.status == 403
     rules = {r["name"]: r for r in kit.pool.http.get("/api/v1/alert-rules").json()["items"]}
     assert rules["node-lost"]["enabled"] is True
+    ctx.close()
+
+
+def test_hostile_text_in_a_search_and_a_command_stays_text(kit: Kit) -> None:
+    hostile = "<img src=x onerror=window.pwned=1>"
+    alloc = kit.job("alice", f"print(1)  # {hostile}", name="hostile")
+    ctx, page = kit.sign_in("admin")
+    page.goto(f"{kit.pool.url}/ui/work?state=all&q={quote(hostile)}")
+    expect(page.locator(f"#alloc-{alloc}")).to_be_visible()  # the search matched the command
+    expect(page.locator("#f-q")).to_have_value(hostile)
+    page.goto(f"{kit.pool.url}/ui/work/{alloc}")
+    expect(page.locator("#field-command")).to_contain_text(hostile)
+    assert page.locator("main img").count() == 0
+    assert page.evaluate("window.pwned === undefined")
     ctx.close()
