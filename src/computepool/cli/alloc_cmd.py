@@ -361,17 +361,33 @@ def register(app: typer.Typer) -> None:
         @app.command(verb, help=doc)
         @pool_command
         def end(
-            alloc_id: Annotated[str, typer.Argument(metavar="ID", help="Allocation id.")],
+            alloc_id: Annotated[
+                str,
+                typer.Argument(
+                    metavar="ID", help="Allocation id; a job array's id: all its jobs (ID_INDEX: one)."
+                ),
+            ],
             server: ServerOpt = None,
             token: TokenOpt = None,
             json_out: JsonOpt = False,
         ) -> None:
+            from computepool.cli.array_run import resolve
+
             with open_client(server, token) as pool:
-                out = getattr(pool, f"{verb}_allocation")(alloc_id)
+                ids, whole = resolve(pool, alloc_id)
+                states = HOLDING if verb == "release" else LIVE
+                outs = [
+                    getattr(pool, f"{verb}_allocation")(i)
+                    for i in ids
+                    if not whole or pool.get_allocation(i)["state"] in states
+                ]
             if json_out:
-                print_json(out)
+                print_json(outs if whole else outs[0])
+            elif whole:
+                done = "cancelled" if verb == "cancel" else "released"
+                say(f"array {alloc_id}: {done} {len(outs)} of {len(ids)} jobs")
             else:
-                say(f"allocation {out['id']}: {out['state']}")
+                say(f"allocation {outs[0]['id']}: {outs[0]['state']}")
 
     ender(
         "release",
@@ -411,7 +427,7 @@ def register(app: typer.Typer) -> None:
         t = table(None, "id", "name", "tenant", "owner", "state", "request", "nodes", "created", "reason")
         for a in items:
             t.add_row(
-                str(a["id"]),
+                str(a["id"]) + (f" [{a['array_index']}]" if a.get("array_index") is not None else ""),
                 escape(a.get("name") or ""),
                 a.get("tenant") or "",
                 a.get("owner") or "",
@@ -493,7 +509,16 @@ def register(app: typer.Typer) -> None:
                     style="dim",
                 )
 
+        from computepool.cli.array_run import array_exit, copy_members, resolve
+
         with open_client(server, token, timeout=60.0) as pool:
+            ids, whole = resolve(pool, alloc_id)
+            if whole:
+                outs = copy_members(pool, int(alloc_id), follow=follow)
+                if follow:
+                    raise typer.Exit(array_exit(int(alloc_id), outs, ids))
+                return
+            alloc_id = ids[0]
             out = copy_output(pool, alloc_id, rank=rank or 0, follow=follow, first=whose)
         if follow:
             err_console.print(ended_line(alloc_id, out), highlight=False, markup=False, soft_wrap=True)

@@ -108,6 +108,22 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
+def _run_array(pool: PoolClient, array_id: int) -> int:
+    """Follow every member of a job array; Ctrl-C cancels those still live."""
+    from computepool.cli import array_run
+
+    try:
+        return array_run.follow_array(pool, array_id)
+    except KeyboardInterrupt:
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        for m in array_run.members(pool, array_id):
+            if m["state"] in LIVE:
+                with contextlib.suppress(PoolError, ServerUnreachable):
+                    pool.cancel_allocation(str(m["id"]))
+        raise fail(f"cancelled array {array_id}", code=130) from None
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "run",
@@ -142,6 +158,33 @@ def register(app: typer.Typer) -> None:
                 "drained node lets it finish. A failing exit or a time limit is never retried.",
             ),
         ] = False,
+        array: Annotated[
+            str | None,
+            typer.Option(
+                "--array",
+                help="A job array: one job per index (0-99, 1,3,5 or 0-20:2), %N running at most N at "
+                "once; each sees CPOOL_ARRAY_INDEX and CPOOL_ARRAY_COUNT. The array's id is its first "
+                "job's: `cpool cancel ID` and `cpool logs ID` act on all, ID_INDEX on one.",
+            ),
+        ] = None,
+        after: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--after",
+                help="Start only after allocation ID ended: ID or ID:ok (exit 0), ID:failed, ID:any "
+                "(repeatable). One that can never be met ends this job unstarted (failed).",
+            ),
+        ] = None,
+        retries: Annotated[
+            int,
+            typer.Option(
+                "--retries", min=0, max=20, help="Run the job again up to N times when it exits non-zero."
+            ),
+        ] = 0,
+        retry_on_exit: Annotated[
+            str | None,
+            typer.Option("--retry-on-exit", help="Retry only these exit codes (e.g. 1,137)."),
+        ] = None,
         name: NameOpt = None,
         detach: Annotated[
             bool, typer.Option("--detach", "-d", help="Submit and return; Ctrl-C never cancels.")
@@ -168,7 +211,14 @@ def register(app: typer.Typer) -> None:
             tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
             colocate=colocate, secrets=secret_uses(secret),
         )  # fmt: skip
-        from computepool.cli import ship  # archive and tar code: loaded by the command that ships
+        from computepool.cli import array_run, ship  # ship archives code: loaded by the command that ships
+
+        req = req.changed(
+            array=array_run.array_option(array),
+            after=array_run.after_option(after),
+            retries=retries or None,
+            retry_on_exit=array_run.codes_option(retry_on_exit),
+        )
 
         job_env, outputs = ship.parse_env(env, env_file), ship.check_outputs(output)
         if outputs and detach:
@@ -188,6 +238,9 @@ def register(app: typer.Typer) -> None:
             if detach:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
             job_id = str(job["id"])
+            if array is not None and not detach:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+                raise typer.Exit(_run_array(pool, int(job_id)))
             if detach:
                 err_console.print(
                     f"job {job_id} submitted ({job['state']}); `cpool logs -f {job_id}` follows it",
