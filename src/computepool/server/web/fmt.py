@@ -83,7 +83,15 @@ def gib(mib: float | None) -> str:
     return DASH if mib is None else f"{num(mib / 1024, 1)} GiB"
 
 
+def energy(kwh: float | None) -> str:
+    """kWh, or Wh below a tenth of a kWh (a young pool's figures stay readable)."""
+    if kwh is None:
+        return DASH
+    return f"{num(kwh * 1000, 1)} Wh" if abs(kwh) < 0.1 else f"{num(kwh, 2)} kWh"
+
+
 FILTERS = {
+    "energy": energy,
     "num": num,
     "pct": pct,
     "of": of,

@@ -39,6 +39,7 @@ from computepool.server.web.session import (
     same_origin,
 )
 from computepool.wire.alerts import AlertOut, AlertRuleIn, AlertRuleOut
+from computepool.wire.allocations import AllocationOut
 from computepool.wire.common import MAX_ID
 from computepool.wire.nodes import NodeOut
 from computepool.wire.usage import DeviceSampleOut, StaticEquivalentOut, UsageOut
@@ -192,11 +193,9 @@ async def work_page(request: Request) -> Response:
     f = work.Filters.parse(dict(request.query_params))
 
     def read() -> work.WorkView:
-        rows = allocations.list_all(
-            _ctx(request, session, Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS
-        )
+        rows = _allocations(request, session)
         found = nodes.list_all(_ctx(request, session, Action.NODE_LIST))
-        return work.build(rows.items, found.items, f)
+        return work.build(rows, found.items, f)
 
     try:
         view = await run_in_threadpool(read)
@@ -215,6 +214,16 @@ async def services_page(request: Request) -> Response:
     except ApiError as e:
         return _page(session, "services", e.status, error=e.message, services=[])
     return _page(session, "services", services=found.items, error="")
+
+
+def _allocations(request: Request, session: Session) -> list[AllocationOut]:
+    """The newest allocations the viewer may see, and every pending one however old (the queue
+    is shown whole), read like GET /allocations."""
+    ctx = _ctx(request, session, Action.ALLOCATION_LIST)
+    newest = allocations.list_all(ctx, state=None, tenant=None, limit=work.MAX_ROWS).items
+    waiting = allocations.list_all(ctx, state="pending", tenant=None, limit=work.MAX_ROWS).items
+    seen = {a.id for a in newest}
+    return newest + [a for a in waiting if a.id not in seen]
 
 
 def _optional(read: Callable[[], T]) -> T | None:
@@ -247,10 +256,8 @@ async def nodes_page(request: Request) -> Response:
 
     def read() -> list[racks.Rack]:
         found = nodes.list_all(_ctx(request, session, Action.NODE_LIST)).items
-        rows = allocations.list_all(
-            _ctx(request, session, Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS
-        )
-        return racks.build(found, rows.items, _history(request, session, found, "1h"))
+        rows = _allocations(request, session)
+        return racks.build(found, rows, _history(request, session, found, "1h"))
 
     try:
         found = await run_in_threadpool(read)
@@ -265,11 +272,11 @@ async def _overview(request: Request, session: Session) -> Response:
             return _ctx(request, session, action)
 
         found = nodes.list_all(ctx(Action.NODE_LIST)).items
-        rows = allocations.list_all(ctx(Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS)
+        rows = _allocations(request, session)
         history = _history(request, session, found, "24h")
         used = _optional(lambda: usage.usage(ctx(Action.USAGE_LIST), "tenant", "1d", None).items)
         firing = _optional(lambda: alerts_api.list_alerts(ctx(Action.ALERT_LIST), "firing", None).items)
-        return board.build(found, rows.items, history, used, firing)
+        return board.build(found, rows, history, used, firing)
 
     try:
         o = await run_in_threadpool(read)
@@ -318,15 +325,13 @@ async def usage_page(request: Request) -> Response:
 
         rows = _optional(lambda: usage.usage(ctx(Action.USAGE_LIST), by, since, None))
         static = _optional(lambda: usage.static_equivalent(ctx(Action.USAGE_STATIC_GET), since, None))
-        allocs = allocations.list_all(
-            ctx(Action.ALLOCATION_LIST), state=None, tenant=None, limit=work.MAX_ROWS
-        )
+        allocs = _allocations(request, session)
         found = nodes.list_all(ctx(Action.NODE_LIST)).items
         now = datetime.now(UTC)
         start = static.since if static else now - timedelta(days=int(since[:-1]))
         start = min(start, now - timedelta(minutes=5))
-        chart, tenants = spend.stacked(allocs.items, start, now)
-        eff = spend.efficiency(allocs.items, _history(request, session, found, since), start, now)
+        chart, tenants = spend.stacked(allocs, start, now)
+        eff = spend.efficiency(allocs, _history(request, session, found, since), start, now)
         firing = _optional(lambda: alerts_api.list_alerts(ctx(Action.ALERT_LIST), "firing", None).items)
         rules = _optional(lambda: alerts_api.list_rules(ctx(Action.ALERT_RULE_LIST)).items)
         return UsageView(by, since, rows, static, start, chart, tenants, eff, firing, rules)
