@@ -384,3 +384,25 @@ def test_hostile_text_in_a_search_and_a_command_stays_text(kit: Kit) -> None:
     assert page.locator("main img").count() == 0
     assert page.evaluate("window.pwned === undefined")
     ctx.close()
+
+
+def test_a_member_sees_only_its_tenant_on_the_new_views(kit: Kit, busy: Busy) -> None:
+    ctx, page = kit.sign_in("bob")
+    page.goto(kit.pool.url + "/")
+    expect(page.locator("#card-allocated .value")).to_have_text("1 / 2 GPUs")  # bob's whole device
+    assert page.locator(f"#pending-{busy.waiting}").count() == 0
+    expect(page.locator("#heatmap")).not_to_contain_text("alpha")
+    page.goto(kit.pool.url + "/ui/work?state=all&tenant=alpha")
+    expect(page.locator("#allocations")).to_contain_text("no allocations match")
+    page.goto(kit.pool.url + "/ui/nodes")
+    expect(page.locator("#nodes")).to_contain_text("beta")
+    expect(page.locator("#nodes")).not_to_contain_text("alpha")
+    page.goto(kit.pool.url + "/ui/usage")
+    expect(page.locator("#usage")).to_contain_text("beta")
+    expect(page.locator("main")).not_to_contain_text("alpha")
+    csv = page.request.get(kit.pool.url + "/ui/usage.csv?by=user&since=1d")
+    assert csv.ok and "alpha" not in csv.text() and "beta" in csv.text()
+    r = page.goto(f"{kit.pool.url}/ui/work/{busy.waiting}")
+    assert r is not None and r.status == 404
+    expect(page.locator("#why-nodes")).to_have_count(0)
+    ctx.close()
