@@ -102,19 +102,6 @@ def test_after_never_met_ends_unstarted(api: Api) -> None:
     assert get(api, anyway["id"])["state"] == "bound"
 
 
-def test_after_another_tenants_reads_as_missing(api: Api) -> None:
-    api.tenant("acme")
-    alice = api.user("alice", "acme", "member")
-    theirs = alloc(api, gpus=0, command=["true"])
-    r1 = api.post(A, json={"command": ["true"], "after": [{"id": theirs["id"]}]}, headers=alice)
-    r2 = api.post(A, json={"command": ["true"], "after": [{"id": 10**9}]}, headers=alice)
-    assert r1.status_code == r2.status_code == 422
-    assert r1.text.replace(str(theirs["id"]), "X") == r2.text.replace(str(10**9), "X")
-    assert "after[0]" in r1.text and "not found" in r1.text
-    r3 = api.post(A, json={"command": ["true"], "after": [{"id": 1, "x": 1}]}, headers=alice)
-    assert r3.status_code == 422 and "after" in r3.text
-
-
 def test_retries_stop_on_success_and_at_the_limit(api: Api) -> None:
     manual(api)
     cred = join(api, "n1", devices=1)
@@ -153,3 +140,21 @@ def test_retry_on_exit_filters_codes(api: Api) -> None:
     assert a["state"] == "failed" and a["attempt"] == 2 and a["exit_code"] == 2
     r = api.post(A, json={"command": ["x"], "retry_on_exit": [1]}, headers=api.admin)
     assert r.status_code == 422 and "retry_on_exit" in r.text
+
+
+def test_another_tenants_array_lists_nothing_and_its_limit_is_its_own(api: Api) -> None:
+    """Listing a victim's array shows nothing; an attacker's members never count against its limit."""
+    manual(api)
+    join(api, "n1", devices=4)
+    api.tenant("acme")
+    mallory = api.user("mallory", "acme", "member")
+    victim = alloc(api, gpus=1, command=["v"], array="0-1%1")
+    assert api.ok("GET", A, headers=mallory, params={"array": victim["id"]})["items"] == []
+    mine = alloc(api, mallory, gpus=1, command=["m"], array="0-1")
+    assert mine["array_id"] == mine["id"] != victim["id"]
+    cycle(api)
+    assert get(api, victim["id"])["state"] == "bound"
+    names = api.ok("GET", A, params={"array": victim["id"]})["items"]
+    assert sorted(a["state"] for a in names) == ["bound", "pending"]
+    r = api.post(A, json={"command": ["true"], "env": {"CPOOL_ARRAY_INDEX": "7"}}, headers=mallory)
+    assert r.status_code == 422 and "CPOOL_ARRAY_INDEX" in r.text
