@@ -44,6 +44,7 @@ def test_array_limit_env_and_cancel(api: Api) -> None:
     assert [m["array_index"] for m in got] == [0, 5, 10, 15, 20]
     assert [m["state"] for m in got] == ["bound", "bound", "pending", "pending", "pending"]
     assert got[2]["reason"] == f"array {head['id']}: 2 of its members run (limit %2)"
+    assert api.ok("GET", f"{A}/{got[2]['id']}/explain")["summary"] == got[2]["reason"]
     assert got[3]["env"]["CPOOL_ARRAY_INDEX"] == "15" and got[3]["env"]["CPOOL_ARRAY_ID"] == str(head["id"])
     api.ok("POST", f"{A}/{got[0]['id']}/release")
     cycle(api)

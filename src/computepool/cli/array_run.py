@@ -125,7 +125,7 @@ def copy_members(
                 got = got or nxt > m.offsets[stream]
                 m.offsets[stream] = nxt
             moved = moved or got
-            if out.get("ended") or not follow:
+            if out.get("ended") or (not follow and not got):  # without follow: every stored page
                 for stream, fd in (("stdout", sys.stdout), ("stderr", sys.stderr)):
                     _emit(m, stream, fd, "", flush=True)
                 m.last = out

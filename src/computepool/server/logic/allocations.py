@@ -35,6 +35,7 @@ from computepool.server.logic.audit import record
 from computepool.server.logic.request_defaults import RequestDefaults
 from computepool.server.policy import Target, authorize
 from computepool.server.scheduling.backfill import about_reservation
+from computepool.server.scheduling.gates import held_reason
 from computepool.store import allocations as store
 from computepool.store import logs
 from computepool.store.db import db_now
@@ -465,7 +466,7 @@ def explain(ctx: Ctx, alloc_id: int) -> ExplainOut:
         refused = scheduling.over_limit(used, ask, quota)
         if refused is not None:
             summary = refused
-        elif about_reservation(a.reason):  # the cycle's word: held back by, or holding, a reservation
+        elif about_reservation(a.reason) or held_reason(a.reason):  # reservations, dependencies, arrays
             summary = a.reason
         elif counts or notes:
             summary = str(reasons)

@@ -42,6 +42,14 @@ def _after(a: Live, snap: Snapshot, live: dict[int, Live]) -> tuple[str | None, 
     return None, False
 
 
+HELD_PREFIXES = ("waits for ", "array ", "retry ")
+
+
+def held_reason(reason: str) -> bool:
+    """Whether a pending allocation's stored reason is one of these holds (what `explain` says)."""
+    return reason.startswith(HELD_PREFIXES)
+
+
 def judge(snap: Snapshot) -> Gate:
     """Which pending allocations are held back this cycle and why, and which end unstarted."""
     gate = Gate()
