@@ -9,7 +9,7 @@ below t's per-device share. F(node) = Σ_t w_t · fragment_t(node).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -191,12 +191,8 @@ def frag_after_share_grouped(
     typ: TypicalPods,
     cpu: int,
     milli: int,
-    f0: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`frag_after_share` with `acc` per typical group (B, G, D): equal results, less work.
-
-    `f0`: F before, when the caller knows it (see `F0Memo`).
-    """
+    """`frag_after_share` with `acc` per typical group (B, G, D): equal results, less work."""
     total = left.sum(axis=-1)  # (B,)
     if typ.size == 0:
         return np.zeros(total.shape), np.zeros(left.shape)
@@ -205,9 +201,8 @@ def frag_after_share_grouped(
     cnt0 = usable0.sum(axis=1)  # (B, D)
     lost0 = left[..., None] * ~usable0  # (B, G, D)
     nonuse0 = lost0.sum(axis=1)  # (B, D)
-    if f0 is None:
-        need0 = np.where(cpu_free[:, None] >= typ.cpu, count, _NEVER)  # (B, T)
-        f0 = np.where(cnt0[:, of] >= need0, nonuse0[:, of], total[:, None]) @ typ.weight
+    need0 = np.where(cpu_free[:, None] >= typ.cpu, count, _NEVER)  # (B, T)
+    f0 = np.where(cnt0[:, of] >= need0, nonuse0[:, of], total[:, None]) @ typ.weight
 
     left1 = left - milli  # (B, G): device i after the placement
     usable1 = acc & (left1[..., None] >= g_milli)  # (B, G, D)
@@ -216,47 +211,6 @@ def frag_after_share_grouped(
     need1 = np.where((cpu_free[:, None] - cpu) >= typ.cpu, count, _NEVER)[:, None, :]
     frag1 = np.where(cnt1 >= need1, nonuse1, (total - milli)[:, None, None])
     return f0, frag1 @ typ.weight
-
-
-@dataclass
-class F0Memo:
-    """F of each node class against one typical set, kept while the class lives.
-
-    F before a placement does not depend on the request, so the request kinds that score a
-    class after the first one read it here (a class id recycled for another state gets a new
-    stamp, which misses).
-    """
-
-    owner: str = ""
-    typical: TypicalPods | None = None
-    stamp: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    value: np.ndarray = field(default_factory=lambda: np.zeros(0))
-
-    def get(
-        self,
-        uid: str,
-        stamps: np.ndarray,
-        ids: np.ndarray,
-        typ: TypicalPods,
-        compute: Callable[[np.ndarray], np.ndarray],
-    ) -> np.ndarray:
-        """F per row; `compute(rows)` gives it for the rows (indices into `ids`) not known yet."""
-        if uid != self.owner or typ is not self.typical:
-            self.owner, self.typical = uid, typ
-            self.stamp = np.zeros(len(stamps), np.int64)
-            self.value = np.zeros(len(stamps))
-        elif len(self.stamp) < len(stamps):
-            grow = len(stamps) - len(self.stamp)
-            self.stamp = np.concatenate((self.stamp, np.zeros(grow, np.int64)))
-            self.value = np.concatenate((self.value, np.zeros(grow)))
-        want = stamps[ids]
-        miss = self.stamp[ids] != want
-        if not miss.any():
-            return self.value[ids]
-        rows = np.flatnonzero(miss)
-        self.value[ids[rows]] = compute(rows)
-        self.stamp[ids[rows]] = want[rows]
-        return self.value[ids]
 
 
 def sigmoid_score(f0: np.ndarray, f1: np.ndarray, temperature: float = 1000.0) -> np.ndarray:

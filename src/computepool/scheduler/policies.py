@@ -17,7 +17,6 @@ from computepool.core.request import Request
 from computepool.scheduler import policy_names
 from computepool.scheduler.filters import DeviceNeed
 from computepool.scheduler.fragmentation import (
-    F0Memo,
     TypicalKey,
     TypicalPods,
     frag_after_share_grouped,
@@ -181,28 +180,17 @@ def fgd_scores(
     temperature: float = 1000.0,
     fine_devices: bool = False,
     whole_temperature: float = 1000.0,
-    memo: F0Memo | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FGD's whole-number score 100·sigmoid((F0 − F1)/temperature) and the device choice.
 
     For a fractional request every fitting device is tried; the best whole-number score wins
     and, among devices tied on it, the first (as published) or, with `fine_devices`, the one
-    whose exact fragmentation change is smallest. `memo` keeps F0 per node class.
+    whose exact fragmentation change is smallest.
     """
     acc = _access(state, view, typ)
     cpu_free, left = view.cpu_free, view.gpu_free
-    f0: np.ndarray | None = None
-    ids = getattr(view, "ids", None)
-    if memo is not None and ids is not None:
-        f0 = memo.get(
-            state.uid,
-            state.class_stamps,
-            ids,
-            typ,
-            lambda rows: frag_amount_grouped(cpu_free[rows], left[rows], acc[rows], typ),
-        )
     if req.fractional:
-        f0, f1 = frag_after_share_grouped(cpu_free, left, acc, typ, req.cpu_milli, req.gpu_milli, f0)
+        f0, f1 = frag_after_share_grouped(cpu_free, left, acc, typ, req.cpu_milli, req.gpu_milli)
         s = np.where(need.usable, sigmoid_score(f0[:, None], f1, temperature), -1.0)
         top = s.max(axis=1)
         if fine_devices:
@@ -212,8 +200,7 @@ def fgd_scores(
             best = np.argmax(s, axis=1)
         return top, np.left_shift(np.int64(1), best.astype(np.int64))
     pick = first_fit(view, req, need)
-    if f0 is None:
-        f0 = frag_amount_grouped(cpu_free, left, acc, typ)
+    f0 = frag_amount_grouped(cpu_free, left, acc, typ)
     left1 = left.copy()
     if req.gpu_count:
         taken = ((pick[:, None] >> np.arange(view.g, dtype=np.int64)) & 1).astype(bool)
@@ -234,11 +221,10 @@ class FGDScorer(_Static):
 
     def __init__(self, typical: TypicalPods) -> None:
         self.typical = typical
-        self.memo = F0Memo()
 
     def score(self, state: ClusterState, view: View, req: Request, need: DeviceNeed | None) -> Scores:
         assert need is not None
-        return fgd_scores(state, view, req, need, self.typical, memo=self.memo)
+        return fgd_scores(state, view, req, need, self.typical)
 
 
 @dataclass
@@ -319,7 +305,6 @@ class DefaultScorer:
 
     def __init__(self, learner: OnlineTypical | None = None) -> None:
         self.learner = learner or OnlineTypical()
-        self.memo = F0Memo()
 
     def epoch(self) -> int:
         return self.learner.epoch
@@ -338,7 +323,6 @@ class DefaultScorer:
             self.temperature,
             fine_devices=True,
             whole_temperature=self.whole_temperature,
-            memo=self.memo,
         )
         if req.gpu_count == 0:
             s = s + gpu_share_left_tiebreak(view)

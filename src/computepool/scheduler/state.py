@@ -118,7 +118,6 @@ class ClusterState:
     _class_rows: np.ndarray = field(init=False)
     _class_refs: list[int] = field(init=False, default_factory=list)
     _class_stamp: list[int] = field(init=False, default_factory=list)
-    class_stamps: np.ndarray = field(init=False)  # (classes,) `_class_stamp` as an array, for memos
     _free_ids: list[int] = field(init=False, default_factory=list)
     # nodes whose class changed, in order; `changed_base` counts entries dropped from the front
     changed: list[int] = field(init=False, default_factory=list)
@@ -142,7 +141,6 @@ class ClusterState:
         self.class_of = np.zeros(n, dtype=np.int64)
         self.node_stamp = np.zeros(n, dtype=np.int64)
         self._class_rows = np.zeros((max(64, 2 * n), FIXED_COLUMNS + DEVICE_BLOCKS * g), dtype=np.int64)
-        self.class_stamps = np.zeros(len(self._class_rows), dtype=np.int64)
         for i in range(n):
             cid = self._class_for(self._row(i))
             self.class_of[i] = cid
@@ -333,14 +331,10 @@ class ClusterState:
                 grown = np.zeros((2 * len(self._class_rows), self._class_rows.shape[1]), np.int64)
                 grown[: len(self._class_rows)] = self._class_rows
                 self._class_rows = grown
-                stamps = np.zeros(len(grown), np.int64)
-                stamps[: len(self.class_stamps)] = self.class_stamps
-                self.class_stamps = stamps
             self._class_keys.append(key)
             self._class_refs.append(0)
             self._class_stamp.append(self._next_stamp)
         self._class_rows[cid] = row
-        self.class_stamps[cid] = self._next_stamp
         self._class_ids[key] = cid
         return cid
 
@@ -355,7 +349,7 @@ class ClusterState:
 
     def class_view(self, class_ids: np.ndarray) -> ClassView:
         """The states of the given classes, split into named arrays for the scorers."""
-        return ClassView(self._class_rows[class_ids], self.max_devices, class_ids)
+        return ClassView(self._class_rows[class_ids], self.max_devices)
 
     def node_view(self) -> NodeView:
         """All nodes, read straight from the state arrays (no copy)."""

@@ -140,13 +140,12 @@ class ClassView:
 
     rows: np.ndarray
     g: int
-    ids: np.ndarray | None = None  # the class id of each row (per-class memos), when known
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def take(self, idx: np.ndarray) -> ClassView:
-        return ClassView(self.rows[idx], self.g, None if self.ids is None else self.ids[idx])
+        return ClassView(self.rows[idx], self.g)
 
     @property
     def cpu_free(self) -> np.ndarray:
