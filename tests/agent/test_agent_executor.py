@@ -129,6 +129,17 @@ def test_killed_by_signal_is_recorded(executor: Executor) -> None:
     )
     done = executor.wait(rec.key, 10)
     assert done.state is JobState.FAILED and done.reason == "killed by signal 9 (SIGKILL)"
+    assert done.exit_code == 137
+
+
+@pytest.mark.parametrize(("sig", "code"), [("KILL", 137), ("TERM", 143)])
+def test_a_signalled_job_exits_128_plus_the_signal(executor: Executor, sig: str, code: int) -> None:
+    """Whether the job kills itself or its whole group (taking the wrapper along), the code is 128+N."""
+    alone = executor.start(JobSpec(f"self-{sig}", 1, ["sh", "-c", f"kill -{sig} $$"]))
+    group = executor.start(JobSpec(f"group-{sig}", 1, ["sh", "-c", f"kill -{sig} 0; sleep 5"]))
+    for rec in (executor.wait(alone.key, 10), executor.wait(group.key, 10)):
+        assert (rec.state, rec.exit_code) == (JobState.FAILED, code), rec
+        assert rec.reason.startswith(f"killed by signal {code - 128} (SIG{sig})"), rec.reason
 
 
 def test_rlimit_stops_a_memory_hog_with_a_reason(executor: Executor) -> None:

@@ -46,7 +46,14 @@ from computepool.agent.jobspec import (
 )
 from computepool.agent.launch import Launcher, default_env, which
 from computepool.agent.localstate import JobRecord, JobState, LocalState
-from computepool.agent.outcome import alive, child_exited, explain_exit, kill_leftovers, read_exit
+from computepool.agent.outcome import (
+    alive,
+    child_exited,
+    explain_exit,
+    kill_leftovers,
+    read_exit,
+    shell_status,
+)
 from computepool.agent.removal import Remover
 from computepool.agent.sandbox import SandboxConfig
 from computepool.core.errors import InvalidInput
@@ -372,6 +379,7 @@ class Executor:
         kill_leftovers(rec)  # before the leader is reaped: its group id cannot be anyone else's yet
         if live.popen is not None:
             rc = live.popen.wait()
+        rc = shell_status(rc)
         if self.exits is not None:
             self.exits.unwatch(rec.key)
         rec.exit_code = rc

@@ -93,6 +93,13 @@ def kill_cgroup(paths: list[Path], wait_s: float = 2.0) -> None:
         time.sleep(0.005)
 
 
+def shell_status(rc: int | None) -> int | None:
+    """A status as a shell reports it: a process killed by signal N is 128+N. Popen says -N when
+    the wrapper itself was killed (a job that signals its whole group takes the wrapper along);
+    the wrapper says 128+N for a job killed alone, so both read the same everywhere."""
+    return 128 - rc if rc is not None and rc < 0 else rc
+
+
 def explain_exit(rec: JobRecord, rc: int) -> str:
     """Why a job that ended by itself with status `rc` failed, in the words its owner reads."""
     sig = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + 65 else 0
