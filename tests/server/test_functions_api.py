@@ -479,3 +479,24 @@ def test_a_worker_that_delivered_breaks_a_run_of_failures(api: Api) -> None:
     report(api, "n1", n1, w3, state="failed", reason="node hiccup again")  # failure 2, not in a row
     sweep(api.app.state.db)
     assert not [x for x in results(api, fid, [b, c]) if x["state"] == "failed"]
+
+
+def test_pending_workers_no_call_needs_are_withdrawn(api: Api) -> None:
+    """A map's calls all taken (here: cancelled) while its workers still wait for room: those
+    workers are withdrawn, not left to start later and hold resources for keep_warm_s."""
+    manual(api)  # no scheduler cycle: the workers stay pending
+    join(api, "nw", ["3.11"], devices=0)
+    fid = register(api, name="withdrawn", max_workers=2)["id"]
+    calls = submit(api, fid, b"a", b"b")
+    sweep(api.app.state.db)
+    with api.app.state.db.read() as s:
+        workers = fn_store.live_worker_ids(s, fid)
+    assert len(workers) == 2  # calls wait: their workers are kept
+    assert {api.ok("GET", f"/api/v1/allocations/{w}")["state"] for w in workers} == {"pending"}
+    for c in calls:
+        api.ok("DELETE", f"{F}/{fid}/calls/{c}")
+    sweep(api.app.state.db)
+    for w in workers:
+        got = api.ok("GET", f"/api/v1/allocations/{w}")
+        assert (got["state"], got["reason"]) == ("cancelled", "withdrawn: no call waits for this worker")
+    assert api.ok("GET", f"{F}/{fid}")["workers_live"] == 0

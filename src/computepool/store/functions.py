@@ -282,6 +282,22 @@ def set_failures(s: Session, fid: int, failures: int, last: str) -> None:
     )
 
 
+def idle_pending_workers(s: Session) -> dict[int, list[int]]:
+    """Function → its worker allocations still pending (never bound), for functions with no call
+    waiting: workers nobody needs any more."""
+    waiting = exists().where(_C.c.function_id == _W.c.function_id, _C.c.state == "pending")
+    stmt = (
+        select(_W.c.function_id, _W.c.allocation_id)
+        .join(_A, _A.c.id == _W.c.allocation_id)
+        .where(_W.c.ended.is_(False), _A.c.state == "pending", _A.c.attempt <= 1, ~waiting)
+        .order_by(_W.c.allocation_id)
+    )
+    out: dict[int, list[int]] = {}
+    for fid, aid in s.connection().execute(stmt):
+        out.setdefault(int(fid), []).append(int(aid))
+    return out
+
+
 def functions_waiting(s: Session) -> list[int]:
     """Functions (not deleted) with calls waiting for a worker."""
     stmt = (

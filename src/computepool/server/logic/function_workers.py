@@ -264,6 +264,7 @@ def sweep(db: Database) -> set[int]:
                 else:
                     store.set_failures(s, fn.id, fn.failures + 1, why)
         touched.add(w.function_id)
+    touched |= withdraw_unneeded(db)
     for fid in set(waiting) | touched:
         with db.read() as s:
             fn = store.get_function(s, fid)
@@ -276,6 +277,28 @@ def sweep(db: Database) -> set[int]:
             fn = store.get_function(s, fid, lock=True)
             if fn is not None and ensure_workers(s, fn, db_now(s)):
                 touched.add(fid)
+    return touched
+
+
+def withdraw_unneeded(db: Database) -> set[int]:
+    """Cancel worker allocations still pending of functions with no call waiting (a map whose calls
+    were all taken by the warm workers): started later, they would hold devices for keep_warm_s
+    with nothing to do. Checked again under the function's row lock, which call submission takes,
+    so a call that arrives meanwhile keeps its worker."""
+    touched: set[int] = set()
+    with db.read() as s:
+        idle = store.idle_pending_workers(s)
+    for fid, alloc_ids in idle.items():
+        with db.write() as s:
+            fn = store.get_function(s, fid, lock=True)
+            if fn is None or store.pending_count(s, fid):
+                continue
+            now = db_now(s)
+            for alloc_id in alloc_ids:
+                head = alloc_store.lock_head(s, alloc_id)
+                if head is not None and head.state == "pending":  # not bound meanwhile
+                    alloc_store.end(s, head, "cancelled", "withdrawn: no call waits for this worker", now)
+                    touched.add(fid)
     return touched
 
 
