@@ -10,7 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ def child_env() -> dict[str, str]:
     for k in ("CPOOL_JOIN_TOKEN", "CPOOL_DATA_DIR", "CPOOL_AGENT_DIR", "CPOOL_SERVER", "CPOOL_TOKEN"):
         env.pop(k, None)
     env.pop("CPOOL_CA", None)
+    if "CPOOL_CONFIG" not in os.environ:  # `cpool up` saves its login: never into the host's ~/.config
+        env["CPOOL_CONFIG"] = str(Path(tempfile.gettempdir(), f"cpool-cfg-{uuid.uuid4().hex}", "config.json"))
     return env
 
 

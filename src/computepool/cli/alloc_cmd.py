@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from datetime import UTC, datetime
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
@@ -26,7 +27,7 @@ from computepool.cli.pool_cmd import (
     show,
     table,
 )
-from computepool.client import PoolClient, PoolError
+from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.http import ENDED_STATES
 from computepool.client.options import build_request
 from computepool.core.allocation import HOLDING, LIVE, PENDING
@@ -113,6 +114,8 @@ NameOpt = Annotated[
         "a letter or digit, at most 63 characters (so `hold-t4`, not `holdT4`).",
     ),
 ]
+PriorityOpt = Annotated[int, typer.Option("--priority", help="Higher goes first.")]
+TenantOpt = Annotated[str | None, typer.Option("--tenant", help="Admins: on behalf of a tenant.")]
 
 
 def request_text(req: dict[str, Any]) -> str:
@@ -318,9 +321,9 @@ def register(app: typer.Typer) -> None:
         time_limit: TimeLimitOpt = None,
         nodes: NodesOpt = 1,
         colocate: ColocateOpt = None,
-        priority: Annotated[int, typer.Option("--priority", help="Higher goes first.")] = 0,
+        priority: PriorityOpt = 0,
         name: NameOpt = None,
-        tenant: Annotated[str | None, typer.Option("--tenant", help="Admins: on behalf of a tenant.")] = None,
+        tenant: TenantOpt = None,
         no_wait: Annotated[bool, typer.Option("--no-wait", help="Submit and return at once.")] = False,
         timeout: Annotated[
             float | None, typer.Option("--timeout", min=0, help="Give up (and cancel) after S seconds.")
@@ -341,11 +344,11 @@ def register(app: typer.Typer) -> None:
             if not no_wait:
                 try:
                     out = wait_for_binding(pool, out, timeout, quiet=json_out)
-                except KeyboardInterrupt:
-                    raise fail(
-                        f"stopped waiting; allocation {out['id']} stays queued (`cpool cancel {out['id']}`)",
-                        code=130,
-                    ) from None
+                except KeyboardInterrupt:  # as `cpool run`: no one waits for it, so withdraw it
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    with suppress(PoolError, ServerUnreachable):
+                        pool.cancel_allocation(str(out["id"]))
+                    raise fail(f"cancelled allocation {out['id']}", code=130) from None
         if json_out:
             print_json({**out, "environment": environment(out)})
         elif out["state"] == PENDING:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,8 +17,20 @@ from rich.text import Text
 from computepool.core.errors import InvalidInput
 
 F = TypeVar("F", bound=Callable[..., Any])
-err_console = Console(stderr=True)
-console = Console()
+PIPE_COLUMNS = 1000  # into a pipe or file with no $COLUMNS: whole lines for scripts, not 80 columns
+
+
+def _console(stderr: bool) -> Console:
+    """A terminal gets its own width; a pipe or file $COLUMNS or a very wide line, never Rich's 80."""
+    stream = sys.stderr if stderr else sys.stdout
+    tty = stream is not None and stream.isatty()
+    columns = os.environ.get("COLUMNS", "")
+    width = None if tty or columns.isdigit() else PIPE_COLUMNS
+    return Console(stderr=stderr, width=width)
+
+
+err_console = _console(stderr=True)
+console = _console(stderr=False)
 
 
 def print_json(obj: object) -> None:

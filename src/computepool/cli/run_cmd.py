@@ -36,7 +36,9 @@ from computepool.cli.alloc_cmd import (
     NameOpt,
     NodesOpt,
     PortOpt,
+    PriorityOpt,
     SelectorOpt,
+    TenantOpt,
     TimeLimitOpt,
     TolerationOpt,
     request_from_options,
@@ -56,6 +58,7 @@ from computepool.cli.pool_cmd import (
 )
 from computepool.cli.secrets_cmd import SecretOpt, secret_uses
 from computepool.cli.ship_opts import EnvFileOpt, EnvOpt, NoCodeOpt, NoStdinOpt, OutputOpt, WorkdirOpt
+from computepool.cli.strict_opts import TrailingCommand
 from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.http import ENDED_STATES
 from computepool.core.allocation import LIVE
@@ -127,7 +130,12 @@ def _run_array(pool: PoolClient, array_id: int) -> int:
 def register(app: typer.Typer) -> None:
     @app.command(
         "run",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        cls=TrailingCommand,
+        context_settings={
+            "allow_extra_args": True,
+            "ignore_unknown_options": True,
+            "allow_interspersed_args": False,
+        },
     )
     @pool_command
     def run(
@@ -186,6 +194,8 @@ def register(app: typer.Typer) -> None:
             typer.Option("--retry-on-exit", help="Retry only these exit codes (e.g. 1,137)."),
         ] = None,
         name: NameOpt = None,
+        priority: PriorityOpt = 0,
+        tenant: TenantOpt = None,
         detach: Annotated[
             bool, typer.Option("--detach", "-d", help="Submit and return; Ctrl-C never cancels.")
         ] = False,
@@ -209,7 +219,7 @@ def register(app: typer.Typer) -> None:
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
-            colocate=colocate, secrets=secret_uses(secret),
+            colocate=colocate, secrets=secret_uses(secret), priority=priority, tenant=tenant,
         )  # fmt: skip
         from computepool.cli import array_run, ship  # ship archives code: loaded by the command that ships
 
@@ -225,6 +235,8 @@ def register(app: typer.Typer) -> None:
             raise InvalidInput("--output", "fetches when the job ends: not with --detach (use `cpool cp`)")
         stdin = ship.read_stdin(enabled=not no_stdin)
         with open_client(server, token, timeout=60.0) as pool:
+            if not no_code:
+                pool.whoami()  # a wrong token or server fails here, before the code is packed and sent
             req = ship.ship(
                 pool, req, workdir=workdir, no_code=no_code, env=job_env, stdin=stdin, env_file=env_file
             )

@@ -195,6 +195,23 @@ def _ensure_certificate(cert: Path, key: Path, host: str) -> bool:
     return True
 
 
+def _save_login(url: str, token_file: Path, ca: Path | None) -> str:
+    """Log the CLI in to this pool as `cpool login` would, unless a login to another pool is saved."""
+    from computepool.client.config import ClientConfig, config_path, load_config, save_config
+
+    ca_env = f" CPOOL_CA={ca}" if ca else ""
+    export = f"  export CPOOL_SERVER={url}{ca_env} CPOOL_TOKEN=$(cat {token_file})"
+    path = config_path()
+    try:
+        saved = load_config(path).get("server")
+        if saved in (None, url):
+            save_config(ClientConfig(url, token_file.read_text().strip(), str(ca) if ca else None))
+            return f"logged the CLI in as admin (saved {path}): `cpool ps` needs no exports"
+    except (OSError, ValueError) as e:
+        return f"saved no login ({e}); for this pool:\n{export}"
+    return f"kept the saved login to {saved}; for this pool:\n{export}"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("up")
     def up(
@@ -370,8 +387,7 @@ def register(app: typer.Typer) -> None:
         print(f"ComputePool is up: API {url}", flush=True)
         print(f"admin token in {token_file}", flush=True)
         print(f"dashboard {url}/ (sign in with that token)", flush=True)
-        ca_env = f" CPOOL_CA={cert}" if tls else ""
-        print(f"  export CPOOL_SERVER={url}{ca_env} CPOOL_TOKEN=$(cat {token_file})", flush=True)
+        print(_save_login(url, token_file, cert if tls else None), flush=True)
         print(f"logs in {logs}/ (server.log, agent.log); Ctrl-C stops both (running jobs keep running "
               "and are re-adopted by the next `cpool up`)", flush=True)  # fmt: skip
 
