@@ -234,8 +234,8 @@ def register(app: typer.Typer) -> None:
         import os
 
         from computepool.agent.config import AgentConfig, AgentFatal
-        from computepool.agent.start import run_agent
         from computepool.agent.sandbox import SandboxConfig
+        from computepool.agent.start import run_agent
         from computepool.agent.tenants import check_prefix, parse_uid_range
         from computepool.core.errors import InvalidInput
 
