@@ -206,11 +206,37 @@ def register(app: typer.Typer) -> None:
         env_file: EnvFileOpt = None,
         secret: SecretOpt = None,
         output: OutputOpt = None,
+        task_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--file",
+                "-f",
+                help="A task file (YAML): command, resources, env, secrets, code, array, after, "
+                "retries, … (docs/sdk.md); options typed here override it, words after `--` its command.",
+            ),
+        ] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
         """Run CMD on the pool: `cpool run --gpus 0.5 -- python train.py`. Exits with CMD's exit code."""
         command = list(ctx.args)
+        if task_file is not None:
+            from computepool.cli.task_file import file_options, load_task, typed_options
+
+            loaded = load_task(task_file)
+            typed = typed_options(ctx)
+            cur: dict[str, Any] = dict(
+                gpus=gpus, gpu_mem=gpu_mem, cpus=cpus, mem=mem, model=model, image=image, exclusive=exclusive,
+                isolation=isolation, time_limit=time_limit, restartable=restartable, array=array, after=after,
+                retries=retries, retry_on_exit=retry_on_exit, name=name, workdir=workdir, no_code=no_code,
+                secret=secret, priority=priority,
+            )  # fmt: skip
+            cur.update(file_options(loaded, typed))  # same keys, same order: the file's where not typed
+            (gpus, gpu_mem, cpus, mem, model, image, exclusive, isolation, time_limit, restartable, array,
+             after, retries, retry_on_exit, name, workdir, no_code, secret,
+             priority) = cur.values()  # fmt: skip
+            env = [*loaded.env_pairs(), *(env or [])]  # --env wins, one variable at a time
+            command = command or loaded.command() or []
         if not command:
             raise InvalidInput(
                 "CMD", "nothing to run: put the command after `--`, e.g. cpool run -- nvidia-smi"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
 from computepool.sdk.gang import GangHandle
+from computepool.sdk.jobs import Job
 from computepool.sdk.pool import Handle, Pool, RemoteFunction
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "GangHandle",
     "Handle",
     "IncompatiblePython",
+    "Job",
     "Pool",
     "RemoteError",
     "RemoteFunction",

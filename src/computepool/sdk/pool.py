@@ -38,6 +38,7 @@ from computepool.client.options import build_request, parse_secrets
 from computepool.core.errors import InvalidInput
 from computepool.core.servers import ServerArg
 from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteError, RemoteTraceback
+from computepool.sdk.jobs import Job, job_request, ship_code
 from computepool.sdk.packing import pack_call, pack_shipment, shipment
 from computepool.wire.allocations import AllocationCreate
 
@@ -154,6 +155,34 @@ class Pool:
             return RemoteFunction(self, f, spec)
 
         return wrap(fn) if fn is not None else wrap
+
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        code: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        secrets: Sequence[str] | None = None,
+        array: str | None = None,
+        after: Sequence[int | str | Job] | None = None,
+        retries: int = 0,
+        retry_on_exit: Sequence[int] | None = None,
+        name: str | None = None,
+        priority: int = 0,
+        **options: Any,
+    ) -> Job:
+        """Submit a job, as `cpool run -d` does, and answer its `Job` (`.wait()`, `.logs()`, …).
+
+        `command`: a string runs by `sh -c`, a list of words as given. `options` are `cpool run`'s
+        (gpus, gpu_mem, cpus, mem, model, image, isolation, time_limit, nodes, …); `code` a directory
+        shipped as the job's work dir (none by default); `after` Jobs or ids (`"ID:any"`)."""
+        request = job_request(
+            command, env=env, secrets=secrets, array=array, after=after, retries=retries,
+            retry_on_exit=retry_on_exit, name=name, priority=priority, **options,
+        )  # fmt: skip
+        if code is not None:
+            request = request.changed(code=ship_code(self.client, code))
+        return Job(self.client, self.client.create_allocation(request), self.rider)
 
     def close(self) -> None:
         self.client.close()
