@@ -104,3 +104,11 @@ def test_a_wrong_token_is_reported_before_the_code_is_packed(
     assert "to ship" not in r.stderr and "code:" not in r.stderr, r.stderr
     assert re.search(r"token|unauthori[sz]ed|401", r.stderr, re.IGNORECASE), r.stderr
     assert os.path.getsize(code / "big.bin") == 4 << 30
+
+
+def test_plain_http_to_the_https_pool_says_so(up: tuple[dict[str, str], Pool], tmp_path: Path) -> None:
+    """No saved login and the pool's address typed with http://: the error names the fix."""
+    env = {**up[0], "CPOOL_CONFIG": str(tmp_path / "none.json")}
+    r = _cpool(env, "ps", "--server", up[1].url.replace("https://", "http://"))
+    assert r.returncode == 1, r.stderr
+    assert "use https:// and --ca" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

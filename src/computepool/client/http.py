@@ -85,6 +85,13 @@ def retry_after_s(r: httpx.Response, attempt: int) -> float:
     return retry_after(r.headers.get("Retry-After"), attempt)
 
 
+def _sent_plain_http(e: httpx.TransportError) -> bool:
+    try:
+        return e.request.url.scheme == "http"
+    except RuntimeError:  # an error raised with no request
+        return False
+
+
 def transport_cause(e: httpx.TransportError, timeout: float) -> str:
     tls = describe_tls_failure(e)
     if tls is not None:
@@ -93,7 +100,10 @@ def transport_cause(e: httpx.TransportError, timeout: float) -> str:
         return f"no answer within {timeout:g} s"
     if isinstance(e, httpx.ConnectError):
         return f"connection failed: {e}" if str(e) else "connection refused"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if isinstance(e, httpx.RemoteProtocolError) and _sent_plain_http(e):
+        said += "; a server that speaks https (as `cpool up` does) closes plain http: use https:// and --ca"
+    return said
 
 
 class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMethods, ImageMethods):
