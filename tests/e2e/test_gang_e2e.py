@@ -5,6 +5,7 @@ reaches rank 0's rendezvous port; a member that exits 3 fails the gang and the o
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -182,9 +183,19 @@ def test_cpool_run_nodes_runs_a_cpu_gang(gangs: Gangs) -> None:
         capture_output=True, text=True, env=gangs.env(), timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr + gangs.logs()
-    line = done.stdout.strip().splitlines()[-1]
-    rank, master, world = line.split()
-    assert rank == "0" and master in ADDRESSES.values() and world == "2", done.stdout
+    lines = sorted(done.stdout.strip().splitlines())  # every member's, each line prefixed
+    assert [line.split()[:3] for line in lines] == [["[rank", "0]", "0"], ["[rank", "1]", "1"]], done.stdout
+    masters = {line.split()[3] for line in lines}
+    assert len(masters) == 1 and masters <= set(ADDRESSES.values()), done.stdout
+    assert [line.split()[4] for line in lines] == ["2", "2"], done.stdout
+    job = re.search(r"job (\d+)", done.stderr)
+    assert job is not None, done.stderr
+    logs = subprocess.run(cpool("logs", job[1]), capture_output=True, text=True, env=gangs.env(), timeout=60)
+    assert sorted(logs.stdout.splitlines()) == lines, logs.stdout + logs.stderr
+    one = subprocess.run(
+        cpool("logs", job[1], "--rank", "1"), capture_output=True, text=True, env=gangs.env(), timeout=60
+    )
+    assert one.stdout == lines[1].removeprefix("[rank 1] ") + "\n", one.stdout + one.stderr
 
 
 def test_a_member_that_exits_3_fails_the_gang_and_the_other_is_stopped(gangs: Gangs) -> None:

@@ -138,10 +138,10 @@ def member_stdout(c: Cluster, alloc_id: int, rank: int) -> str:
     return str(r.json()["stdout"]["data"])
 
 
-def result_line(text: str) -> dict[str, Any] | None:
+def result_line(text: str, prefix: str = "") -> dict[str, Any] | None:
     for line in text.splitlines():
-        if line.startswith("RESULT "):
-            return dict(json.loads(line.removeprefix("RESULT ")))
+        if line.startswith(prefix + "RESULT "):
+            return dict(json.loads(line.removeprefix(prefix + "RESULT ")))
     return None
 
 
@@ -160,8 +160,9 @@ def test_two_node_gang_all_reduces_across_hosts(cluster: Cluster, venv_python: s
     assert {m["node"]: m["address"] for m in members} == by_node, members
     assert all(m["state"] == "exited" and m["exit_code"] == 0 for m in members), members
 
-    # rank 0's output is what `cpool run` printed; rank 1's comes from `cpool logs --rank 1`
-    out0 = result_line(r.stdout)
+    # `cpool run` printed every member's output, each line prefixed; `cpool logs --rank 1` one's
+    out0 = result_line(r.stdout, "[rank 0] ")
+    assert result_line(r.stdout, "[rank 1] ") is not None, r.stdout
     logs1 = c.cli("logs", str(alloc_id), "--rank", "1", timeout=60)
     assert logs1.returncode == 0, logs1.stderr
     out1 = result_line(logs1.stdout)

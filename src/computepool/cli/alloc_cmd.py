@@ -493,7 +493,11 @@ def register(app: typer.Typer) -> None:
         ] = False,
         rank: Annotated[
             int | None,
-            typer.Option("--rank", min=0, help="Which member of a gang (0 = the first node; default 0)."),
+            typer.Option(
+                "--rank",
+                min=0,
+                help="One member of a gang (0 = the first node); default: all, lines prefixed [rank N].",
+            ),
         ] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
@@ -504,9 +508,10 @@ def register(app: typer.Typer) -> None:
         def whose(out: dict[str, Any]) -> None:
             ranks = int(out.get("ranks") or 1)
             if ranks > 1:
-                hint = "; --rank R shows another member" if rank is None else ""
                 err_console.print(
-                    f"(output of rank {out.get('rank', 0)} of {ranks}{hint})",
+                    f"(output of every rank of {ranks}, each line prefixed [rank N]; --rank R shows one)"
+                    if rank is None
+                    else f"(output of rank {out.get('rank', 0)} of {ranks})",
                     highlight=False,
                     markup=False,
                     style="dim",
@@ -522,7 +527,7 @@ def register(app: typer.Typer) -> None:
                     raise typer.Exit(array_exit(int(alloc_id), outs, ids))
                 return
             alloc_id = ids[0]
-            out = copy_output(pool, alloc_id, rank=rank or 0, follow=follow, first=whose)
+            out = copy_output(pool, alloc_id, rank=rank, follow=follow, first=whose)
         if follow:
             err_console.print(ended_line(alloc_id, out), highlight=False, markup=False, soft_wrap=True)
             raise typer.Exit(exit_code(out))

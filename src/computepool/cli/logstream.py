@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TextIO
 
 from computepool.cli.common import err_console
@@ -44,40 +45,72 @@ def copy_output(
     pool: PoolClient,
     alloc_id: str,
     *,
-    rank: int = 0,
+    rank: int | None = None,
     follow: bool = True,
     wait: float = WAIT_S,
     first: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Copy a member's output from the start; with `follow`, until the job ended and all is out.
+    """Copy a job's output from the start; with `follow`, until the job ended and all is out.
 
-    Without `follow`, every page up to what is stored now (a long log is not cut at one page).
-    `first` sees the first answer before anything is written (to say whose output it is).
-    Returns the last answer: its state, exit code and reason say how the job ended. While
-    following, a control plane that restarts or fails over is waited for (`follower`).
+    A gang's members all have their say, each line prefixed `[rank N]`, unless `rank` picks one
+    (then unprefixed, as a single node's). Without `follow`, every page up to what is stored now
+    (a long log is not cut at one page). `first` sees the first answer before anything is written
+    (to say whose output it is). Returns the last answer: its state, exit code and reason say how
+    the job ended. While following, a control plane that restarts or fails over is waited for.
     """
-    offsets = {"stdout": 0, "stderr": 0}
     rider = follower(f"job {alloc_id}") if follow else OutageRider(outage_s=0)
+    members = [_Member(rank or 0)]
     while True:
-        out = rider.call(
-            lambda: pool.allocation_logs(
-                alloc_id, offsets["stdout"], offsets["stderr"], rank=rank, wait=wait if follow else None
-            )
-        )
-        if first is not None:
-            first(out)
-            first = None
-        got = False
-        for name, fd in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-            part = out.get(name) or {}
-            _write(fd, str(part.get("data") or ""))
-            nxt = int(part.get("next", offsets[name]))
-            got = got or nxt > offsets[name]
-            offsets[name] = nxt
-        if out.get("ended") or (not follow and not got):
+        got, out = False, {}
+        long_poll = wait if follow and len(members) == 1 else None  # a gang's members: polled in turn
+        for m in members:
+            offsets = m.offsets["stdout"], m.offsets["stderr"]
+            out = rider.call(partial(pool.allocation_logs, alloc_id, *offsets, rank=m.rank, wait=long_poll))
+            if first is not None:
+                first(out)
+                first = None
+            if rank is None and len(members) == 1 and int(out.get("ranks") or 1) > 1:
+                members = [members[0], *(_Member(r, True) for r in range(1, int(out["ranks"])))]
+                members[0].prefix = True
+            got = m.take(out) or got
+            m.ended = bool(out.get("ended"))
+        if all(m.ended for m in members) or (not follow and not got):
+            for m in members:
+                m.flush()
             return out
         if not got:
             time.sleep(NO_WAIT_PAUSE_S)
+
+
+class _Member:
+    """One gang member's offsets, and (when prefixed) the part of a line not yet ended."""
+
+    def __init__(self, rank: int, prefix: bool = False) -> None:
+        self.rank, self.prefix, self.ended = rank, prefix, False
+        self.offsets = {"stdout": 0, "stderr": 0}
+        self.partial = {"stdout": "", "stderr": ""}
+
+    def take(self, out: dict[str, Any]) -> bool:
+        """Write what `out` brought; whether it brought anything."""
+        got = False
+        for name, fd in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            part = out.get(name) or {}
+            data = str(part.get("data") or "")
+            if self.prefix:
+                *lines, self.partial[name] = (self.partial[name] + data).split("\n")
+                data = "".join(f"[rank {self.rank}] {line}\n" for line in lines)
+            _write(fd, data)
+            nxt = int(part.get("next", self.offsets[name]))
+            got = got or nxt > self.offsets[name]
+            self.offsets[name] = nxt
+        return got
+
+    def flush(self) -> None:
+        """A last line without its newline, once the output is all read."""
+        for name, fd in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            if self.prefix and self.partial[name]:
+                _write(fd, f"[rank {self.rank}] {self.partial[name]}\n")
+                self.partial[name] = ""
 
 
 def ended_line(alloc_id: str, out: dict[str, Any]) -> str:

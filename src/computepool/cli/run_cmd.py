@@ -294,7 +294,7 @@ def register(app: typer.Typer) -> None:
                         err_console.print(
                             f"job {job_id} {job['state']} on {', '.join(nodes)}"
                             + (f": {what}" if what != "nothing" else "")
-                            + (f" (output of rank 0 of {len(nodes)})" if len(nodes) > 1 else ""),
+                            + (f" (all {len(nodes)} ranks, prefixed [rank N])" if len(nodes) > 1 else ""),
                             highlight=False,
                             markup=False,
                             style="dim",
