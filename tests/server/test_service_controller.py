@@ -313,15 +313,16 @@ def test_an_engine_that_keeps_exiting_is_restarted_then_backed_off(pool: Pool) -
         [alloc_id] = rep.started
         pool.run(alloc_id, healthy=False)
         a = get(pool.api, alloc_id)
+        said = {"attempt": a["attempt"], "stream": "stderr", "offset": 0, "data": f"loading\nno model {i}\n"}
+        pool.api.ok("POST", f"/api/v1/allocations/{alloc_id}/logs", json=said, headers=n1)
         exited = {"allocation_id": alloc_id, "attempt": a["attempt"], "state": "exited", "exit_code": 1}
         report(pool.api, "n1", n1, exited)
         assert get(pool.api, alloc_id)["state"] == "failed"
         rep = pool.step()
         assert len(rep.started) == (1 if i < 2 else 0), (i, rep)
     reason = pool.show("chat")["reason"]
-    assert "replicas keep failing" in reason and f"replica {alloc_id} failed (exited 1 on n1)" in reason, (
-        reason
-    )
+    assert "replicas keep failing" in reason, reason
+    assert f'replica {alloc_id} failed (exited 1 on n1; stderr: "loading | no model 2")' in reason, reason
     assert pool.step().started == []
 
 

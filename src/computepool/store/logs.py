@@ -183,6 +183,16 @@ def read_log(
     return out.decode(errors="replace"), nxt
 
 
+def last_lines(
+    session: Session, alloc_id: int, stream: str, lines: int = 3, max_bytes: int = 2048
+) -> list[str]:
+    """The last non-blank `lines` of rank 0's stream (within its last `max_bytes`): why an engine
+    that exited failed, in its own words."""
+    end = log_length(session, alloc_id, 0, stream)
+    data, _ = read_log(session, alloc_id, 0, stream, max(0, end - max_bytes), max_bytes)
+    return [line.strip() for line in data.splitlines() if line.strip()][-lines:]
+
+
 def tenant_bytes(session: Session) -> dict[str, int]:
     """Log bytes each tenant holds over all its allocations (markers aside), by tenant name."""
     stmt = (

@@ -58,6 +58,7 @@ from computepool.server.logic.services import replica_request
 from computepool.server.loops import Periodic
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as alloc_store
+from computepool.store import logs as log_store
 from computepool.store import services as store
 from computepool.store.db import Database, db_now
 from computepool.wire.services import ServiceSpec
@@ -160,7 +161,10 @@ class ServiceController:
                 reps.setdefault(r.service_id, []).append(r)
             loads = fresh_load(s, list(svcs), now, LOAD_FRESH_S)
             reports = store.oldest_reports(s, list(svcs), now - timedelta(seconds=LOAD_FRESH_S))
-            failed = store.failed_since(s, now - timedelta(seconds=BACKOFF_WINDOW_S))
+            failed = [  # a new failure says what its engine last wrote on stderr
+                (i, sid, why if i in self._seen_failed else why + _stderr_said(s, i), at)
+                for i, sid, why, at in store.failed_since(s, now - timedelta(seconds=BACKOFF_WINDOW_S))
+            ]
         return _View(now, svcs, reps, loads, reports, failed)
 
     async def _probe(self, view: _View) -> dict[int, Probe]:
@@ -560,3 +564,9 @@ def _desired(spec: ServiceSpec, n: int, total: int, idle: bool) -> int:
 
 def _with(r: store.ReplicaRow, replica_state: ReplicaState) -> store.ReplicaRow:
     return store.ReplicaRow(**{**r.__dict__, "replica_state": replica_state})
+
+
+def _stderr_said(s: Session, alloc_id: int) -> str:
+    """`; stderr: "…"` with the replica's last stderr lines, or nothing when it wrote none."""
+    lines = log_store.last_lines(s, alloc_id, "stderr")
+    return f'; stderr: "{" | ".join(lines)[-300:]}"' if lines else ""
