@@ -84,6 +84,9 @@ def test_flags_and_words_after_dashes_override_the_file(pool_env: dict[str, str]
         ("command: [true]\nretries: 99\n", ":2: retries", "20"),
         ("command: [true]\nresources:\n  mem: 10XB\n", ":3: resources.mem", "10XB"),
         ("command: [true\n", ":2", "not valid YAML"),
+        ("command: [true]\nenv:\n  1BAD: x\n", ":2: env", "'1BAD'"),
+        ("command: [true]\nafter: [12, soon]\n", ":2: after", "'soon'"),
+        ("command: [true]\narray: 5-1\n", ":2: array", "5-1"),
     ],
 )
 def test_a_bad_task_file_is_one_line_naming_line_and_field(
@@ -139,3 +142,12 @@ def test_pool_run_cancel_and_bad_options(sdk: Pool) -> None:
         slow.wait(timeout=0.5)
     slow.cancel()
     assert slow.wait(timeout=60) != 0
+
+
+def test_pool_run_an_array_and_a_dependency(sdk: Pool) -> None:
+    arr = sdk.run("exit $CPOOL_ARRAY_INDEX", cpus=0.5, array="0-2")
+    assert arr.wait(timeout=60) == 1  # the first non-zero exit code, in index order
+    bad = sdk.run("exit 3", cpus=0.5)
+    never = sdk.run("echo never", cpus=0.5, after=[bad])  # bad does not exit 0: never met
+    assert never.wait(timeout=60) != 0
+    assert never.state == "failed" and never.logs() == ""

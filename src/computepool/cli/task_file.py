@@ -8,6 +8,7 @@ and the field: `task.yaml:7: resources.gpus: …`. Flags typed on the command li
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from computepool.client.options import build_request
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import parse_duration_s
+from computepool.wire.allocations import parse_array
 
 SHELL = "/bin/sh"
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_AFTER = re.compile(r"[0-9]+(:(ok|any|failed))?")
 Scalar = str | int | float
 
 
@@ -78,6 +82,36 @@ class TaskFile(_Strict):
                 parse_duration_s(v, "time_limit")
             except InvalidInput as e:
                 raise ValueError(e.message) from None
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, Scalar] | None) -> dict[str, Scalar] | None:
+        for key in v or {}:
+            if not _ENV_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is not a variable name (letters, digits, '_'; not first a digit)")
+        return v
+
+    @field_validator("array")
+    @classmethod
+    def _array(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_array(v)  # its ValueError reads as the field's message
+        return v
+
+    @field_validator("after")
+    @classmethod
+    def _after(cls, v: list[str | int] | None) -> list[str | int] | None:
+        for item in v or []:
+            if not _AFTER.fullmatch(str(item)):
+                raise ValueError(f"{item!r}: give ID, ID:ok, ID:any or ID:failed")
+        return v
+
+    @field_validator("retry_on_exit")
+    @classmethod
+    def _codes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not all(1 <= c <= 255 for c in v):
+            raise ValueError(f"{v!r}: exit codes are 1..255")
         return v
 
     @field_validator("command")

@@ -110,7 +110,7 @@ class Job:
     def __init__(self, client: PoolClient, alloc: Mapping[str, Any], rider: OutageRider) -> None:
         self.client = client
         self.id = int(alloc["id"])
-        self.array = alloc.get("array") is not None
+        self.array = alloc.get("array_id") is not None
         self._last: dict[str, Any] = dict(alloc)
         self._rider = rider
 
