@@ -273,3 +273,23 @@ def test_gateway_reports_its_load_and_touches_the_service(pool: Pool) -> None:
             svc = s.get(Service, sid)
             assert svc is not None and svc.last_request_at is not None
             assert abs(datetime.now(UTC) - svc.last_request_at) < timedelta(seconds=30)
+
+
+def test_a_service_whose_replicas_fail_is_answered_503_at_once_with_why(pool: Pool) -> None:
+    api, reg = pool.api, pool.reg
+    sid = reg.service("t1", "broken", queue_timeout_s=120)
+    why = 'replica 7 failed (exited 1 on n1; stderr: "no such model"): replaced'
+    with api.app.state.db.write() as s:
+        row = s.get(Service, sid)
+        assert row is not None
+        row.reason = f"1 replica (min_replicas); {why}"
+    r = api.post("/v1/chat/completions", json=chat("broken"), headers=pool.alice)
+    err = oa_error(r, 503)  # at once: the queue would have waited 120 s
+    assert err["code"] == "replicas_failing" and why in err["message"], err
+    with engine("broken") as port:  # a ready replica again: requests go to it, failures or not
+        reg.replica(sid, port)
+
+        def ask() -> httpx.Response:
+            return api.post("/v1/chat/completions", json=chat("broken"), headers=pool.alice)
+
+        wait_until(lambda: ask().status_code == 200, what="the ready replica answers")

@@ -35,6 +35,7 @@ class ServiceRow:
     name: str
     spec: dict[str, Any]
     created_at: datetime
+    reason: str = ""  # the service controller's last word on it
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ def live_services(s: Session) -> list[ServiceRow]:
         .where(Service.deleted_at.is_(None))
         .order_by(Service.id)
     ).all()
-    return [ServiceRow(sv.id, sv.tenant_id, tname, sv.name, sv.spec, sv.created_at) for sv, tname in rows]
+    return [
+        ServiceRow(sv.id, sv.tenant_id, tname, sv.name, sv.spec, sv.created_at, sv.reason)
+        for sv, tname in rows
+    ]
 
 
 def ready_replicas(s: Session) -> list[ReplicaRow]:

@@ -77,6 +77,11 @@ class Balancer:
         svc.inflight = {a: n for a, n in svc.inflight.items() if n > 0 or a in listed}
         self._dispatch(svc)
 
+    def has_replicas(self, service_id: int) -> bool:
+        """Whether the service has a ready replica (busy or not) as last read."""
+        svc = self._services.get(service_id)
+        return bool(svc and svc.replicas)
+
     def forget_missing(self, service_ids: set[int]) -> None:
         """Drop services that are gone, once nothing of theirs is in flight or waiting."""
         for sid in list(self._services):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -63,6 +64,7 @@ class ServiceInfo:
     limit: int  # requests one replica is sent at once
     queue_timeout_s: float
     created: int  # unix seconds
+    failing: str = ""  # the controller's reason while its replicas fail to start (engine exits …)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,12 @@ def _info(row: store.ServiceRow) -> ServiceInfo:
         limit=limit,
         queue_timeout_s=float(spec.get("queue_timeout_s") or 120),
         created=int(row.created_at.timestamp()),
+        failing=row.reason if _FAILING.search(row.reason) else "",
     )
+
+
+# the service controller's words for replicas that ended failed or keep failing (service_controller.py)
+_FAILING = re.compile(r"replica \d+ failed \(|replicas keep failing")
 
 
 @dataclass(frozen=True)
@@ -346,6 +353,15 @@ class Gateway:
 
     async def _acquire(self, caller: Caller, deadline: float, tried: frozenset[int]) -> Replica:
         info = caller.service
+        if info.failing and not self.balancer.has_replicas(info.id):  # no point waiting: say why
+            self._done(caller, failed=True)
+            raise GatewayError(
+                503,
+                f"service '{info.name}' has no ready replica, and they fail: {printable(info.failing, 600)}",
+                "server_error",
+                "replicas_failing",
+                **{"Retry-After": "5"},
+            )
         try:
             return await self.balancer.acquire(
                 info.id, max(0.0, deadline - time.monotonic()), tried, tenant=info.tenant
