@@ -43,6 +43,9 @@ def test_spec_file_errors_name_the_file_and_line(cli: Cli, tmp_path: Path) -> No
         "name: m\ncommand: python3 x\nmin: many\n": (":3 min", "expected a whole number"),
         "name: m\ncommand: python3 x\nno-code: 'no'\n": (":3 no_code", "expected true or false"),
         "- name: m\n": ("", "expected a mapping"),
+        "name: m\ncommand: python3 x\nresources:\n  gpus: -1\n": (":4: resources.gpus", "must be ≥ 0"),
+        "name: m\ncommand: python3 x\nresources:\n  cpu: 1\n": (":4: resources.cpu", "unknown key"),
+        "name: m\ncommand: x\ncpus: 1\nresources: {cpus: 2}\n": (":4", "'cpus' given twice"),
     }
     for n, (text, (where, words)) in enumerate(cases.items()):
         spec = tmp_path / f"spec{n}.yaml"
@@ -154,6 +157,16 @@ def test_spec_file_with_flags_over_it_and_code_shipped(cli: Cli, tmp_path: Path)
     assert (got["port_env"], got["max_inflight"], got["startup_grace_s"]) == ("ENGINE_PORT", 9, 120)
     assert (got["scale_down_delay_s"], got["queue_timeout_s"], got["max_replicas"]) == (0, 30, 3)
     cli("serve", "embed", "--delete")
+
+
+def test_spec_file_resources_section_as_in_task_files(cli: Cli, tmp_path: Path) -> None:
+    spec = tmp_path / "serve.yaml"
+    spec.write_text("name: sized\ncommand: [python3, x.py]\nresources:\n  cpus: 0.5\n  mem: 256MiB\n")
+    r = cli("serve", "--file", str(spec), "--no-code", "--mem", "384MiB")
+    assert r.exit_code == 0, r.output
+    req = _service(cli, "sized")["spec"]["request"]
+    assert (req["cpu_milli"], req["memory_mib"]) == (500, 384)  # the flag over the file's section
+    cli("serve", "sized", "--delete")
 
 
 @needs_services

@@ -126,6 +126,16 @@ def load_spec_file(path: Path) -> SpecFile:
     values: dict[str, Any] = {}
     for raw, value in data.items():
         key = str(raw).replace("-", "_")
+        if key == "resources":  # the task file's section (cli/task_file.py), read as the flat keys
+            from computepool.cli.task_file import spec_resources
+
+            res_node = next((v for k, v in node.value if k.value == raw), None) if node is not None else None
+            flat, flat_lines = spec_resources(path, res_node, value)
+            for k, v in flat.items():
+                if k in data or k.replace("_", "-") in data:
+                    raise InvalidInput(f"{path}:{flat_lines[k]}", f"{k!r} given twice (here and at the top)")
+                values[k], lines[k] = v, flat_lines[k]
+            continue
         if key not in FILE_KEYS:
             known = ", ".join(sorted(FILE_KEYS))
             raise InvalidInput(f"{path}:{lines.get(key, 1)}", f"unknown key {raw!r} (known keys: {known})")

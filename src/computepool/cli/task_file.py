@@ -4,6 +4,7 @@ The file holds what `cpool run` takes, its resources under `resources:` (the key
 request: gpus, gpu_mem, cpus, mem, models, image, …). A pydantic model (extra keys refused) checks it,
 each value through the same parser as its flag (client/options.py), and a refusal names the YAML line
 and the field: `task.yaml:7: resources.gpus: …`. Flags typed on the command line win over the file.
+A service spec's `resources:` section (serve_spec.py) is checked by the same `Resources` model.
 """
 
 from __future__ import annotations
@@ -156,9 +157,8 @@ def _lines(node: Any, prefix: tuple[str | int, ...], out: dict[tuple[str | int, 
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
             key = str(k.value)
-            out[(*prefix, key)] = k.start_mark.line + 1
             _lines(v, (*prefix, key), out)
-            out[(*prefix, key)] = k.start_mark.line + 1
+            out[(*prefix, key)] = out[(*prefix, key.replace("-", "_"))] = k.start_mark.line + 1
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             _lines(item, (*prefix, i), out)
@@ -190,16 +190,48 @@ def load_task(path: Path) -> LoadedTask:
     try:
         return LoadedTask(path, TaskFile.model_validate(data))
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(err["loc"])
-        # a union reports its member's name last (`str`, `list[str]`): keep what the file wrote
-        while loc and loc not in lines:
-            loc = loc[:-1]
-        dotted = ".".join(str(p) for p in (loc or tuple(err["loc"])[:1]))
-        message = str(err["msg"]).removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        raise InvalidInput(f"{path}:{lines.get(loc, 1)}: {dotted}", message) from None
+        raise _refusal(path, e, lines) from None
+
+
+def _refusal(
+    path: Path, e: ValidationError, lines: dict[tuple[str | int, ...], int], prefix: tuple[str, ...] = ()
+) -> InvalidInput:
+    """The first error as `FILE:LINE: dotted.field`, the line the field's key stands on."""
+    err = e.errors()[0]
+    loc = (*prefix, *err["loc"])
+    # a union reports its member's name last (`str`, `list[str]`): keep what the file wrote
+    while loc and loc not in lines:
+        loc = loc[:-1]
+    dotted = ".".join(str(p) for p in (loc or (*prefix, *err["loc"])[:1]))
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        message = "unknown key"
+    return InvalidInput(f"{path}:{lines.get(loc, 1)}: {dotted}", message)
+
+
+# `resources:` keys → the flat keys a service spec (serve_spec.FILE_KEYS) reads them by.
+SPEC_KEYS = {"gpus": "gpus", "gpu_mem": "gpu_mem", "cpus": "cpus", "mem": "mem", "models": "model"} | {
+    "image": "image",
+    "exclusive": "exclusive",
+    "isolation": "isolation",
+}
+
+
+def spec_resources(path: Path, node: Any, data: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """A service spec's `resources:` section, checked by the task file's `Resources`: its values by
+    the spec's flat keys, and the line each stands on."""
+    lines: dict[tuple[str | int, ...], int] = {}
+    if node is not None:
+        _lines(node, ("resources",), lines)
+    try:
+        res = Resources.model_validate({} if data is None else data)
+    except ValidationError as e:
+        raise _refusal(path, e, lines, ("resources",)) from None
+    values = {SPEC_KEYS[k]: getattr(res, k) for k in res.model_fields_set}
+    where = {
+        SPEC_KEYS[k]: lines.get(("resources", k), lines.get(("resources",), 1)) for k in res.model_fields_set
+    }
+    return values, where
 
 
 def _text(v: Scalar | None) -> str | None:
