@@ -5,7 +5,9 @@ kept for `cpool cp` and `--output` after the end) and a running job that writes 
 kubelet does with dead containers and under disk pressure:
 
 - A finished attempt's run dir is removed once the control plane has acknowledged its end and
-  `keep_s` has passed (default an hour), oldest first. While the disk is low, every such dir older
+  `keep_s` has passed (default an hour), oldest first; the dirs are walked every five minutes
+  (a look at the free space alone every ten seconds), so an idle agent's cost does not follow
+  how many attempts it keeps. While the disk is low, every such dir older
   than `MIN_KEEP_S` goes, oldest first, until it is not.
 - While the disk stays low with nothing finished left to remove, the running job whose own files
   take the most is stopped, its reason naming the sizes; its dir goes once its end is acknowledged.
@@ -31,7 +33,8 @@ from pathlib import Path
 log = logging.getLogger("computepool.agent")
 
 MIB = 1 << 20
-GUARD_EVERY_S = 10.0
+GUARD_EVERY_S = 10.0  # a look at the free space (one statvfs)
+SWEEP_EVERY_S = 300.0  # a walk over the finished attempts' dirs when the disk is not low
 KEEP_S = 3600.0  # a finished attempt's files stay this long after its end
 MIN_KEEP_S = 60.0  # even on a full disk: `--output` fetches right after the end
 MIN_FREE_BYTES = 2 << 30
@@ -107,6 +110,7 @@ class DiskGuard:
         self.runs, self.key, self.protected, self.jobs, self.stop_job = runs, key, protected, jobs, stop
         self.keep_s, self.min_free_bytes, self.min_free_share = keep_s, min_free_bytes, min_free_share
         self.every_s, self.clock = every_s, clock
+        self._swept: float | None = None  # when the last walk over the finished dirs was (clock)
         self._stopped: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -156,6 +160,9 @@ class DiskGuard:
         done: list[str] = []
         now = self.clock()
         low, free, total = self.low()
+        if not low and self._swept is not None and now - self._swept < SWEEP_EVERY_S:
+            return done  # the walk costs as many dirs as the node keeps: not every pass
+        self._swept = now
         for ended, d in self.finished():
             age = now - ended
             if age >= self.keep_s:
