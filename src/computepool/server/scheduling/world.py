@@ -68,6 +68,31 @@ class World:
         self.held: dict[int, Usage] = {}
         self.freed = 0  # bumped whenever capacity is given back (preemption): failures may now fit
 
+    def idle_devices_sentence(self, k: int, shown: int = 3) -> str:
+        """`needs 2 whole idle GPUs on one node; vm: 0 of 3 idle (held by 51, 52)`: the nodes
+        with the most idle devices first, each with the allocations that hold its others."""
+        holders: dict[int, set[int]] = {}  # node index → allocations holding a device of it
+        for alloc_id, changes in self.changes.items():
+            for ch in changes:
+                if any(ch.gpu_milli.values()):
+                    holders.setdefault(ch.node, set()).add(alloc_id)
+        st = self.state
+        rows = []
+        for i, n in enumerate(self.nodes):
+            total = int((st.gpu_cap[i] > 0).sum())
+            if total:
+                idle = int(((st.gpu_free[i] == st.gpu_cap[i]) & (st.gpu_cap[i] > 0)).sum())
+                rows.append((idle, n.name, total, sorted(holders.get(i, ()))))
+        rows.sort(key=lambda x: (-x[0], x[1]))
+        parts = [
+            f"{name}: {idle} of {total} idle" + (f" (held by {', '.join(map(str, ids))})" if ids else "")
+            for idle, name, total, ids in rows[:shown]
+        ]
+        if len(rows) > shown:
+            parts.append(f"{len(rows) - shown} more node{'' if len(rows) - shown == 1 else 's'} with GPUs")
+        need = f"needs {k} whole idle GPU{'' if k == 1 else 's'} on one node"
+        return "; ".join([need, *parts]) if parts else f"{need}; no node has GPUs"
+
     def model_of(self, node: str, index: int) -> str | None:
         n = self.by_name.get(node)
         if n is None:
@@ -168,6 +193,8 @@ class World:
             r.notes.append("no nodes in the pool")
         if req.gang_nodes > 1:
             r.notes.append(f"gang needs {req.gang_nodes} nodes at once")
+        if req.gpu_count > 0 and req.whole_devices and self.nodes:
+            r.notes.append(self.idle_devices_sentence(req.gpu_count))
         if req.colocate is not None and req.gang_nodes > 1 and self.nodes:
             spread = why_spread(Scheduler(make_scorer("bestfit")), self.state, req)
             if spread is not None:
