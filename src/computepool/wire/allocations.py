@@ -521,6 +521,12 @@ class Report(In):
         "when that was held on its node).",
     )
 
+    @field_validator("exit_code")
+    @classmethod
+    def _signal_as_shell_says(cls, v: int | None) -> int | None:
+        """-N (killed by signal N, as an older agent may say) is stored as the shell's 128+N."""
+        return 128 - v if v is not None and -64 <= v < 0 else v
+
 
 class Reports(In):
     reports: list[Report] = Field(max_length=10_000)
