@@ -72,6 +72,7 @@ def copy_output(
             if rank is None and len(members) == 1 and int(out.get("ranks") or 1) > 1:
                 members = [members[0], *(_Member(r, True) for r in range(1, int(out["ranks"])))]
                 members[0].prefix = True
+                got = True  # the other members are read next, whatever rank 0 said
             got = m.take(out) or got
             m.ended = bool(out.get("ended"))
         if all(m.ended for m in members) or (not follow and not got):
