@@ -43,9 +43,13 @@ def spec(**request: Any) -> dict[str, Any]:
 
 
 def test_a_replica_runs_on_the_agent_is_rolled_over_and_drained(tmp_path: Path) -> None:
-    with local_pool(tmp_path) as (_env, pool):
+    with local_pool(tmp_path) as (env, pool):
         r = pool.http.put("/api/v1/services/web", json=spec())
         assert r.status_code == 201, r.text
+        # beside it, a service whose engine exits 1 at once: its failures show what it wrote
+        broken = spec(command=[JOB_PYTHON, "-c", "import sys; sys.exit('no model at /models/x')"])
+        broken["spec"]["queue_timeout_s"] = 300
+        assert pool.http.put("/api/v1/services/broken", json=broken).status_code == 201
 
         def ready(generation: int) -> dict[str, Any] | None:
             out = pool.http.get("/api/v1/services/web").json()
@@ -71,6 +75,27 @@ def test_a_replica_runs_on_the_agent_is_rolled_over_and_drained(tmp_path: Path) 
         assert httpx.get(second["endpoint"] + "/ready", timeout=5).json()["version"] == "2"
         old = pool.get(first["allocation_id"])
         assert old["state"] == "released" and old["reason"] == "replaced by generation 2", old
+
+        said = 'stderr: "no model at /models/x"'
+
+        def broken_said() -> str | None:
+            why = str(pool.http.get("/api/v1/services/broken").json()["reason"])
+            return why if said in why else None
+
+        reason = wait_for("the broken engine's words", broken_said, 60)
+        assert "failed (exited 1" in reason, reason
+        # the gateway answers at once (each try gives up long before queue_timeout_s), with why
+        gw = httpx.Client(base_url=pool.url, verify=pool.verify, timeout=5,
+                          headers={"Authorization": f"Bearer {env['CPOOL_TOKEN']}"})  # fmt: skip
+        body = {"model": "broken", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+        def refused() -> httpx.Response | None:
+            got = gw.post("/v1/chat/completions", json=body)
+            return got if got.status_code == 503 else None
+
+        with gw:
+            answer = wait_for("a 503 at once", refused, 60)
+        assert said in answer.json()["error"]["message"], answer.text
 
         assert pool.http.delete("/api/v1/services/web").status_code == 200
         wait_for("the replica drained", lambda: pool.state(second["allocation_id"]) == "released", 30, show)
