@@ -20,6 +20,10 @@ def test_a_whole_gpu_request_names_the_holders(api: Api) -> None:
     want = f"needs 2 whole idle GPUs on one node; vm: 0 of 3 idle (held by {a['id']}, {b['id']})"
     assert want in explain(api, c["id"])["summary"], explain(api, c["id"])
     assert want in get(api, c["id"])["reason"], get(api, c["id"])
+    api.ok("POST", f"/api/v1/allocations/{b['id']}/release")
+    cycle(api)
+    now = f"needs 2 whole idle GPUs on one node; vm: 1 of 3 idle (held by {a['id']})"
+    assert now in get(api, c["id"])["reason"], get(api, c["id"])
 
 
 def test_a_signal_reported_as_minus_n_is_stored_as_128_plus_n(api: Api) -> None:

@@ -67,16 +67,20 @@ class World:
         self.changes: dict[int, list[Change]] = {}
         self.held: dict[int, Usage] = {}
         self.freed = 0  # bumped whenever capacity is given back (preemption): failures may now fit
+        self._holders: tuple[int, dict[int, set[int]]] | None = None  # (state version, by node)
 
     def idle_devices_sentence(self, k: int, shown: int = 3) -> str:
         """`needs 2 whole idle GPUs on one node; vm: 0 of 3 idle (held by 51, 52)`: the nodes
         with the most idle devices first, each with the allocations that hold its others."""
-        holders: dict[int, set[int]] = {}  # node index → allocations holding a device of it
-        for alloc_id, changes in self.changes.items():
-            for ch in changes:
-                if any(ch.gpu_milli.values()):
-                    holders.setdefault(ch.node, set()).add(alloc_id)
         st = self.state
+        if self._holders is None or self._holders[0] != st.version:  # once per change, not per kind
+            by_node: dict[int, set[int]] = {}  # node index → allocations holding a device of it
+            for alloc_id, changes in self.changes.items():
+                for ch in changes:
+                    if any(ch.gpu_milli.values()):
+                        by_node.setdefault(ch.node, set()).add(alloc_id)
+            self._holders = (st.version, by_node)
+        holders = self._holders[1]
         rows = []
         for i, n in enumerate(self.nodes):
             total = int((st.gpu_cap[i] > 0).sum())
