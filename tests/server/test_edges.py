@@ -110,6 +110,8 @@ NOT_TENANT_SCOPED += ("/api/v1/prices/", "/api/v1/alert-rules/", "/api/v1/webhoo
 NOT_LOOKUPS = {("PUT", "/api/v1/blobs/{sha256}")}
 # a service's name is the caller's tenant's own: PUT creates it there, it finds nothing of another's
 NOT_LOOKUPS.add(("PUT", "/api/v1/services/{name}"))
+# so is a secret's (tests/attacks/test_secrets.py: B's PUT of A's name makes B's own)
+NOT_LOOKUPS.add(("PUT", "/api/v1/secrets/{name}"))
 
 
 def _scoped_routes(api: Api) -> list[tuple[str, str]]:

@@ -229,6 +229,7 @@ def _serve_one(c: _Cycle, a: Live, keep_off: np.ndarray | None = None) -> None:
             preempted = stmt.evicted()
             stmt.commit()
             Scheduler.commit(world.state, d)
+            world.placed[a.id] = {world.index[sl["node"]] for sl in slices if int(sl["compute_milli"]) > 0}
             used.update(exact)
             if c.reservation is not None and c.reservation.gang == a.id:
                 c.reservation = None  # the gang it held capacity for is bound: nothing is kept any more

@@ -65,13 +65,15 @@ class World:
             self.state.topology_label = snap.topology_label
         self.usage: dict[str, Usage] = {t: Counter() for t in snap.weights}
         self.changes: dict[int, list[Change]] = {}
+        self.placed: dict[int, set[int]] = {}  # bound this cycle: allocation → nodes of its GPU slices
         self.held: dict[int, Usage] = {}
         self.freed = 0  # bumped whenever capacity is given back (preemption): failures may now fit
         self._holders: tuple[int, dict[int, set[int]]] | None = None  # (state version, by node)
 
-    def idle_devices_sentence(self, k: int, shown: int = 3) -> str:
+    def idle_devices_sentence(self, k: int, shown: int = 3) -> str | None:
         """`needs 2 whole idle GPUs on one node; vm: 0 of 3 idle (held by 51, 52)`: the nodes
-        with the most idle devices first, each with the allocations that hold its others."""
+        with the most idle devices first, each with the allocations that hold its others. None
+        when some node has `k` idle: then idle devices are not what the request waits for."""
         st = self.state
         if self._holders is None or self._holders[0] != st.version:  # once per change, not per kind
             by_node: dict[int, set[int]] = {}  # node index → allocations holding a device of it
@@ -79,6 +81,9 @@ class World:
                 for ch in changes:
                     if any(ch.gpu_milli.values()):
                         by_node.setdefault(ch.node, set()).add(alloc_id)
+            for alloc_id, on in self.placed.items():  # bound this cycle: what the next cycle sees held
+                for i in on:
+                    by_node.setdefault(i, set()).add(alloc_id)
             self._holders = (st.version, by_node)
         holders = self._holders[1]
         rows = []
@@ -88,6 +93,8 @@ class World:
                 idle = int(((st.gpu_free[i] == st.gpu_cap[i]) & (st.gpu_cap[i] > 0)).sum())
                 rows.append((idle, n.name, total, sorted(holders.get(i, ()))))
         rows.sort(key=lambda x: (-x[0], x[1]))
+        if rows and rows[0][0] >= k:
+            return None
         parts = [
             f"{name}: {idle} of {total} idle" + (f" (held by {', '.join(map(str, ids))})" if ids else "")
             for idle, name, total, ids in rows[:shown]
@@ -197,8 +204,9 @@ class World:
             r.notes.append("no nodes in the pool")
         if req.gang_nodes > 1:
             r.notes.append(f"gang needs {req.gang_nodes} nodes at once")
-        if req.gpu_count > 0 and req.whole_devices and self.nodes:
-            r.notes.append(self.idle_devices_sentence(req.gpu_count))
+        idle = self.idle_devices_sentence(req.gpu_count) if req.gpu_count > 0 and req.whole_devices else None
+        if idle is not None and self.nodes:
+            r.notes.append(idle)
         if req.colocate is not None and req.gang_nodes > 1 and self.nodes:
             spread = why_spread(Scheduler(make_scorer("bestfit")), self.state, req)
             if spread is not None:
