@@ -245,7 +245,9 @@ def test_what_left_the_jobs_group_dies_with_it_through_its_cgroup(tmp_path: Path
         pytest.skip("no writable cgroup hierarchy here")
     pidfile = tmp_path / "escaped.pid"
     try:
-        rec = ex.start(JobSpec("esc", 1, ["sh", "-c", f"setsid sleep 60 & echo $! > {pidfile}; exit 0"], memory_mib=256))
+        rec = ex.start(
+            JobSpec("esc", 1, ["sh", "-c", f"setsid sleep 60 & echo $! > {pidfile}; exit 0"], memory_mib=256)
+        )
         assert rec.cgroup, rec.limits
         assert ex.wait(rec.key, 20).state is JobState.SUCCEEDED
         escaped = int(_wait_for_file(pidfile))

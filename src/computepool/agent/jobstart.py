@@ -152,7 +152,9 @@ class JobStarter:
                 image_digest=a.image_digest,
                 private_network=a.private_network,
                 host_network=needs_host_network(
-                    (a.service_port, *a.ports, a.env.get(RPC_PORT_ENV)), a.gang is not None, env,
+                    (a.service_port, *a.ports, a.env.get(RPC_PORT_ENV)),
+                    a.gang is not None,
+                    env,
                     a.private_network,
                 ),  # fmt: skip
                 ports=a.ports,
