@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 up: setup
-	$(VENV)/bin/cpool up $(if $(SIMULATE),--simulate $(SIMULATE))
+	$(VENV)/bin/cpool up $(if $(SIMULATE),--simulate $(SIMULATE)) $(ARGS)
 
 dev-tools:
 	@$(PYTHON) -c 'import pytest, xdist' >/dev/null 2>&1 || { \
