@@ -151,3 +151,15 @@ def test_secret_files_and_the_named_paths_are_left_out_unless_an_ignore_file_re_
     assert ".env" not in pack_with_stats(root)[1].secrets_left_out
     assert inside(root, root / "conf" / ".." / ".env") == PurePosixPath(".env")
     assert inside(root, tmp_path / "elsewhere.env") is None
+
+
+def test_scan_names_the_biggest_files_without_reading_them(tmp_path: Path) -> None:
+    """Sizes come from the directory entries: sparse files of gigabytes cost nothing to scan."""
+    (tmp_path / "sub").mkdir()
+    for name, size in (("a.bin", 3 << 30), ("sub/b.ckpt", 5 << 30), ("c.txt", 10), ("d.bin", 1 << 30)):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(size)
+    (tmp_path / ".cpoolignore").write_text("d.bin\n")
+    seen = scan(tmp_path)
+    assert seen.files == 4 and seen.bytes_in == (8 << 30) + 10 + len("d.bin\n")
+    assert seen.largest == (("sub/b.ckpt", 5 << 30), ("a.bin", 3 << 30), ("c.txt", 10))

@@ -282,6 +282,13 @@ def test_refusals_leave_nothing_behind(pool: Pool, tmp_path: Path) -> None:
     assert "over the per-upload cap of 1.0 MiB" in r.stderr and len(r.stderr.strip().splitlines()) == 1, (
         r.stderr
     )
+    # past the local cap (a sparse 2 GiB file): refused before packing, naming the biggest files
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    with open(huge / "ckpt.bin", "wb") as f:
+        f.truncate(2 << 30)
+    r = pool.cli(a, "run", "--cpus", "0.5", "--", "true", cwd=huge)
+    assert r.returncode == 2 and "largest: ckpt.bin 2048.0 MiB" in r.stderr, r.stderr
     # a bad --env-file line names the file and the line; a bad --env names the option
     (tmp_path / "bad.env").write_text("OK=1\nthis is not a pair\n")
     r = pool.cli(a, "run", "--no-code", "--env-file", "bad.env", "--", "true", cwd=tmp_path)

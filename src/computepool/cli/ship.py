@@ -23,12 +23,17 @@ if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
 
 MIB = 1 << 20
 MAX_CODE_BYTES = 1 << 30  # what a directory may hold before packing it is refused outright
+WARN_CODE_BYTES = 100 * MIB  # past this, a line says so and names the biggest files
 MAX_STDIN_BYTES = 1 << 30
 _ENV_KEY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
 
 
 def _size(n: int) -> str:
     return f"{n / MIB:.1f} MiB" if n >= 100 * 1024 else f"{n / 1024:.1f} KiB"
+
+
+def _largest(files: tuple[tuple[str, int], ...]) -> str:
+    return ", ".join(f"{name} {_size(n)}" for name, n in files) or "none"
 
 
 def _env_pair(text: str, where: str) -> tuple[str, str]:
@@ -125,8 +130,17 @@ def ship(
         if seen.bytes_in > MAX_CODE_BYTES:
             raise InvalidInput(
                 "--workdir",
-                f"{root} holds {_size(seen.bytes_in)} to ship (more than {MAX_CODE_BYTES // MIB} MiB): "
-                "ship a smaller one with --workdir, leave files out with .cpoolignore, or use --no-code",
+                f"{root} holds {_size(seen.bytes_in)} to ship (more than {MAX_CODE_BYTES // MIB} MiB; "
+                f"largest: {_largest(seen.largest)}): ship a smaller one with --workdir, leave files out "
+                "with .cpoolignore, or use --no-code",
+            )
+        if seen.bytes_in > WARN_CODE_BYTES:
+            err_console.print(
+                f"code: {root} holds {_size(seen.bytes_in)} in {seen.files} files (largest: "
+                f"{_largest(seen.largest)}); leave what the job does not need out with .cpoolignore",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
             )
         data, stats = pack_with_stats(root, leave_out=leave_out)
         try:
@@ -135,8 +149,9 @@ def ship(
             raise PoolError(e.status, f"code ({root}): {e.message}", e.field) from None
         note = "uploaded" if sent else "already on the pool"
         left = f"; {stats.links_left_out} link(s) leading outside it left out" if stats.links_left_out else ""
+        packed = f"{_size(len(data))} packed from {_size(stats.bytes_in)} in {stats.files} files"
         err_console.print(
-            f"code: {_size(len(data))}, {stats.files} files ({note}){left}",
+            f"code: {packed} ({note}){left}",
             style="dim",
             highlight=False,
             markup=False,

@@ -16,6 +16,7 @@ not also readable in the job's directory; a `!name` line in an ignore file ships
 from __future__ import annotations
 
 import gzip
+import heapq
 import io
 import os
 import stat
@@ -42,6 +43,7 @@ SECRET_PATTERNS = (
     "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "id_ecdsa_sk", "id_ed25519_sk",
 )  # fmt: skip
 _GLOB_SPECIALS = frozenset("\\*?[]")
+LARGEST_SHOWN = 3  # files named when a directory is big
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class ArchiveStats:
     bytes_in: int  # the files' sizes, before compression
     links_left_out: int = 0  # links leading out of the tree (or nowhere): not shipped
     secrets_left_out: tuple[str, ...] = ()  # paths left out as likely credentials
+    largest: tuple[tuple[str, int], ...] = ()  # (path, bytes) of the biggest files, biggest first (scan)
 
 
 @dataclass(frozen=True)
@@ -219,11 +222,17 @@ def scan(root: Path, leave_out: tuple[PurePosixPath, ...] = ()) -> ArchiveStats:
     """What `pack(root)` would hold (files and their bytes), without reading them."""
     files = size = 0
     secrets: list[str] = []
-    for _name, path in _walk(root, leave_out, secrets):
+    biggest: list[tuple[int, str]] = []  # a min-heap of the LARGEST_SHOWN biggest
+    for name, path in _walk(root, leave_out, secrets):
         st = path.lstat()
         if stat.S_ISREG(st.st_mode):
             files, size = files + 1, size + st.st_size
-    return ArchiveStats(files, size, secrets_left_out=tuple(secrets))
+            if len(biggest) < LARGEST_SHOWN:
+                heapq.heappush(biggest, (st.st_size, str(name)))
+            elif st.st_size > biggest[0][0]:
+                heapq.heapreplace(biggest, (st.st_size, str(name)))
+    largest = tuple((n, b) for b, n in sorted(biggest, reverse=True))
+    return ArchiveStats(files, size, secrets_left_out=tuple(secrets), largest=largest)
 
 
 def inside(root: Path, path: Path) -> PurePosixPath | None:
