@@ -364,6 +364,7 @@ held = []
 for port in map(int, sys.argv[1:]):
     for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # both gang members on this host
         if family == socket.AF_INET6:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         s.bind((host, port))
@@ -379,7 +380,8 @@ def test_a_job_binding_the_service_range_without_listening_is_stopped_too(binder
     ports = [pool.svc, pool.svc + 1]
     r = b.post(
         "/api/v1/allocations",
-        json={"command": [JOB_PYTHON, "-c", BIND_ONLY, *map(str, ports)], "cpu_milli": 100},
+        # a gang: its members keep the node's network (a plain job binds in a namespace of its own)
+        json={"command": [JOB_PYTHON, "-c", BIND_ONLY, *map(str, ports)], "cpu_milli": 100, "gang_nodes": 2},
     )
     assert r.status_code == 201, r.text
     squatter = int(r.json()["id"])

@@ -6,6 +6,7 @@ tenant, calling the port directly, get 401; and no listing of the allocations sh
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sqlite3
@@ -43,6 +44,8 @@ def status(method, path, auth=None):
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+    except urllib.error.URLError:
+        return "unreachable"
 print(json.dumps({
     "health": status("GET", "/health"),
     "models": status("GET", "/v1/models"),
@@ -126,12 +129,21 @@ def test_only_the_gateway_may_use_a_replica(
     assert len(key) >= 43
     assert httpx.get(f"{endpoint}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
 
-    # jobs on the same node, of another tenant and of the service's own, calling the port directly:
-    # they reach it (its health path answers) but /v1 refuses them without the key, pool token or not
+    # a process on the node's network (as a replica, gang member or function worker is) calling the
+    # port directly reaches it (its health path answers) but /v1 refuses it without the key
     want = {"health": 200, "models": 401, "completion": 401, "chat, a pool token": 401}
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    on_node = subprocess.run(
+        [*nobody, JOB_PYTHON, "-c", PROBE, endpoint, token], capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(on_node.stdout.strip().splitlines()[-1]) == want, on_node.stderr
+    # plain jobs, of another tenant and of the service's own, have networks of their own: the node's
+    # loopback (where this pool's replicas listen) is out of their reach; elsewhere /v1 refuses them
+    loopback = ipaddress.ip_address(httpx.URL(endpoint).host).is_loopback
+    from_jobs = dict.fromkeys(want, "unreachable") if loopback else want
     stranger, stranger_token = other_tenant
-    assert probe_as_job(stranger, endpoint, stranger_token) == want
-    assert probe_as_job(pool.http, endpoint, token) == want
+    assert probe_as_job(stranger, endpoint, stranger_token) == from_jobs
+    assert probe_as_job(pool.http, endpoint, token) == from_jobs
 
     # no listing shows the key: the API's, and `cpool ps --json`
     one = pool.get(alloc_id)
