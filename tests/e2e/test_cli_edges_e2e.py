@@ -80,7 +80,7 @@ def test_ctrl_c_on_alloc_withdraws_the_request(up: tuple[dict[str, str], Pool], 
         found = wait_for("alloc waiting", lambda: re.search(r"allocation (\d+) pending", err.read_text()), 30)
         alloc_id = int(found.group(1))
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130, err.read_text()
+        assert proc.wait(timeout=90) == 130, err.read_text()  # a busy host answers the cancel late
         assert pool.state(alloc_id) == "cancelled"
         assert f"cancelled allocation {alloc_id}" in err.read_text() and "Traceback" not in err.read_text()
     finally:

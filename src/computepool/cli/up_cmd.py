@@ -206,7 +206,10 @@ def _save_login(url: str, token_file: Path, ca: Path | None) -> str:
         saved = load_config(path).get("server")
         if saved in (None, url):
             save_config(ClientConfig(url, token_file.read_text().strip(), str(ca) if ca else None))
-            return f"logged the CLI in as admin (saved {path}): `cpool ps` needs no exports"
+            return (
+                f"logged the CLI in as admin (saved {path}): `cpool ps` needs no exports; for scripts "
+                f"and other tools:\n{export}"
+            )
     except (OSError, ValueError) as e:
         return f"saved no login ({e}); for this pool:\n{export}"
     return f"kept the saved login to {saved}; for this pool:\n{export}"
