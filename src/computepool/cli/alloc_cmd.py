@@ -503,7 +503,7 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Print the output of an allocation's command: its stdout on stdout, its stderr on stderr."""
-        from computepool.cli.logstream import copy_output, ended_line, exit_code
+        from computepool.cli.logstream import copy_output, ended_line, exit_code, follower
 
         def whose(out: dict[str, Any]) -> None:
             ranks = int(out.get("ranks") or 1)
@@ -520,7 +520,9 @@ def register(app: typer.Typer) -> None:
         from computepool.cli.array_run import array_exit, copy_members, resolve
 
         with open_client(server, token, timeout=60.0) as pool:
-            ids, whole = resolve(pool, alloc_id)
+            # following: a control plane away at the first call is waited for, as later ones are
+            ask = follower(f"job {alloc_id}").call if follow else (lambda f: f())
+            ids, whole = ask(lambda: resolve(pool, alloc_id))
             if whole:
                 outs = copy_members(pool, int(alloc_id), follow=follow)
                 if follow:

@@ -5,19 +5,19 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from computepool.store.models import ControlPlaneUrl
 
 
 def publish(s: Session, url: str, now: datetime) -> None:
-    """`url` is alive as of `now` (the row is made or renewed)."""
-    row = s.get(ControlPlaneUrl, url)
-    if row is None:
-        s.add(ControlPlaneUrl(url=url, seen_at=now))
-    else:
-        row.seen_at = now
-    s.flush()
+    """`url` is alive as of `now` (the row is made or renewed, in one statement: two processes
+    publishing one URL at once, such as a replica and its restarted self, never collide)."""
+    dialect = s.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(ControlPlaneUrl).values(url=url, seen_at=now)
+    s.execute(stmt.on_conflict_do_update(index_elements=["url"], set_={"seen_at": stmt.excluded.seen_at}))
 
 
 def withdraw(s: Session, url: str) -> None:
