@@ -162,7 +162,7 @@ def test_static_equivalent_prints_json_and_a_table(cli: Cli, seeded: PoolServer)
     ).total_seconds() / 3600
     # 30 days asked; the pool's history begins with the seeded nodes and allocations (HOUR)
     assert out["clipped"] is True and datetime.fromisoformat(out["since"]) == HOUR
-    assert 3 <= hours <= 4
+    assert 3 <= hours <= 5  # HOUR is a whole hour, 3 to 4 hours before the module was imported
     figures = ("pool_devices", "static_devices", "devices_saved", "pool_size_devices")
     assert [out[f] for f in figures] == [3, 4, 1, 4]
     assert out["devices_saved_pct"] == 25.0
