@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import socket
 import subprocess
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -168,3 +169,14 @@ def heartbeat_ago(api: Api, node: str, seconds: float) -> None:
         at = db_now(s) - timedelta(seconds=seconds)
         s.execute(update(Node).where(Node.name == node).values(last_heartbeat_at=at))
     api.app.state.leadership.observed_since(at)  # the leader has watched the node as long
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (e.g. "1m") mounted at `path` (made), unmounted after: a disk to fill."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import small_tmpfs
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")]
 
@@ -19,13 +19,8 @@ B = "/api/v1/blobs"
 
 @pytest.fixture
 def small_dir(tmp_path: Path) -> Iterator[Path]:
-    d = tmp_path / "blobs"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "blobs", "1m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_a_full_blob_store_answers_507_and_keeps_what_it_had(

@@ -9,14 +9,13 @@ import contextlib
 import errno
 import os
 import sqlite3
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from harness import Api
+from harness import Api, small_tmpfs
 
 from computepool.server.app import create_app
 from computepool.server.settings import ServerSettings
@@ -28,13 +27,8 @@ A = "/api/v1/allocations"
 
 @pytest.fixture
 def small_dir(tmp_path: Path) -> Iterator[Path]:
-    d = tmp_path / "small"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(d)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "16m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def _fill(path: Path) -> None:
