@@ -8,6 +8,7 @@ or the tools' support gets instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -129,8 +130,13 @@ def test_a_job_gets_its_own_network_and_its_slirp4netns_ends_with_it(
     name = f"cpool-jn-{uuid.uuid4().hex[:8]}"
     victim = _serve(sandboxed, tenants[0], name, f"v{uuid.uuid4().hex[:6]}")
     try:
-        spec = JobSpec(f"o{uuid.uuid4().hex[:6]}", 1, [PY, "-c", SEE, name], tenant=tenants[0])
-        seen, limits = _see(sandboxed, spec)
+        with _named_netns() as named:
+            spec = JobSpec(f"o{uuid.uuid4().hex[:6]}", 1, [PY, "-c", SEE, name], tenant=tenants[0])
+            seen, limits = _see(sandboxed, spec)
+            # the node's named namespaces (`ip netns`, podman's) are still there: slirp4netns's
+            # sandbox unmounted them all through /run/netns's shared mount before it got its own
+            r = subprocess.run(["ip", "netns", "exec", named, "true"], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
     finally:
         sandboxed.kill(victim, "done", grace_s=0)
     # even its own tenant's abstract socket on the node is out of reach: another namespace
@@ -145,6 +151,18 @@ def test_a_job_gets_its_own_network_and_its_slirp4netns_ends_with_it(
     while _orphaned_slirps() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _orphaned_slirps()
+
+
+@contextlib.contextmanager
+def _named_netns() -> Iterator[str]:
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` (iproute2)")
+    name = f"cpool-jn-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
 
 
 def _orphaned_slirps() -> list[str]:

@@ -164,6 +164,11 @@ def _start_slirp(slirp: str, host_ns: int) -> str:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.setns(host_ns, CLONE_NEWNET) != 0:
             os._exit(120)
+        # slirp4netns's sandbox detaches the old root after pivot_root; where the node's mounts are
+        # shared (/run/netns is, for `ip netns` and podman), that unmount would reach the node's
+        # own namespace and unmount every named network namespace there. A private copy first.
+        if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            os._exit(122)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # gone with the job's launcher
         if os.getppid() != me:  # the launcher died before the line above
             os._exit(121)
