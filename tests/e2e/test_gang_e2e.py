@@ -71,6 +71,10 @@ for _ in range(600):
         break
     except OSError:
         time.sleep(0.1)
+for _ in range(3000):  # the test found rank 0's pid: it writes "go" here
+    if os.path.exists("go"):
+        break
+    time.sleep(0.1)
 sys.exit(3)
 """
 
@@ -202,12 +206,16 @@ def test_a_member_that_exits_3_fails_the_gang_and_the_other_is_stopped(gangs: Ga
     pool = gangs.api()
     job = pool.job(ONE_FAILS, gang_nodes=2, cpu_milli=500)
 
-    def both_running() -> bool:
-        return [m["state"] for m in pool.get(job)["members"]] == ["running", "running"]
+    # not "both running": rank 1 exits as soon as rank 0 listens, which a poll may never see
+    nodes = wait_for("the gang placed", lambda: len(pool.get(job)["nodes"]) == 2 and pool.get(job)["nodes"], 60)
+    rank0 = nodes[0]
+    pid = wait_for("rank 0's pid", lambda: job_pid(gangs.root / rank0, job), 60, gangs.logs)
+    run1 = gangs.root / nodes[1] / "runs" / str(job) / "1"
 
-    wait_for("both members running", both_running, 60, gangs.logs)
-    rank0 = pool.get(job)["nodes"][0]
-    pid = wait_for("rank 0's pid", lambda: job_pid(gangs.root / rank0, job), 30, gangs.logs)
+    def rank1_cwd() -> Path | None:  # where its job.pid is: `work/` when sandboxed
+        return next((d for d in (run1 / "work", run1) if (d / "job.pid").exists()), None)
+
+    (wait_for("rank 1 started", rank1_cwd, 60, gangs.logs) / "go").write_text("")
     wait_for("the gang to fail", lambda: pool.state(job) == "failed", 60, gangs.logs)
     out = pool.get(job)
     rank1 = out["nodes"][1]
