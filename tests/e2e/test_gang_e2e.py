@@ -207,7 +207,11 @@ def test_a_member_that_exits_3_fails_the_gang_and_the_other_is_stopped(gangs: Ga
     job = pool.job(ONE_FAILS, gang_nodes=2, cpu_milli=500)
 
     # not "both running": rank 1 exits as soon as rank 0 listens, which a poll may never see
-    nodes = wait_for("the gang placed", lambda: len(pool.get(job)["nodes"]) == 2 and pool.get(job)["nodes"], 60)
+    def placed() -> list[str] | None:
+        nodes = pool.get(job)["nodes"]
+        return nodes if len(nodes) == 2 else None
+
+    nodes = wait_for("the gang placed", placed, 60, gangs.logs)
     rank0 = nodes[0]
     pid = wait_for("rank 0's pid", lambda: job_pid(gangs.root / rank0, job), 60, gangs.logs)
     run1 = gangs.root / nodes[1] / "runs" / str(job) / "1"
