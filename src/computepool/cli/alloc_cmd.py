@@ -81,7 +81,18 @@ NodesOpt = Annotated[
 ]
 ExclusiveOpt = Annotated[bool, typer.Option("--exclusive", help="Whole devices, alone.")]
 ModelOpt = Annotated[
-    list[str] | None, typer.Option("--model", help="Acceptable GPU models (repeat, or A100|H100).")
+    list[str] | None,
+    typer.Option("--gpu-model", "--model", help="Acceptable GPU models (repeat, or MI300X,A100)."),
+]
+VendorOpt = Annotated[
+    list[str] | None,
+    typer.Option("--vendor", help="Acceptable device vendors: nvidia, amd, intel, ascend, apple (repeat)."),
+]
+MinGpuMemOpt = Annotated[
+    str | None, typer.Option("--min-gpu-mem", help="Only devices with at least this much memory, e.g. 40GiB.")
+]
+AcceleratorOpt = Annotated[
+    str | None, typer.Option("--accelerator", help="any (the default: any vendor's device), or a vendor.")
 ]
 IsolationOpt = Annotated[str | None, typer.Option("--isolation", help="timeslice, mps, mig or exclusive.")]
 ImageOpt = Annotated[
@@ -129,6 +140,10 @@ def request_text(req: dict[str, Any]) -> str:
             g += f" ({format_mib(req['gpu_memory_mib'])})"
         if req.get("models"):
             g += f" [{'|'.join(req['models'])}]"
+        if req.get("vendors"):
+            g += f" [{'|'.join(req['vendors'])}]"
+        if req.get("min_gpu_memory_mib"):
+            g += f" [≥{format_mib(req['min_gpu_memory_mib'])}]"
         if req.get("exclusive"):
             g += " exclusive"
         parts.append(g)
@@ -312,6 +327,9 @@ def register(app: typer.Typer) -> None:
         mem: MemOpt = "0",
         exclusive: ExclusiveOpt = False,
         model: ModelOpt = None,
+        vendor: VendorOpt = None,
+        min_gpu_mem: MinGpuMemOpt = None,
+        accelerator: AcceleratorOpt = None,
         isolation: IsolationOpt = None,
         image: ImageOpt = None,
         port: PortOpt = None,
@@ -337,7 +355,7 @@ def register(app: typer.Typer) -> None:
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=nodes, priority=priority, name=name, tenant=tenant,
-            colocate=colocate,
+            colocate=colocate, vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator,
         )  # fmt: skip
         with open_client(server, token) as pool:
             out = pool.create_allocation(req)

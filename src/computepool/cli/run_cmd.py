@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from computepool.cli.alloc_cmd import (
+    AcceleratorOpt,
     ColocateOpt,
     CpusOpt,
     ExclusiveOpt,
@@ -32,6 +33,7 @@ from computepool.cli.alloc_cmd import (
     IsolationOpt,
     MemOpt,
     MigOpt,
+    MinGpuMemOpt,
     ModelOpt,
     NameOpt,
     NodesOpt,
@@ -41,6 +43,7 @@ from computepool.cli.alloc_cmd import (
     TenantOpt,
     TimeLimitOpt,
     TolerationOpt,
+    VendorOpt,
     request_from_options,
     request_text,
     wait_for_binding,
@@ -146,6 +149,9 @@ def register(app: typer.Typer) -> None:
         mem: MemOpt = "0",
         exclusive: ExclusiveOpt = False,
         model: ModelOpt = None,
+        vendor: VendorOpt = None,
+        min_gpu_mem: MinGpuMemOpt = None,
+        accelerator: AcceleratorOpt = None,
         isolation: IsolationOpt = None,
         image: ImageOpt = None,
         port: PortOpt = None,
@@ -246,6 +252,7 @@ def register(app: typer.Typer) -> None:
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
             colocate=colocate, secrets=secret_uses(secret), priority=priority, tenant=tenant,
+            vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator,
         )  # fmt: skip
         from computepool.cli import array_run, ship  # ship archives code: loaded by the command that ships
 

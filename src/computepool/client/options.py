@@ -13,6 +13,7 @@ from computepool.core.allocation import ISOLATIONS
 from computepool.core.errors import InvalidInput
 from computepool.core.images import parse_image
 from computepool.core.quantities import parse_cpu_milli, parse_duration_s, parse_gpu_milli, parse_memory_mib
+from computepool.core.vendors import VENDORS
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
     from computepool.wire.allocations import AllocationCreate
@@ -37,6 +38,9 @@ def build_request(
     time_limit: Quantity | None = None,
     nodes: int = 1,
     colocate: str | None = None,
+    vendor: str | Sequence[str] | None = None,
+    min_gpu_mem: Quantity | None = None,
+    accelerator: str | None = None,
     flag: str = "--",
     **extra: Any,
 ) -> AllocationCreate:
@@ -64,6 +68,7 @@ def build_request(
         if isinstance(node_selector, Mapping)
         else parse_selector(node_selector, name("node-selector"))
     )
+    vendors = parse_vendors(vendor, accelerator, name("vendor"), name("accelerator"))
     from computepool.wire.allocations import AllocationCreate  # noqa: PLC0415 (pydantic, on first use)
 
     return AllocationCreate.unchecked(
@@ -83,8 +88,27 @@ def build_request(
         time_limit=parse_duration_s(time_limit, name("time-limit")) if time_limit is not None else None,
         gang_nodes=nodes,
         colocate=colocate or None,
+        vendors=vendors,
+        min_gpu_memory_mib=parse_memory_mib(min_gpu_mem, name("min-gpu-mem")) if min_gpu_mem else None,
         **extra,
     )
+
+
+def parse_vendors(
+    vendor: str | Sequence[str] | None, accelerator: str | None, field: str, accel_field: str
+) -> list[str] | None:
+    """`--vendor amd,nvidia` (or repeated) → the vendors allowed; `--accelerator any` says any
+    vendor will do (the default) and `--accelerator amd` is `--vendor amd`. None: any."""
+    specs = [vendor] if isinstance(vendor, str) else list(vendor or [])
+    if accelerator is not None and accelerator.strip().lower() != "any":
+        if specs:
+            raise InvalidInput(accel_field, f"{accelerator!r} contradicts {field}: give one of them")
+        specs, field = [accelerator], accel_field
+    names = [v.strip().lower() for spec in specs for v in spec.replace("|", ",").split(",") if v.strip()]
+    for v in names:
+        if v not in VENDORS:
+            raise InvalidInput(field, f"unknown vendor {v!r} (choose from {', '.join(VENDORS)}, or any)")
+    return sorted(set(names)) or None
 
 
 def parse_secrets(items: Sequence[str] | None, field: str = "--secret") -> list[dict[str, str]] | None:

@@ -10,6 +10,7 @@ from computepool.core.allocation import Isolation
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.resources import MIG_PROFILE
+from computepool.core.vendors import VENDORS, canonical
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 MAX_DEVICES_PER_NODE = 64
@@ -66,6 +67,10 @@ class Request:
     mig_profile: str | None = None
     # a gang's members all on nodes sharing one value of this node label (e.g. "rack"); None: any
     colocate: str | None = None
+    # device capability: vendors allowed (core/vendors.py names; None: any) and a floor on each
+    # device's memory (its size, not what is free: `gpu_memory_mib` is what the slice takes)
+    vendors: frozenset[str] | None = None
+    min_gpu_memory_mib: int = 0
     # derived in __post_init__ (read for every request the scheduler places)
     _tier: Isolation | None = field(init=False, repr=False, compare=False, default=None)
     _whole: bool = field(init=False, repr=False, compare=False, default=False)
@@ -125,6 +130,20 @@ class Request:
             for m in self.models:
                 if not _MODEL_NAME.match(m):
                     raise InvalidInput("models", f"bad model name {m!r}")
+        if self.vendors is not None:
+            for v in self.vendors:
+                if not canonical(v) or v != canonical(v):
+                    known = ", ".join(VENDORS)
+                    raise InvalidInput("vendors", f"unknown vendor {v!r} (known: {known})")
+        if isinstance(self.min_gpu_memory_mib, bool) or not isinstance(self.min_gpu_memory_mib, int):
+            raise InvalidInput(
+                "min_gpu_memory_mib", f"must be a whole number of MiB, got {self.min_gpu_memory_mib!r}"
+            )
+        if self.min_gpu_memory_mib < 0:
+            raise InvalidInput("min_gpu_memory_mib", f"must not be negative, got {self.min_gpu_memory_mib}")
+        if (self.vendors is not None or self.min_gpu_memory_mib) and self.gpu_count == 0:
+            where = "vendors" if self.vendors is not None else "min_gpu_memory_mib"
+            raise InvalidInput(where, "a device capability given without any device (gpu_count is 0)")
 
     def _check_tier(self) -> None:
         if self.mig_profile is not None:
@@ -191,4 +210,6 @@ class Request:
             self.tier,
             self.mig_profile,
             self.tenant if self._tier == Isolation.MPS else "",
+            self.vendors,
+            self.min_gpu_memory_mib,
         )

@@ -44,11 +44,19 @@ VENDORS: dict[str, Vendor] = {
 }
 # A device whose vendor the pool does not know (a newer agent's): exclusive use only.
 UNKNOWN = Vendor("", "unknown", (), False, _ALONE, "")
+# Devices registered as "simulated" (the pool's own tests and early agents) behave as NVIDIA's.
+_ALIASES = {"simulated": "nvidia"}
 
 
 def vendor(name: str) -> Vendor:
     """The vendor named (case-insensitively), else UNKNOWN."""
-    return VENDORS.get(name.lower(), UNKNOWN)
+    key = name.lower()
+    return VENDORS.get(_ALIASES.get(key, key), UNKNOWN)
+
+
+def canonical(name: str) -> str:
+    """The vendor's name as requests and the scheduler use it ("" when unknown)."""
+    return vendor(name).name
 
 
 def tiers_of(name: str) -> frozenset[Isolation]:

@@ -21,6 +21,7 @@ from computepool.core.allocation import Isolation
 from computepool.core.quantities import MILLI_PER_DEVICE, format_mib
 from computepool.core.request import Request, Sharing
 from computepool.core.resources import mig_base_model
+from computepool.core.vendors import tiers_of, vendor
 from computepool.scheduler.constraints import LABELS, OK, NodeConstraints, NodeRules
 from computepool.scheduler.state import (
     TIER_MPS,
@@ -43,15 +44,55 @@ class DeviceNeed:
     usable: np.ndarray  # (B, G) allowed and enough free compute and memory
 
 
-def allowed_models_mask(state: ClusterState, view: View, req: Request) -> np.ndarray:
-    """Devices present and of an allowed model (a MIG instance also by its GPU's model)."""
+def _vendor_of(state: ClusterState, model_id: int) -> str:
+    vendors = state.model_vendor
+    return vendors[model_id] if model_id < len(vendors) else "nvidia"  # a state built without them
+
+
+def model_ids(state: ClusterState, req: Request, *, vendors: bool = True, models: bool = True,
+              tiers: bool = True) -> np.ndarray | None:  # fmt: skip
+    """Ids of the device models `req` may use: of its vendors, its models (a MIG instance also by
+    its GPU's model) and whose vendor enforces its tier. None: every model (the common case,
+    answered without a look at the models)."""
+    tier = req.tier
+    want_vendors = req.vendors if vendors else None
+    want_models = req.models if models else None
+    check_tier = tiers and tier is not None and tier != Isolation.EXCLUSIVE
+    if want_vendors is None and want_models is None and not check_tier:
+        return None
+    ids = []
+    for i, m in enumerate(state.models):
+        v = _vendor_of(state, i)
+        if want_vendors is not None and v not in want_vendors:
+            continue
+        mig_of_model = tier == Isolation.MIG and mig_base_model(m) in (want_models or ())
+        if want_models is not None and m not in want_models and not mig_of_model:
+            continue
+        if check_tier and tier not in tiers_of(v):
+            continue
+        ids.append(i)
+    if len(ids) == len(state.models):
+        return None
+    return np.array(ids, dtype=np.int64)
+
+
+def _of_models(view: View, ids: np.ndarray | None) -> np.ndarray:
     present = view.gpu_model >= 0
-    if req.models is None:
-        return present
-    ids = [state.model_id(m) for m in req.models]
-    if req.tier == Isolation.MIG:
-        ids += [i for i, m in enumerate(state.models) if mig_base_model(m) in req.models]
-    return present & np.isin(view.gpu_model, np.array(ids, dtype=np.int64))
+    return present if ids is None else present & np.isin(view.gpu_model, ids)
+
+
+def allowed_models_mask(state: ClusterState, view: View, req: Request) -> np.ndarray:
+    """Devices present, of an allowed vendor and model, whose vendor enforces the request's tier,
+    and at least as big as it asks (`min_gpu_memory_mib`)."""
+    ok = _of_models(view, model_ids(state, req))
+    if req.min_gpu_memory_mib:
+        ok = ok & (view.gpu_mem_cap >= req.min_gpu_memory_mib)
+    return ok
+
+
+def plain_devices(state: ClusterState, req: Request) -> bool:
+    """Any device will do as far as its kind goes (no vendor, model, size or tier rule narrows)."""
+    return not req.min_gpu_memory_mib and model_ids(state, req) is None
 
 
 def kind_mask(state: ClusterState, view: View, req: Request) -> np.ndarray:
@@ -131,9 +172,10 @@ def node_feasible(state: ClusterState, req: Request) -> np.ndarray:
     k = req.gpu_count
     if k == 0:
         return ok
-    if req.models is None and req.whole_devices and req.tier != Isolation.MIG and not req.gpu_memory_mib:
+    plain = plain_devices(state, req)
+    if plain and req.whole_devices and req.tier != Isolation.MIG and not req.gpu_memory_mib:
         return ok & (state.idle_devices >= k)  # idle whole GPUs
-    if req.models is None and req.fractional:
+    if plain and req.fractional:
         mem: np.ndarray | int
         if req.gpu_memory_mib is None:
             mem = (state.gpu_mem_cap * req.gpu_milli) // MILLI_PER_DEVICE
@@ -168,9 +210,8 @@ def feasibility(state: ClusterState, view: View, req: Request) -> Feasibility:
     k = req.gpu_count
     mig = req.tier == Isolation.MIG
     if k > 0:
+        _reject_kinds(state, view, req, reject)
         models_ok = allowed_models_mask(state, view, req)
-        if req.models is not None:
-            reject(models_ok.sum(axis=1) == 0, "model not allowed")
         if mig:
             reject(need.allowed.sum(axis=1) < k, f"no MIG instance {req.mig_profile or ''}".rstrip())
         else:
@@ -182,6 +223,29 @@ def feasibility(state: ClusterState, view: View, req: Request) -> Feasibility:
     if k > 0:
         _reject_devices(view, req, need, reject)
     return Feasibility(ok=reason < 0, reason=reason, labels=labels, need=need)
+
+
+def _reject_kinds(
+    state: ClusterState, view: View, req: Request, reject: Callable[[np.ndarray, str], None]
+) -> None:
+    """Vendor, model, tier and size, in that order: each names what the node lacks."""
+    if req.vendors is not None:
+        ok = _of_models(view, model_ids(state, req, models=False, tiers=False))
+        names = " or ".join(vendor(v).title for v in sorted(req.vendors))
+        reject(ok.sum(axis=1) == 0, f"no {names} device")
+    if req.models is not None:
+        ok = _of_models(view, model_ids(state, req, tiers=False))
+        reject(ok.sum(axis=1) == 0, "model not allowed")
+    tier = req.tier
+    if tier is not None and tier != Isolation.EXCLUSIVE:
+        ok = _of_models(view, model_ids(state, req))
+        rest = _of_models(view, model_ids(state, req, tiers=False)) & ~ok
+        if rest.any():
+            found = sorted({vendor(_vendor_of(state, int(m))).title for m in np.unique(view.gpu_model[rest])})
+            reject(ok.sum(axis=1) == 0, f"{' and '.join(found)} devices cannot enforce {tier.value}")
+    if req.min_gpu_memory_mib:
+        ok = allowed_models_mask(state, view, req)
+        reject(ok.sum(axis=1) == 0, f"no device with {format_mib(req.min_gpu_memory_mib)} GPU memory")
 
 
 def _reject_devices(

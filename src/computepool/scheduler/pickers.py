@@ -7,8 +7,7 @@ import numpy as np
 from computepool.core.allocation import Isolation
 from computepool.core.quantities import MILLI_PER_DEVICE
 from computepool.core.request import Request
-from computepool.core.resources import mig_base_model
-from computepool.scheduler.filters import DeviceNeed
+from computepool.scheduler.filters import DeviceNeed, model_ids
 from computepool.scheduler.state import LOCK_MIG, TIER_MPS, TIER_NONE, ClusterState, tier_code
 from computepool.scheduler.views import View
 
@@ -80,11 +79,9 @@ def pick_on_node(
     lock = state.gpu_lock[node].tolist()
     profile = state.gpu_profile[node].tolist() if mig else lock
     tier = state.gpu_tier[node].tolist() if mig else lock
-    allowed_ids: set[int] | None = None
-    if req.models is not None:
-        allowed_ids = {state.model_id(m) for m in req.models}
-        if mig:
-            allowed_ids |= {i for i, m in enumerate(state.models) if mig_base_model(m) in req.models}
+    ids = model_ids(state, req)  # vendor, model, and a vendor that enforces the tier
+    allowed_ids = None if ids is None else set(ids.tolist())
+    floor = req.min_gpu_memory_mib
     want_profile = state.profile_id(req.mig_profile) if req.mig_profile is not None else None
     whole = req.whole_devices
     my_tier = tier_code(req)
@@ -92,7 +89,7 @@ def pick_on_node(
     me = state.owner_id(req.tenant)
     usable = []
     for j in range(len(free)):
-        if cap[j] <= 0 or (allowed_ids is not None and model[j] not in allowed_ids):
+        if cap[j] <= 0 or (allowed_ids is not None and model[j] not in allowed_ids) or mem_cap[j] < floor:
             continue
         if mig and (profile[j] < 0 or (want_profile is not None and profile[j] != want_profile)):
             continue

@@ -18,6 +18,7 @@ import numpy as np
 from computepool.core.allocation import Isolation
 from computepool.core.request import Request
 from computepool.core.resources import Node, mig_profile_of
+from computepool.core.vendors import canonical
 from computepool.scheduler.constraints import NodeConstraints
 from computepool.scheduler.views import DEVICE_BLOCKS, FIXED_COLUMNS, ClassView, NodeView
 
@@ -107,6 +108,7 @@ class ClusterState:
     gpu_link: np.ndarray | None = None
     links: list[str] = field(default_factory=list)
     topology_label: str | None = None  # node label a gang's members prefer to share (e.g. "rack")
+    model_vendor: list[str] = field(default_factory=list)  # each of `models`' vendor ("" unknown)
     idle_devices: np.ndarray = field(init=False)  # (N,) whole GPUs (not MIG instances) wholly free
     gpu_lock: np.ndarray = field(init=False)  # (N, G) gpu_tier, or LOCK_MIG for a MIG instance
     gpu_left: np.ndarray = field(init=False)  # (N,) free compute summed over devices
@@ -151,6 +153,7 @@ class ClusterState:
     @classmethod
     def from_nodes(cls, nodes: list[Node], max_devices: int | None = None) -> ClusterState:
         models: list[str] = []
+        vendors: list[str] = []
         model_ix: dict[str, int] = {}
         g = max_devices if max_devices is not None else max((n.gpu_count for n in nodes), default=0)
         g = max(8, -(-g // 8) * 8)  # a multiple of 8: a row of bools is then whole 64-bit words
@@ -169,6 +172,7 @@ class ClusterState:
                 if dev.model not in model_ix:
                     model_ix[dev.model] = len(models)
                     models.append(dev.model)
+                    vendors.append(canonical(dev.vendor) or dev.vendor.lower())
                 gpu_cap[i, j] = dev.compute_milli
                 gpu_mem[i, j] = dev.memory_mib
                 gpu_model[i, j] = model_ix[dev.model]
@@ -208,6 +212,7 @@ class ClusterState:
             owners=[],
             gpu_link=gpu_link if links else None,
             links=list(links),
+            model_vendor=vendors,
         )
 
     def copy(self) -> ClusterState:
@@ -239,6 +244,7 @@ class ClusterState:
             gpu_link=None if self.gpu_link is None else self.gpu_link.copy(),
             links=list(self.links),
             topology_label=self.topology_label,
+            model_vendor=list(self.model_vendor),
         )
 
     # --- sizes ----------------------------------------------------------------------------

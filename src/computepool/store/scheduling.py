@@ -65,10 +65,10 @@ def node_rows(s: Session) -> Sequence[Any]:
 
 def device_rows(
     s: Session, node_ids: Sequence[int]
-) -> dict[int, list[tuple[int, str, int, int, str, str | None, str]]]:
+) -> dict[int, list[tuple[int, str, int, int, str, str | None, str, str]]]:
     """node id → its devices as (index, model, memory_mib, compute_milli, uuid, mig_parent_uuid,
-    link_group), by index."""
-    found: dict[int, list[tuple[int, str, int, int, str, str | None, str]]] = {i: [] for i in node_ids}
+    link_group, vendor), by index."""
+    found: dict[int, list[tuple[int, str, int, int, str, str | None, str, str]]] = {i: [] for i in node_ids}
     for k in range(0, len(node_ids), CHUNK):
         stmt = (
             select(
@@ -80,12 +80,13 @@ def device_rows(
                 DeviceRow.uuid,
                 DeviceRow.mig_parent_uuid,
                 DeviceRow.link_group,
+                DeviceRow.vendor,
             )
             .where(DeviceRow.node_id.in_(node_ids[k : k + CHUNK]))
             .order_by(DeviceRow.node_id, DeviceRow.index)
         )
-        for nid, index, model, mem, milli, dev_uuid, parent, link in s.execute(stmt):
-            found[nid].append((index, model, mem, milli, dev_uuid, parent, link))
+        for nid, index, model, mem, milli, dev_uuid, parent, link, vendor in s.execute(stmt):
+            found[nid].append((index, model, mem, milli, dev_uuid, parent, link, vendor))
     return found
 
 

@@ -12,6 +12,7 @@ from computepool.core.allocation import AllocationState, IsolationName
 from computepool.core.errors import InvalidInput
 from computepool.core.images import parse_image
 from computepool.core.request import MAX_DEVICES_PER_NODE, MAX_GANG_NODES
+from computepool.core.vendors import VENDORS, canonical
 from computepool.wire.blobs import PendingFile, Sha256
 from computepool.wire.common import (
     MAX_CPU_MILLI,
@@ -163,6 +164,20 @@ ArraySpec = Annotated[
 ]
 
 
+def _known_vendor(name: str) -> str:
+    if canonical(name) != name:
+        raise ValueError(f"unknown vendor {name!r} (known: {', '.join(VENDORS)})")
+    return name
+
+
+VendorName = Annotated[
+    str,
+    StringConstraints(max_length=32),
+    AfterValidator(_known_vendor),
+    Field(description="An accelerator vendor: " + ", ".join(VENDORS) + "."),
+]
+
+
 class After(In):
     """Start only once allocation `id` has ended this way: ok (released, exit 0), failed (failed or
     preempted) or any end at all (cancelled too)."""
@@ -203,6 +218,15 @@ class AllocationCreate(In):
     )
     models: list[ModelName] | None = Field(
         default=None, min_length=1, max_length=64, description="Allowed GPU models; default any."
+    )
+    vendors: list[VendorName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=len(VENDORS),
+        description="Allowed device vendors; default any.",
+    )
+    min_gpu_memory_mib: int | None = Field(
+        default=None, strict=True, ge=1, le=2**24, description="Only devices at least this big (their size)."
     )
     exclusive: bool = Field(default=False, strict=True, description="Whole devices, alone on them.")
     isolation: IsolationName | None = Field(
@@ -319,6 +343,8 @@ class RequestOut(Out):
     cpu_milli: int
     memory_mib: int
     models: list[str] | None
+    vendors: list[str] | None = None
+    min_gpu_memory_mib: int | None = None
     exclusive: bool
     isolation: IsolationName
     gang_nodes: int

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from computepool.core.allocation import HOLDING, PENDING
 from computepool.core.quantities import format_duration
+from computepool.core.vendors import canonical
 from computepool.server.scheduling.snapshot import Snapshot, lost_brake
 from computepool.server.settings import ServerSettings
 from computepool.store.alerts import DeviceSeen, EndSeen, HeldAlloc, NodeSeen, RuleSetting
@@ -281,6 +282,7 @@ def fragmentation(facts: Facts, rs: RuleSetting) -> list[Finding]:
     if not waiting:
         return []
     milli, mem, cpu, memory = _free_capacity(snap)
+    vendors = {d.model: d.vendor for n in snap.nodes for d in n.devices}
     factor = max(rs.threshold, 0.0)
     out = []
     for a in waiting:
@@ -292,6 +294,8 @@ def fragmentation(facts: Facts, rs: RuleSetting) -> list[Finding]:
         if need_milli + need_cpu + need_mem == 0:
             continue
         models = req.models if req.models else set(milli)
+        if req.vendors is not None:  # another vendor's free devices are no room for it
+            models = {m for m in models if canonical(vendors.get(m, "")) in req.vendors}
         free_milli = sum(milli.get(m, 0) for m in models)
         free_gmem = sum(mem.get(m, 0) for m in models)
         if (

@@ -147,6 +147,8 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "cpu_milli": body.cpu_milli,
         "memory_mib": body.memory_mib,
         "models": sorted(set(body.models)) if body.models else None,
+        "vendors": sorted(set(body.vendors)) if body.vendors else None,
+        "min_gpu_memory_mib": body.min_gpu_memory_mib,
         "exclusive": exclusive,
         "isolation": isolation,
         "gang_nodes": body.gang_nodes,
@@ -185,6 +187,8 @@ def _fit_key(core: Request) -> tuple[Any, ...]:
         core.cpu_milli,
         core.memory_mib,
         core.models,
+        core.vendors,
+        core.min_gpu_memory_mib,
         core.sharing,
         core.gang_nodes,
         core.tier,
@@ -204,6 +208,12 @@ def _refused_field(snap: scheduling.Snapshot, core: Request) -> str:
         relaxed.append(("gpu_memory_mib", replace(core, gpu_memory_mib=None)))
     if core.models:
         relaxed.append(("models", replace(core, models=None)))
+    if core.vendors is not None:
+        relaxed.append(("vendors", replace(core, vendors=None)))
+    if core.min_gpu_memory_mib:
+        relaxed.append(("min_gpu_memory_mib", replace(core, min_gpu_memory_mib=0)))
+    if core.tier in (Isolation.MPS, Isolation.TIMESLICE):  # devices that cannot enforce the tier
+        relaxed.append(("isolation", replace(core, isolation=Isolation.EXCLUSIVE, gpu_milli=1000)))
     for field, req in relaxed:
         if scheduling.never_fits(snap, req) is None:
             return field

@@ -24,6 +24,8 @@ def to_core(req: dict[str, Any]) -> Request:
             cpu_milli=int(req["cpu_milli"]),
             memory_mib=int(req["memory_mib"]),
             models=frozenset(req["models"]) if req.get("models") else None,
+            vendors=frozenset(req["vendors"]) if req.get("vendors") else None,
+            min_gpu_memory_mib=int(req.get("min_gpu_memory_mib") or 0) if gpus else 0,
             sharing=Sharing.EXCLUSIVE if req.get("exclusive") else Sharing.SHARED,
             gang_nodes=int(req["gang_nodes"]),
             priority=int(req["priority"]),

@@ -31,6 +31,7 @@ class DevSnap:
     uuid: str
     mig_parent_uuid: str | None = None  # a MIG instance: its GPU (the profile is in `model`)
     link_group: str = ""  # NVLink peers share one (scheduler/topology.py)
+    vendor: str = ""  # core/vendors.py: which variables name it, which tiers it enforces
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class World:
                 devices=[
                     Device(
                         d.index,
-                        "",
+                        d.vendor,
                         d.model,
                         d.memory_mib,
                         d.uuid,
