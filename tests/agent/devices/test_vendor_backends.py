@@ -37,6 +37,7 @@ INTEL = {
     "discovery -j": "intel/discovery.json",
     "discovery -d 0 -j": "intel/discovery-d0.json",
     "stats -d 0 -j": "intel/stats-device.json",
+    "topology -m": "intel/topology-m.txt",  # names a second GPU this node lacks: no group
 }
 
 
@@ -51,7 +52,7 @@ def test_intel_backend_through_xpu_smi(tmp_path: Path) -> None:
         0,
         512,
     )
-    assert d.uuid == "00000000-0000-0000-0000-020a00008086"
+    assert d.uuid == "00000000-0000-0000-0000-020a00008086" and d.link_group == ""
     (u,) = b.usage()
     assert (u.utilization_pct, u.memory_used_mib, u.power_w, u.health) == (0.0, 229, 44.69, "")
 
@@ -61,6 +62,13 @@ def test_intel_stats_failing_is_the_devices_health(tmp_path: Path) -> None:
     assert b.available()
     (u,) = b.usage()
     assert u.health.startswith("xpu-smi stats failed:") and "unknown arguments stats -d 0 -j" in u.health
+
+
+def test_ascend_backend_groups_hccs_peers(tmp_path: Path) -> None:
+    answers = {"info": "ascend/info-910b3-24.1.txt", "info -t topo": "ascend/topo-910b3.txt"}
+    devs = AscendBackend(tool(tmp_path, "npu-smi", answers)).discover()
+    assert [(d.physical_index, d.link_group) for d in devs] == [(i, "hccs-0") for i in range(8)]
+    assert devs[4].uuid == "ascend-0000:01:00.0" and devs[4].memory_mib == 65536
 
 
 def test_ascend_backend_through_npu_smi(tmp_path: Path) -> None:

@@ -30,14 +30,15 @@ def test_npu_smi_910b_table_gives_each_chip_its_hbm_power_and_bus() -> None:
         (c.npu_id, c.chip_id, c.device_id, c.name, c.bus_id, c.memory_used_mib, c.memory_total_mib)
         for c in chips
     ]
-    assert got == [
+    assert len(got) == 8 and got[:3] == [
         (0, 0, None, "910B3", "0000:c1:00.0", 3318, 65536),
         (1, 0, None, "910B3", "0000:c2:00.0", 3314, 65536),
         (2, 0, None, "910B3", "0000:81:00.0", 3314, 65536),
     ]
-    assert [c.power_w for c in chips] == [101.8, 92.0, 102.0]
+    assert got[7] == (7, 0, None, "910B3", "0000:42:00.0", 3315, 65536)
+    assert [c.power_w for c in chips] == [101.8, 92.0, 102.0, 99.8, 98.6, 99.7, 103.8, 98.2]
     assert {c.health for c in chips} == {"OK"} and {c.aicore_pct for c in chips} == {0.0}
-    assert [ascend.device_index(c, i) for i, c in enumerate(chips)] == [0, 1, 2]
+    assert [ascend.device_index(c, i) for i, c in enumerate(chips)] == list(range(8))
     assert ascend.model_of("910B3") == "Ascend910B3"
 
 
@@ -56,6 +57,15 @@ def test_npu_smi_process_table_gives_each_chip_its_processes() -> None:
     assert [(c.aicore_pct, c.memory_used_mib) for c in chips] == [(7.0, 53984), (42.0, 52314)]
     (only,) = ascend.parse_info(text("ascend", "info-910b4-26.0.txt"))  # "No running processes found"
     assert (only.name, only.memory_total_mib, only.processes) == ("910B4", 32768, {})
+
+
+def test_npu_smi_topology_joins_the_hccs_peers() -> None:
+    pairs = ascend.parse_topo(text("ascend", "topo-910b3.txt"))
+    assert len(pairs) == 28 and (0, 7) in pairs and all(a < b for a, b in pairs)  # 8 NPUs, all joined
+    chips = ascend.parse_info(text("ascend", "info-910b3-24.1.txt"))
+    assert set(ascend.npu_groups(chips, pairs).values()) == {"hccs-0"}
+    assert ascend.npu_groups(chips, [(2, 3)]) == {2: "hccs-2", 3: "hccs-2"}
+    assert ascend.npu_groups(chips, []) == {}
 
 
 def test_npu_smi_garbage_is_no_chip() -> None:
@@ -82,6 +92,11 @@ def test_xpu_smi_stats_device_level_and_per_tile() -> None:
     tiles = intel.parse_stats(text("intel", "stats-tiles.json"))
     assert tiles.power_w == 63.26  # the device's own figure, not the tiles' sum
     assert tiles.utilization_pct == 50.0  # no device-level figure: the tiles' mean (100 and 0)
+
+
+def test_xpu_smi_topology_matrix_gives_the_xe_link_peers() -> None:
+    assert intel.parse_topology(text("intel", "topology-m.txt")) == [(0, 1)]  # XL16 and XL* between cards
+    assert intel.parse_topology("") == []
 
 
 @pytest.mark.parametrize("bad", ["", "not json", "[]", '{"devices": []}'])

@@ -7,8 +7,9 @@ processes on each chip. Each chip is one device. Its index for ASCEND_RT_VISIBLE
 `/dev/davinciN` is the device id the table prints, else (910B prints none: one chip per NPU) the
 chips' order. Memory is the HBM where the chip has it, else its DDR. The model is the chip name
 with the SoC prefix (`910B3` → `Ascend910B3`). npu-smi prints no uuid: a device is named by its
-PCI address (`ascend-0000:c1:00.0`). No link groups: HCCS topology (`npu-smi info -t topo`) is
-not read yet. Health is "" while npu-smi says OK, else what it says.
+PCI address (`ascend-0000:c1:00.0`). NPUs joined by HCCS (`npu-smi info -t topo`; a failure
+there only leaves the groups out) share an `hccs-N` link group. Health is "" while npu-smi says
+OK, else what it says.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.agent.devices.nodes import ascend_nodes
-from computepool.agent.devices.tools import ToolError, number, run_tool
+from computepool.agent.devices.tools import ToolError, link_groups, number, run_tool
 
 TOOL = "npu-smi"
 _BUS = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
@@ -108,10 +109,38 @@ def _process_row(chips: list[NpuChip], head: list[str], cells: list[str]) -> Non
             c.processes[int(pid)] = int(mem or 0)
 
 
+def parse_topo(text: str) -> list[tuple[int, int]]:
+    """`npu-smi info -t topo`: the pairs of NPU ids its matrix says HCCS joins."""
+    cols: list[int] = []
+    pairs: list[tuple[int, int]] = []
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if not cols and words[0].startswith("NPU") and words[0] != "NPU" and line[0].isspace():
+            cols = [int(w[3:]) for w in words if w.startswith("NPU") and w[3:].isdigit()]
+            continue
+        if cols and words[0].startswith("NPU") and words[0][3:].isdigit():
+            me = int(words[0][3:])
+            for other, cell in zip(cols, words[1:], strict=False):
+                if cell == "HCCS" and other != me:
+                    pairs.append((min(me, other), max(me, other)))
+    return sorted(set(pairs))
+
+
 def model_of(name: str) -> str:
     """`910B3` → `Ascend910B3` (the SoC name CANN uses); a name already prefixed is kept."""
     name = "-".join(name.split())
     return name if name.lower().startswith("ascend") else f"Ascend{name}"
+
+
+def npu_groups(chips: list[NpuChip], hccs: list[tuple[int, int]]) -> dict[int, str]:
+    """chip position → `hccs-N` (N the lowest position in the group) for the chips of NPUs HCCS joins."""
+    by_npu: dict[int, list[int]] = {}
+    for i, c in enumerate(chips):
+        by_npu.setdefault(c.npu_id, []).append(i)
+    pairs = [(a, b) for x, y in hccs for a in by_npu.get(x, []) for b in by_npu.get(y, [])]
+    return link_groups(range(len(chips)), pairs, "hccs")
 
 
 def device_index(chip: NpuChip, order: int) -> int:
@@ -145,6 +174,11 @@ class AscendBackend:
             return
         if not chips:
             self._reason = "npu-smi unavailable: it lists no Ascend NPU"
+        try:
+            hccs = parse_topo(run_tool([self.tool, "info", "-t", "topo"]))
+        except ToolError:
+            hccs = []  # an older npu-smi or a card without HCCS: no groups
+        groups = npu_groups(chips, hccs)
         self._devices = [
             DeviceInfo(
                 index=i,
@@ -153,6 +187,7 @@ class AscendBackend:
                 memory_mib=c.memory_total_mib,
                 uuid=f"ascend-{c.bus_id}" if c.bus_id else f"ascend-npu{c.npu_id}-chip{c.chip_id}",
                 physical_index=device_index(c, i),
+                link_group=groups.get(i, ""),
                 dev_nodes=ascend_nodes(device_index(c, i)),
             )
             for i, c in enumerate(chips)

@@ -4,24 +4,27 @@ No maintained Python binding of Level Zero's sysman exists, so the backend reads
 `xpu-smi discovery -j` lists the devices (id, name, uuid, PCI address), `xpu-smi discovery -d N -j`
 gives each one's memory, and `xpu-smi stats -d N -j` its load (GPU utilization, power in W,
 memory used in MiB), at device level or, on multi-tile GPUs, per tile (summed; utilization
-averaged). The device id is what ZE_AFFINITY_MASK takes. Without the tool the backend is
-unavailable and says why. Health is "" unless a stats call fails. No link groups: Xe Link
-topology (`xpu-smi topology -m`) is not read yet.
+averaged). The device id is what ZE_AFFINITY_MASK takes. GPUs joined by Xe Link (an `XL` cell
+between two of their tiles in `xpu-smi topology -m`; a failure there only leaves the groups out)
+share an `xelink-N` group. Without the tool the backend is unavailable and says why. Health is ""
+unless a stats call fails.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.agent.devices.nodes import intel_nodes
-from computepool.agent.devices.tools import ToolError, number, run_tool
+from computepool.agent.devices.tools import ToolError, link_groups, number, run_tool
 
 MIB = 1024 * 1024
 TOOL = "xpu-smi"
+_TILE = re.compile(r"GPU\s+(\d+)/(\d+)")
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,24 @@ def parse_stats(text: str) -> XpuStats:
     return XpuStats(util, int(used or 0), pick("XPUM_STATS_POWER", sum))
 
 
+def parse_topology(text: str) -> list[tuple[int, int]]:
+    """`xpu-smi topology -m`: the pairs of device ids with an Xe Link (`XL…`) between their tiles."""
+    cols: list[int] = []
+    pairs: list[tuple[int, int]] = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if not cols:
+            cols = [int(m[1]) for c in cells if (m := _TILE.search(c))]
+            continue
+        me = _TILE.fullmatch(cells[0]) if cells else None
+        if me is None:
+            continue
+        for other, cell in zip(cols, cells[1:], strict=False):
+            if cell.startswith("XL") and other != int(me[1]):
+                pairs.append((min(int(me[1]), other), max(int(me[1]), other)))
+    return sorted(set(pairs))
+
+
 class IntelBackend:
     """Intel GPUs as xpu-smi sees them. `tool` is the xpu-smi to run (a name on PATH, or a path)."""
 
@@ -161,7 +182,12 @@ class IntelBackend:
             return
         if not devices:
             self._reason = "xpu-smi unavailable: it lists no Intel GPU"
-        self._devices = devices
+        try:
+            xe = parse_topology(run_tool([self.tool, "topology", "-m"]))
+        except ToolError:
+            xe = []  # no Xe Link (Flex, Arc) or an older xpu-smi: no groups
+        groups = link_groups([d.physical_index for d in devices], xe, "xelink")
+        self._devices = [replace(d, link_group=groups.get(d.physical_index, "")) for d in devices]
 
     def available(self) -> bool:
         self._init()
