@@ -132,6 +132,10 @@ def test_amd_answers_become_watts_joules_and_process_memory() -> None:
     assert amd.process_vram(answers["amdsmi_get_gpu_process_list"]) == {4242: 36864}
     assert amd.normalize_model("AMD Instinct MI300X") == "MI300X"
     assert amd.normalize_model("AMD Radeon PRO W7900") == "Radeon-PRO-W7900"
+    assert (
+        amd.normalize_model("AMD Radeon Graphics (gfx1100)") == "Radeon-Graphics-gfx1100"
+    )  # a name the pool takes
+    assert amd.normalize_model("") == "AMD-GPU"
 
 
 def test_amd_backend_without_amdsmi_says_why() -> None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.agent.devices.nodes import amd_nodes
-from computepool.agent.devices.tools import link_groups, number
+from computepool.agent.devices.tools import link_groups, model_name, number
 
 MIB = 1024 * 1024
 T = TypeVar("T")
@@ -35,7 +35,7 @@ def normalize_model(market_name: str) -> str:
     words = market_name.replace("(TM)", " ").replace("(R)", " ").split()
     while words and words[0].upper() in ("AMD", "INSTINCT"):
         words = words[1:]
-    return "-".join(words) or "AMD-GPU"
+    return model_name(words, "AMD-GPU")
 
 
 def _try(fn: Callable[..., T], default: T, *args: Any) -> T:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
-from computepool.agent.devices.tools import ToolError, number, run_tool
+from computepool.agent.devices.tools import ToolError, model_name, number, run_tool
 
 MIB = 1024 * 1024
 
@@ -33,7 +33,7 @@ def normalize_model(name: str) -> str:
     words = name.split()
     if words and words[0] == "Apple":
         words = words[1:]
-    return "-".join(words) or "Apple-GPU"
+    return model_name(words, "Apple-GPU")
 
 
 def parse_displays(text: str) -> list[AppleGpu]:

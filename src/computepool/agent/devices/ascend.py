@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.agent.devices.nodes import ascend_nodes
-from computepool.agent.devices.tools import ToolError, link_groups, number, run_tool
+from computepool.agent.devices.tools import ToolError, link_groups, model_name, number, run_tool
 
 TOOL = "npu-smi"
 _BUS = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
@@ -130,7 +130,7 @@ def parse_topo(text: str) -> list[tuple[int, int]]:
 
 def model_of(name: str) -> str:
     """`910B3` → `Ascend910B3` (the SoC name CANN uses); a name already prefixed is kept."""
-    name = "-".join(name.split())
+    name = model_name(name.split(), "NPU")
     return name if name.lower().startswith("ascend") else f"Ascend{name}"
 
 

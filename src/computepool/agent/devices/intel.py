@@ -20,7 +20,7 @@ from typing import Any
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
 from computepool.agent.devices.nodes import intel_nodes
-from computepool.agent.devices.tools import ToolError, link_groups, number, run_tool
+from computepool.agent.devices.tools import ToolError, link_groups, model_name, number, run_tool
 
 MIB = 1024 * 1024
 TOOL = "xpu-smi"
@@ -53,7 +53,7 @@ def normalize_model(name: str) -> str:
         words = words[3:]
     if len(words) > 1 and words[-1] == "Graphics":
         words = words[:-1]
-    return "-".join(words) or "Intel-GPU"
+    return model_name(words, "Intel-GPU")
 
 
 def _json(text: str, what: str) -> Any:

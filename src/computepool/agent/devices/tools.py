@@ -3,11 +3,13 @@ unavailable and says why; it never raises to the agent."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
 
 TOOL_TIMEOUT_S = 15.0
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.]+")
 
 
 class ToolError(Exception):
@@ -44,6 +46,13 @@ def number(text: object) -> float | None:
         return float(str(text).strip())
     except ValueError:
         return None
+
+
+def model_name(words: Sequence[str], fallback: str) -> str:
+    """Words of a vendor's device name as a model name the pool accepts: letters, digits, `_.-`,
+    words joined by `-`, at most 63 characters (`Radeon PRO W7900 (gfx1100)` → `Radeon-PRO-W7900-gfx1100`)."""
+    name = "-".join(p for w in words for p in _NOT_IN_NAME.split(w) if p)
+    return name[:63].strip("-.") or fallback
 
 
 def link_groups(indices: Sequence[int], linked: Sequence[tuple[int, int]], prefix: str) -> dict[int, str]:
