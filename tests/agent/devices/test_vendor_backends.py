@@ -4,10 +4,15 @@ failing tool is a reason, never an exception; and a node with several vendors' d
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import computepool
 from computepool.agent.devices import (
     AppleBackend,
     AscendBackend,
@@ -143,3 +148,26 @@ def test_a_node_with_several_vendors_numbers_them_in_turn(tmp_path: Path) -> Non
     none = discover_all(backends=[absent])
     assert none.backend is None and none.devices == [] and none.notes == [absent.reason]
     assert isinstance(discover_all("1xMI300X", backends=[intel]).backend, SimulatedBackend)
+
+
+def test_the_devices_module_prints_what_the_agent_would_find() -> None:
+    run = [sys.executable, "-m", "computepool.agent.devices"]
+    env = {**os.environ, "PYTHONPATH": str(Path(computepool.__file__).parent.parent)}
+    done = subprocess.run(
+        [*run, "--simulate", "1xMI300X,1xAscend910B", "--usage"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["backend"] == "simulated"
+    assert [(d["vendor"], d["model"], d["env"]) for d in got["devices"]] == [
+        ("amd", "MI300X", {"HIP_VISIBLE_DEVICES": "0", "ROCR_VISIBLE_DEVICES": "0"}),
+        ("ascend", "Ascend910B", {"ASCEND_RT_VISIBLE_DEVICES": "0"}),
+    ]
+    assert [u["power_w"] for u in got["usage"]] == [110.0, 50.0]  # idle: MI300X's model, the default's
+    bad = subprocess.run([*run, "--simulate", "2xFOO"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("error: simulate: unknown model 'FOO'") and len(bad.stderr.splitlines()) == 1

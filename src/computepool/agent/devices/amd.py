@@ -74,6 +74,9 @@ class AmdBackend:
         except ImportError as e:
             self._reason = f"AMD SMI not found: the amdsmi Python library is not installed ({e})"
             return None
+        except Exception as e:  # the binding loads libamd_smi.so at import: OSError without ROCm
+            self._reason = f"AMD SMI not found: the amdsmi library does not load ({e})"
+            return None
         try:
             amdsmi.amdsmi_init()
         except Exception as e:  # AmdSmiLibraryException: no driver, no libamd_smi.so
