@@ -140,7 +140,7 @@ def parse_spec(spec: str) -> list[SimDeviceSpec]:
 def _entry(spec: str, part: str, where: str) -> SimDeviceSpec:
     """One `COUNTxMODEL-MEMORY` entry, or `COUNTxMODEL` of a model the catalog knows."""
     m = _ENTRY.match(part)
-    if m is None or known_model(m["model"] + "-" + m["mem"] + m["unit"]) is not None:
+    if m is None:
         bare = _BARE.match(part)
         known = known_model(bare["model"]) if bare else None
         if bare is None:
