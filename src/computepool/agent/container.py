@@ -304,7 +304,7 @@ class Podman:
             argv.append("--network=host")
         else:
             argv.append("--network=none")
-        argv += self.device_args(spec.device_uuids)
+        argv += self.device_args(spec.device_uuids, spec.device_nodes)
         env = {"HOME": WORKDIR, "CPOOL_RUN_DIR": WORKDIR, **dict(spec.env)}
         # paths into the job dir (the isolation shim, the simulated devices' memory file) as seen inside
         env = {k: _inside(v, run_dir) for k, v in env.items()}
@@ -404,16 +404,21 @@ class Podman:
 
     # ---- devices ----------------------------------------------------------------------------
 
-    def device_args(self, uuids: tuple[str, ...] | list[str]) -> list[str]:
-        """The slice's devices only: CDI names where a CDI spec lists them, else the device nodes.
+    def device_args(
+        self, uuids: tuple[str, ...] | list[str], device_nodes: tuple[str, ...] | list[str] = ()
+    ) -> list[str]:
+        """The slice's devices only: for NVIDIA, CDI names where a CDI spec lists them, else the
+        device nodes NVML names; for the other vendors, the nodes their backends found (AMD's
+        /dev/kfd and render node, Intel's render and card nodes, Ascend's davinci nodes:
+        devices/nodes.py), those that still exist.
 
-        Simulated and CPU slices get none (the job still reads CUDA_VISIBLE_DEVICES from its env).
+        Simulated and CPU slices get none (the job still reads its visible-devices variable).
         """
+        nodes: list[str] = [n for n in device_nodes if os.path.exists(n)]
         real = [u for u in uuids if u.startswith(("GPU-", "MIG-"))]
         if not real:
-            return []
+            return [f"--device={n}" for n in dict.fromkeys(nodes)]
         cdi = _cdi_names(self.cdi_dirs)
-        nodes: list[str] = []
         for u in real:
             if u in cdi:
                 nodes.append(f"nvidia.com/gpu={u}")

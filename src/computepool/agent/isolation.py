@@ -1,7 +1,9 @@
 """Hold a slice to its share of a device: the job's environment, MPS daemons, the PyTorch shim and
 the GPU memory watchdog. What each tier guarantees is written down in docs/isolation.md.
 
-- exclusive, mig: the device alone; `CUDA_VISIBLE_DEVICES` names it (a MIG instance by its uuid).
+- exclusive, mig: the device alone; its vendor's visible-devices variable names it
+  (`CUDA_VISIBLE_DEVICES` a GPU or MIG instance by uuid; AMD, Intel and Ascend take the vendor's
+  device indices, core/vendors.py), and every other vendor's is empty.
 - mps: one MPS control daemon per device; the client gets an active-thread percentage and a
   pinned device memory limit, enforced by the driver.
 - timeslice: CUDA time-slicing; memory is held by a `sitecustomize` shim that caps PyTorch's
@@ -26,6 +28,7 @@ from computepool.agent.devices.base import DeviceBackend, DeviceInfo
 from computepool.core.allocation import Isolation, Slice
 from computepool.core.errors import InvalidInput
 from computepool.core.quantities import MILLI_PER_DEVICE
+from computepool.core.vendors import VENDORS
 
 # A CUDA context costs a few hundred MiB that no framework allocator sees; the shim's cap leaves
 # this much of the slice for it, so a job that fills its allocator still fits the watchdog's line.
@@ -97,8 +100,8 @@ def slice_env(
     tier = tiers.pop() if tiers else None
     env = dict(user_env or {})
     uuids = [s.device.uuid for s in slices]
+    env |= visible_env([s.device for s in slices])
     env |= {
-        "CUDA_VISIBLE_DEVICES": ",".join(uuids),  # empty: a CPU-only job sees no GPU at all
         "CPOOL_ALLOCATION_ID": allocation_id,
         "CPOOL_ATTEMPT": str(attempt),
         "CPOOL_ISOLATION": tier.value if tier else "none",
@@ -121,6 +124,23 @@ def slice_env(
         shim = write_shim(job_dir)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def visible_env(devices: Sequence[DeviceInfo]) -> dict[str, str]:
+    """Every vendor's visible-devices variables: the job's devices of that vendor (uuids or the
+    vendor's indices, as core/vendors.py says it takes them), empty for every other vendor, so a
+    job sees no device it does not hold and a CPU-only job none at all. CUDA and HIP read an empty
+    list as no device; docs/devices.md says what the others make of it."""
+    env: dict[str, str] = {}
+    for v in VENDORS.values():
+        mine = [d for d in devices if d.vendor.lower() == v.name]
+        value = ",".join(d.uuid if v.by_uuid else str(_vendor_index(d)) for d in mine)
+        env |= dict.fromkeys(v.visible_env, value)
+    return env
+
+
+def _vendor_index(d: DeviceInfo) -> int:
+    return d.physical_index if d.physical_index >= 0 else d.index
 
 
 def _mps_env(slices: Sequence[SliceAssignment], mps: Mapping[str, MpsDaemon]) -> dict[str, str]:

@@ -40,6 +40,7 @@ class JobSpec:
     host_network: bool = False  # a process job keeps the node's network (jobnet.needs_host_network)
     ports: tuple[int, ...] = ()  # container ports to publish (containers have no network otherwise)
     device_uuids: tuple[str, ...] = ()  # the slice's devices: a container sees only these
+    device_nodes: tuple[str, ...] = ()  # their device files where the backend found them (not NVIDIA's)
     stdin: str | None = None  # a file the command reads as its stdin (default /dev/null)
 
     @property

@@ -159,6 +159,7 @@ class JobStarter:
                 ),  # fmt: skip
                 ports=a.ports,
                 device_uuids=tuple(s.device.uuid for s in resolved),
+                device_nodes=tuple(n for s in resolved for n in s.device.dev_nodes),
                 stdin=stdin,
             )
             rec = self.executor.start(spec)

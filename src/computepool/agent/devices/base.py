@@ -14,7 +14,11 @@ class DeviceInfo:
     """One schedulable accelerator on this node: a whole GPU or one MIG instance.
 
     `index` numbers schedulable devices on the node (what a Slice's `device_index` names);
-    `physical_index` is the vendor's index of the GPU that holds it (the same for a whole GPU).
+    `physical_index` is the vendor's index of the GPU that holds it (the same for a whole GPU):
+    what the vendor's visible-devices variable takes where it takes indices (core/vendors.py).
+    `dev_nodes` are the device files a container needs to open this device, as its backend found
+    them (none for NVIDIA, whose nodes the container code finds through NVML, nor for simulated
+    devices).
     """
 
     index: int
@@ -28,6 +32,8 @@ class DeviceInfo:
     numa_node: int = -1
     link_group: str = ""
     mig_parent_uuid: str | None = None
+    dev_nodes: tuple[str, ...] = ()
+    cores: int = 0  # compute units where the vendor says: Apple GPU cores, AMD CUs, Intel EUs
 
     @property
     def is_mig(self) -> bool:

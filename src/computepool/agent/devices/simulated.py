@@ -15,6 +15,11 @@ its own, as on real GPUs.
 A simulated GPU can be split into MIG instances (`1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb`):
 each instance is reported as NVML reports a real one — a device of its own with a `MIG-` uuid,
 its parent GPU's uuid, the profile's memory, and `compute_milli = 1000 × slices / 7`.
+
+Other vendors' models are simulated as those vendors' devices (`2xMI300X,4xAscend910B,1xM2-Ultra`):
+a model of the catalog (devices/catalog.py) needs no memory suffix and takes the catalog's vendor,
+so the scheduler and the job's environment treat it as that vendor's. Their uuids are
+`<vendor>-sim-…`, never `GPU-`/`MIG-`, which name real NVIDIA devices to the container code.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from computepool.agent.devices.base import DeviceInfo, DeviceUsage
+from computepool.agent.devices.catalog import known_model, known_names
 from computepool.core.errors import InvalidInput
 from computepool.core.power import PowerModel, model_power
 from computepool.core.quantities import MILLI_PER_DEVICE
@@ -52,6 +58,9 @@ _ENTRY = re.compile(
 )
 _JSON_FIELDS = {"model", "memory_mib", "count", "vendor", "compute_capability", "numa_node", "link_group"}
 _JSON_FIELDS |= {"mig"}
+_BARE = re.compile(
+    r"^(?:(?P<count>\d+)\s*[xX*]\s*)?(?:(?P<vendor>[A-Za-z][A-Za-z0-9_]*)/)?(?P<model>[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
+)
 MIG_SLICES = 7  # GPU-instance slices of a simulated GPU (as on A100 and H100)
 MIG_SIZES = (1, 2, 3, 4, 7)  # the GPU-instance sizes NVIDIA defines, in slices
 _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -114,28 +123,56 @@ def parse_spec(spec: str) -> list[SimDeviceSpec]:
     for part in text.split(","):
         part = part.strip()
         part, _, extra = part.partition(":")
-        m = _ENTRY.match(part)
-        if not m:
-            raise InvalidInput(
-                "simulate", f"cannot read {part!r} in {spec!r} (expected COUNTxMODEL-MEMORY like 2xA100-80GB)"
-            )
-        factor = _UNIT_MIB.get(m["unit"].lower())
-        if factor is None:
-            raise InvalidInput(
-                "simulate", f"unknown memory unit {m['unit']!r} in {part!r} (use GB, GiB, MiB)"
-            )
-        count = int(m["count"]) if m["count"] is not None else 1
-        mem = round(float(m["mem"]) * factor)
         where = f"simulate: {part + (':' + extra if extra else '')!r}"
-        s = _checked(where, m["model"], mem, count, (m["vendor"] or "nvidia").lower())
+        s = _entry(spec, part, where)
         if extra:
             key, eq, value = extra.partition("=")
             if key.strip() != "mig" or not eq:
                 raise InvalidInput(where, f"unknown option {extra!r} (expected mig=PROFILE+PROFILE…)")
-            s = replace(s, mig=parse_mig(where, value, mem))
+            if s.vendor != "nvidia":
+                raise InvalidInput(where, f"mig= splits NVIDIA GPUs only, not {s.vendor} devices")
+            s = replace(s, mig=parse_mig(where, value, s.memory_mib))
         out.append(s)
     _check_total(spec, out)
     return out
+
+
+def _entry(spec: str, part: str, where: str) -> SimDeviceSpec:
+    """One `COUNTxMODEL-MEMORY` entry, or `COUNTxMODEL` of a model the catalog knows."""
+    m = _ENTRY.match(part)
+    if m is None:
+        bare = _BARE.match(part)
+        known = known_model(bare["model"]) if bare else None
+        if bare is None:
+            raise InvalidInput(
+                "simulate", f"cannot read {part!r} in {spec!r} (expected COUNTxMODEL-MEMORY like 2xA100-80GB)"
+            )
+        if known is None:
+            raise InvalidInput(
+                "simulate",
+                f"unknown model {bare['model']!r} in {part!r}: give its memory (like {part}-80GB), or name a "
+                f"model of known memory: {known_names()}",
+            )
+        count = int(bare["count"]) if bare["count"] is not None else 1
+        return _checked(
+            where, known.name, known.memory_mib, count, _vendor_of(where, bare["vendor"], known.name)
+        )
+    factor = _UNIT_MIB.get(m["unit"].lower())
+    if factor is None:
+        raise InvalidInput("simulate", f"unknown memory unit {m['unit']!r} in {part!r} (use GB, GiB, MiB)")
+    count = int(m["count"]) if m["count"] is not None else 1
+    mem = round(float(m["mem"]) * factor)
+    return _checked(where, m["model"], mem, count, _vendor_of(where, m["vendor"], m["model"]))
+
+
+def _vendor_of(where: str, given: str | None, model: str) -> str:
+    """The vendor written, else the catalog's for a model it knows, else nvidia."""
+    known = known_model(model)
+    if given is None:
+        return known.vendor if known else "nvidia"
+    if known is not None and given.lower() != known.vendor:
+        raise InvalidInput(where, f"{known.name} is made by {known.vendor}, not {given.lower()}")
+    return given.lower()
 
 
 def _check_total(where: str, specs: list[SimDeviceSpec]) -> None:
@@ -173,12 +210,17 @@ def _parse_json(path: Path) -> list[SimDeviceSpec]:
         unknown = set(item) - _JSON_FIELDS
         if unknown:
             raise InvalidInput(where, f"unknown field(s) {sorted(unknown)}")
+        model = item.get("model")
+        known = known_model(model) if isinstance(model, str) else None
+        vendor = item.get("vendor")
+        if isinstance(model, str) and (vendor is None or isinstance(vendor, str)):
+            vendor = _vendor_of(where, vendor, model)
         s = _checked(
             where,
-            item.get("model"),
-            item.get("memory_mib"),
+            model,
+            item.get("memory_mib", known.memory_mib if known else None),
             item.get("count", 1),
-            item.get("vendor", "nvidia"),
+            vendor,
         )
         numa = item.get("numa_node", -1)
         if isinstance(numa, bool) or not isinstance(numa, int):
@@ -186,6 +228,8 @@ def _parse_json(path: Path) -> list[SimDeviceSpec]:
         mig = item.get("mig", [])
         if not isinstance(mig, list) or not all(isinstance(x, str) for x in mig):
             raise InvalidInput(where, f"mig must be a list of MIG profiles, got {mig!r}")
+        if mig and s.vendor != "nvidia":
+            raise InvalidInput(where, f"mig splits NVIDIA GPUs only, not {s.vendor} devices")
         out.append(
             SimDeviceSpec(
                 s.model, s.memory_mib, s.count, s.vendor,
@@ -221,6 +265,7 @@ class SimulatedBackend:
         seed = socket.gethostname() if seed is None else seed
         devices: list[DeviceInfo] = []
         gpus = 0
+        per_vendor: dict[str, int] = {}  # each vendor numbers its own devices from 0, as drivers do
         for s in specs:
             for _ in range(s.count):
                 gpu = DeviceInfo(
@@ -228,13 +273,14 @@ class SimulatedBackend:
                     vendor=s.vendor,
                     model=s.model,
                     memory_mib=s.memory_mib,
-                    uuid=_sim_uuid(seed, gpus, s.model),
-                    physical_index=gpus,
+                    uuid=_sim_uuid(seed, gpus, s.model, s.vendor),
+                    physical_index=per_vendor.get(s.vendor, 0),
                     compute_capability=s.compute_capability,
                     numa_node=s.numa_node,
                     link_group=s.link_group,
                 )
                 gpus += 1
+                per_vendor[s.vendor] = per_vendor.get(s.vendor, 0) + 1
                 if not s.mig:
                     devices.append(gpu)
                 for k, profile in enumerate(s.mig):
@@ -377,9 +423,11 @@ def _mig_instance(gpu: DeviceInfo, index: int, k: int, profile: str) -> DeviceIn
     )
 
 
-def _sim_uuid(seed: str, index: int, model: str) -> str:
-    """Stable across agent restarts, distinct across simulated nodes (seeded by node name)."""
-    return f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'computepool-sim:{seed}:{index}:{model}')}"
+def _sim_uuid(seed: str, index: int, model: str, vendor: str = "nvidia") -> str:
+    """Stable across agent restarts, distinct across simulated nodes (seeded by node name). NVIDIA's
+    look like NVML's (`GPU-…`); other vendors' say whose they are and that they are simulated."""
+    u = uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"computepool-sim:{seed}:{index}:{model}")
+    return f"GPU-{u}" if vendor == "nvidia" else f"{vendor}-sim-{u}"
 
 
 def _alive(pid: int, create_time: float) -> bool:

@@ -1,0 +1,69 @@
+"""Other vendors' devices through the whole pool: `cpool up` with a simulated AMD GPU and Ascend
+NPU, each job given the variable of its device's vendor by the real agent."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from e2e_helpers import Pool, child_env, cpool, free_port, stop, wait_for
+
+SPEC = "1xMI300X,1xAscend910B"
+SHOW = (
+    'echo "seen hip=$HIP_VISIBLE_DEVICES rocr=$ROCR_VISIBLE_DEVICES'
+    ' npu=$ASCEND_RT_VISIBLE_DEVICES cuda=$CUDA_VISIBLE_DEVICES"'
+)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, dict[str, str]]]:
+    tmp = tmp_path_factory.mktemp("vendors")
+    data, port, log = tmp / "pool", free_port(), tmp / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cpool("up", "--simulate", SPEC, "--data-dir", str(data), "--port", str(port)),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+        )  # fmt: skip
+    try:
+        up = wait_for(
+            "cpool up", lambda: re.search(r"ComputePool is up: API (\S+)", log.read_text()), 60, log.read_text
+        )
+        p = Pool(up[1], data)
+        wait_for("the local node", lambda: [n["state"] for n in p.nodes()] == ["ready"], 30)
+        env = child_env()
+        env["CPOOL_SERVER"] = up[1]
+        if up[1].startswith("https://"):
+            env["CPOOL_CA"] = str(data / "tls" / "cert.pem")
+        env["CPOOL_TOKEN"] = (data / "admin-token").read_text().strip()
+        yield p, env
+        p.close()
+    finally:
+        stop(proc, signal.SIGINT, timeout=40)
+
+
+def seen(env: dict[str, str], model: str) -> str:
+    r = subprocess.run(
+        cpool("run", "--gpus", "1", "--model", model, "--", "sh", "-c", SHOW),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("seen ")), None)
+    assert line is not None, r.stdout + r.stderr
+    return line.removeprefix("seen ")
+
+
+def test_the_node_reports_each_vendors_device(pool: tuple[Pool, dict[str, str]]) -> None:
+    p, _ = pool
+    (node,) = p.nodes()
+    got = [(d["vendor"], d["model"], d["memory_mib"]) for d in node["devices"]]
+    assert got == [("amd", "MI300X", 196608), ("ascend", "Ascend910B", 65536)]
+    assert not any(d["uuid"].startswith(("GPU-", "MIG-")) for d in node["devices"])
+
+
+def test_each_job_sees_its_device_by_its_vendors_variable(pool: tuple[Pool, dict[str, str]]) -> None:
+    _, env = pool
+    assert seen(env, "MI300X") == "hip=0 rocr=0 npu= cuda="
+    assert seen(env, "Ascend910B") == "hip= rocr= npu=0 cuda="
