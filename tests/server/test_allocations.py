@@ -213,6 +213,12 @@ def test_gang_is_all_or_nothing(api: Api) -> None:
         ({"gpus": 1, "mig": "1g.10gb"}, "mig"),
         ({"cpu_milli": 10**8}, "cpu_milli"),
         ({"tenant": "nosuch", "gpus": 1}, "tenant"),
+        ({"gpus": 1, "vendors": ["nvdia"]}, "vendors"),
+        ({"gpus": 1, "vendors": []}, "vendors"),
+        ({"vendors": ["amd"]}, "vendors"),  # no device to be of that vendor
+        ({"gpus": 1, "vendors": ["amd"]}, "vendors"),  # no AMD device in this pool
+        ({"gpus": 1, "min_gpu_memory_mib": 0}, "min_gpu_memory_mib"),
+        ({"gpus": 1, "min_gpu_memory_mib": 10**6}, "min_gpu_memory_mib"),
     ],
 )
 def test_bad_requests_are_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:

@@ -191,7 +191,11 @@ def environment(alloc: dict[str, Any]) -> dict[str, dict[str, str]]:
     for node, slices in by_node.items():
         slices.sort(key=lambda s: s["device_index"])
         devices = ",".join(s.get("device_uuid") or str(s["device_index"]) for s in slices)
-        env[node] = {"CUDA_VISIBLE_DEVICES": devices, "CPOOL_ALLOCATION_ID": str(alloc["id"])}
+        # CUDA takes uuids; other vendors' variables take the vendor's own device numbers, which
+        # only the node knows: a job the agent starts gets them, a shell here gets the uuids
+        nvidia = all((s.get("vendor") or "nvidia") in ("nvidia", "simulated") for s in slices)
+        env[node] = {"CUDA_VISIBLE_DEVICES": devices} if nvidia else {"CPOOL_DEVICE_UUIDS": devices}
+        env[node]["CPOOL_ALLOCATION_ID"] = str(alloc["id"])
     if not env:  # CPU only: still name the allocation
         for node in alloc.get("nodes") or []:
             env[str(node)] = {"CPOOL_ALLOCATION_ID": str(alloc["id"])}

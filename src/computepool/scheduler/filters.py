@@ -240,9 +240,13 @@ def _reject_kinds(
     if tier is not None and tier != Isolation.EXCLUSIVE:
         ok = _of_models(view, model_ids(state, req))
         rest = _of_models(view, model_ids(state, req, tiers=False)) & ~ok
-        if rest.any():
-            found = sorted({vendor(_vendor_of(state, int(m))).title for m in np.unique(view.gpu_model[rest])})
-            reject(ok.sum(axis=1) == 0, f"{' and '.join(found)} devices cannot enforce {tier.value}")
+        none = ok.sum(axis=1) == 0
+        for v in sorted({_vendor_of(state, int(m)) for m in np.unique(view.gpu_model[rest])}):
+            of_v = np.array(
+                [i for i in range(len(state.models)) if _vendor_of(state, i) == v], dtype=np.int64
+            )
+            held = (rest & np.isin(view.gpu_model, of_v)).any(axis=1)
+            reject(none & held, f"{vendor(v).title} devices cannot enforce {tier.value}")
     if req.min_gpu_memory_mib:
         ok = allowed_models_mask(state, view, req)
         reject(ok.sum(axis=1) == 0, f"no device with {format_mib(req.min_gpu_memory_mib)} GPU memory")

@@ -384,6 +384,9 @@ class SliceOut(Out):
     node: str
     device_index: int
     device_uuid: str
+    vendor: str = Field(
+        default="", description='The device\'s vendor (core/vendors.py); "" before it was kept.'
+    )
     compute_milli: int
     memory_mib: int
     isolation: IsolationName

@@ -249,7 +249,8 @@ def _defaulted(
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
     problem = _refusal(shape, core, tenant)
-    if problem is not None and filled:
+    device_rule = ("models", "vendors", "min_gpu_memory_mib", "mig", "isolation", "gpu_memory_mib")
+    if problem is not None and filled and problem[1] not in device_rule:  # the defaults are not why
         problem = (problem[0] + request_defaults.hint(tenant, defaults, filled), problem[1])
     return req, problem
 

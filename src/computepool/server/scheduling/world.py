@@ -15,6 +15,7 @@ from typing import Any
 
 from computepool.core import Device, Node, Request
 from computepool.core.resources import mig_profile_of
+from computepool.core.vendors import canonical
 from computepool.scheduler.constraints import NodeConstraints, NodeRules
 from computepool.scheduler.filters import Reasons, explain
 from computepool.scheduler.placement import Decision, Scheduler
@@ -183,6 +184,7 @@ class World:
                         "node": node.name,
                         "device_index": dev.index,
                         "device_uuid": dev.uuid,
+                        "vendor": canonical(dev.vendor) or dev.vendor,
                         "compute_milli": int(pl.change.gpu_milli[j]),
                         "memory_mib": int(pl.change.gpu_memory_mib[j]),
                         "isolation": isolation,
