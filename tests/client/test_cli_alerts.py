@@ -88,12 +88,13 @@ def join(server: PoolServer, name: str) -> None:
     assert r.status_code < 300, r.text
 
 
-def wait_for(cli: Cli, rule: str, state: str, timeout: float = 10.0) -> dict[str, Any]:
+def wait_for(cli: Cli, rule: str, state: str, timeout: float = 60.0) -> dict[str, Any]:
+    """The first alert of `rule` in `state` ("any": fired, whether it is still firing or not)."""
     deadline = time.monotonic() + timeout
     while True:
         r = cli("alerts", "--json")
         assert r.exit_code == 0, r.output
-        hits = [a for a in json.loads(r.stdout) if a["rule"] == rule and a["state"] == state]
+        hits = [a for a in json.loads(r.stdout) if a["rule"] == rule and state in (a["state"], "any")]
         if hits:
             return dict(hits[0])
         assert time.monotonic() < deadline, f"no {state} {rule} alert: {r.stdout}"
@@ -135,14 +136,14 @@ def test_a_silent_node_fires_alerts_that_reach_a_webhook_signed(cli: Cli, server
         r = cli("alerts", "webhook", "list")
         assert r.exit_code == 0 and receiver.url in r.stdout and hook["secret"] not in r.stdout
         join(server, "quiet")  # it never heartbeats again
-        suspect = wait_for(cli, "node-suspect", "firing")
+        suspect = wait_for(cli, "node-suspect", "any")  # a busy host may see it resolved (lost) first
         assert suspect["subject"] == "node/quiet" and suspect["severity"] == "warning"
         wait_for(cli, "node-lost", "firing")
         wait_for(cli, "node-suspect", "resolved")
         r = cli("alerts", "--firing")
         assert r.exit_code == 0 and "node-lost" in r.stdout and "node/quiet" in r.stdout
         assert "node-suspect" not in r.stdout
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(receiver.got) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         events = []

@@ -196,10 +196,15 @@ def test_a_replica_starts_as_an_allocation_and_becomes_ready(pool: Pool) -> None
     assert get(api, e["allocation_id"])["env"] == {"PORT": str(lo + 1), "CPOOL_SERVICE_KEY": "(hidden)"}
 
 
+# Scale-down delay: long beside the drain's settling (1.5 s), so that steps slowed by a busy host
+# never reach the next removal early.
+DELAY_S = 5
+
+
 def test_scale_up_on_load_then_down_after_the_delay_by_draining(pool: Pool) -> None:
     pool.join("n1")
     svc = pool.put(
-        "chat", min_replicas=1, max_replicas=3, target_inflight=4, scale_down_delay_s=2, drain_s=60
+        "chat", min_replicas=1, max_replicas=3, target_inflight=4, scale_down_delay_s=DELAY_S, drain_s=60
     )
     pool.step()
     [first] = pool.ready("chat", 1)
@@ -220,9 +225,10 @@ def test_scale_up_on_load_then_down_after_the_delay_by_draining(pool: Pool) -> N
     rep = pool.step()
     assert rep.draining == [] and rep.ended == []
     assert "one fewer in" in pool.show("chat")["reason"]
-    time.sleep(2.1)
+    time.sleep(DELAY_S + 0.1)
     pool.load(svc["id"], inflight=3, per={a: 2, b: 0, c: 1})
     assert pool.step().draining == [b]  # the one with the fewest requests in flight
+    drained_at = time.monotonic()  # the delay counts again from here
     drained = {r["allocation_id"]: r["replica_state"] for r in pool.replicas("chat")}
     assert drained == {a: "ready", b: "draining", c: "ready"}
     # a report written before the gateways could have seen it draining proves nothing
@@ -234,9 +240,10 @@ def test_scale_up_on_load_then_down_after_the_delay_by_draining(pool: Pool) -> N
     assert rep.ended == [b] and rep.draining == []  # nothing in flight on it: released; the next waits
     ended = get(pool.api, b)
     assert ended["state"] == "released" and ended["reason"] == "drained: scaled down"
-    time.sleep(1.1)
+    time.sleep(max(0.0, drained_at + DELAY_S + 0.1 - time.monotonic()))
     pool.load(svc["id"], inflight=3, per={a: 2, c: 1})
     assert pool.step().draining == [c]
+    drained_at = time.monotonic()
     # a draining replica with requests in flight stays until they finish
     pool.load(svc["id"], inflight=3, per={a: 2, c: 1})
     assert pool.step().ended == []
@@ -244,7 +251,7 @@ def test_scale_up_on_load_then_down_after_the_delay_by_draining(pool: Pool) -> N
     pool.load(svc["id"], inflight=2, per={a: 2, c: 0})
     assert pool.step().ended == [c]
     assert [r["allocation_id"] for r in pool.replicas("chat")] == [a]
-    time.sleep(1.1)
+    time.sleep(max(0.0, drained_at + DELAY_S + 0.1 - time.monotonic()))
     pool.load(svc["id"], inflight=0)
     assert pool.step().draining == []  # min_replicas 1
 
