@@ -290,5 +290,11 @@ class AgentApi:
     def report_peers(self, name: str, peers: list[dict[str, Any]]) -> dict[str, Any]:
         return dict(self._call("PUT", f"{API}/nodes/{name}/peers", json={"peers": peers}))
 
+    def relays(self, since: int, wait_s: float) -> dict[str, Any]:
+        """Long-poll: the shells and tunnels this node should dial back to (agent/relay.py)."""
+        params = {"since": since, "wait": wait_s}
+        path = f"{API}/nodes/{self.name}/relays"
+        return dict(self._call("GET", path, params=params, timeout=wait_s + self.timeout_s))
+
     def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self._call("POST", f"{API}{path}", json=body))

@@ -36,6 +36,7 @@ from computepool.agent.api import (
     ApiError,
     Credential,
     Unreachable,
+    server_verify,
 )
 from computepool.agent.assignment import Assignment, refusal, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
@@ -51,6 +52,7 @@ from computepool.agent.localstate import JobRecord, JobState, job_key
 from computepool.agent.logship import LogShipper
 from computepool.agent.port_guard import GuardedJob, PortGuard, given_ports, parse_ranges
 from computepool.agent.preparing import Preparer
+from computepool.agent.relay import Relays
 from computepool.agent.reports import Reporter
 
 log = logging.getLogger("computepool.agent")
@@ -147,6 +149,8 @@ class Agent:
         self._outage: dict[str, bool] = {}
         self.contact = fencing.Contact(config.data_dir, config.kill_grace_s, config.fence_s)
         self._supervisors: dict[str, subprocess.Popen[bytes]] = {}
+        verify = server_verify(api.server, config.data_dir, config.ca, None)  # as the API client's
+        self.relays = Relays(api, cred.credential, self.executor, self._file_user, verify, self._stop)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -164,6 +168,7 @@ class Agent:
         threads = [
             threading.Thread(target=self._heartbeat_loop, name="cpool-heartbeat", daemon=True),
             threading.Thread(target=self._assignments_loop, name="cpool-assignments", daemon=True),
+            threading.Thread(target=self.relays.run, name="cpool-relays", daemon=True),  # cpool exec
         ]
         for t in threads:
             t.start()

@@ -64,6 +64,8 @@ def _register() -> None:
         bench_cycle_cmd,
         bench_pool_cmd,
         cp_cmd,
+        exec_cmd,
+        forward_cmd,
         gateway_cmd,
         images_cmd,
         nodes_cmd,
@@ -107,6 +109,8 @@ def _register() -> None:
     usage_cmd.register(app)
     alerts_cmd.register(app)
     cp_cmd.register(app)
+    exec_cmd.register(app)
+    forward_cmd.register(app)
     bench_api_cmd.register(bench_app)
     bench_cycle_cmd.register(bench_app)
     bench_pool_cmd.register(bench_app)
@@ -132,6 +136,8 @@ _QUICK: dict[str, tuple[str, str]] = {
     },
     "alerts": ("alerts_cmd", "register"),
     "cp": ("cp_cmd", "register"),
+    "exec": ("exec_cmd", "register"),
+    "forward": ("forward_cmd", "register"),
     "secrets": ("secrets_cmd", "register"),
 }
 

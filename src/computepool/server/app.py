@@ -42,6 +42,7 @@ from computepool.server.logic.bootstrap import ensure_admin
 from computepool.server.logic.function_handoff import Handoff
 from computepool.server.logic.function_workers import Sweeper
 from computepool.server.logic.log_limits import LogLimits
+from computepool.server.logic.relay import Meetings
 from computepool.server.logic.service_controller import ServiceController
 from computepool.server.loops import Loops, Periodic
 from computepool.server.outage import OutageNotes
@@ -51,6 +52,7 @@ from computepool.server.replicas import Replicas
 from computepool.server.routers import api_routers, health
 from computepool.server.routers.blobs import RAW_UPLOADS
 from computepool.server.routers.functions import LARGE_BODIES, LARGE_BODY_BYTES
+from computepool.server.routers.relay import ws_router as relay_sockets
 from computepool.server.scheduling import Controller
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
@@ -282,6 +284,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     default_limit = (settings.gateway_rpm, settings.gateway_burst)
     app.state.gateway = Gateway(app.state.db, app.state.caches.tokens, default_limit)  # /v1: server.gateway
+    app.state.relay_meetings = Meetings()  # relay sessions' sockets held here (`cpool exec`)
     app.state.api_limits = TokenBuckets()  # the per-tenant API rate limit (limits.check_api_rate)
     app.state.accountant = Accountant(app.state.db, settings, app.state.hub, leadership)
     app.state.alert_engine = AlertEngine(
@@ -314,5 +317,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(gateway_router)
     for router in api_routers():
         app.include_router(router, prefix=API_PREFIX)
+    app.include_router(relay_sockets, prefix=API_PREFIX)  # WebSockets: they authenticate themselves
     app.include_router(web.router)  # the dashboard: / and /ui/… (last: the API's routes match first)
     return app

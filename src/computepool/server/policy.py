@@ -78,6 +78,8 @@ class Action(StrEnum):
     FILE_REQUEST = "allocation.files.create"  # ask a job's node for files from its work dir
     FILE_GET = "allocation.files.get"
     NODE_FILE_ANSWER = "node.files.answer"  # the agent hands in the packed files (or why not)
+    ALLOCATION_EXEC = "allocation.exec"  # a shell in a running job, or a connection to its port
+    NODE_RELAYS = "node.relays.get"  # the agent's long-poll for the shells and tunnels it should open
     SERVICE_PUT = "service.put"  # create or change a model service
     SERVICE_LIST = "service.list"
     SERVICE_GET = "service.get"
@@ -185,6 +187,8 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.FILE_REQUEST: _WRITERS,
     Action.FILE_GET: _ALL,
     Action.NODE_FILE_ANSWER: frozenset({Role.NODE}),
+    Action.ALLOCATION_EXEC: _WRITERS,
+    Action.NODE_RELAYS: frozenset({Role.NODE}),
     Action.SERVICE_PUT: _WRITERS,
     Action.SERVICE_LIST: _ALL,
     Action.SERVICE_GET: _ALL,

@@ -715,3 +715,32 @@ class Secret(Base):
     set_by: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class RelaySession(Base):
+    """A user's shell (`cpool exec`) or tunnelled connection (`cpool forward`) into a running job:
+    the replica at `replica` holds the user's socket until the node's agent dials back with
+    `node_secret` (handed out once, wiped when used); the server only relays bytes between them."""
+
+    __tablename__ = "relay_sessions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str] = mapped_column(String(NAME_LEN), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # exec | forward
+    command: Mapped[list[str]] = mapped_column(JSON)
+    tty: Mapped[bool] = mapped_column(Boolean)
+    rows: Mapped[int] = mapped_column(Integer)
+    cols: Mapped[int] = mapped_column(Integer)
+    port: Mapped[int] = mapped_column(Integer)
+    created_by: Mapped[str] = mapped_column(String(128))  # the token id that asked
+    client_secret_hash: Mapped[str] = mapped_column(String(HASH_LEN))
+    node_secret: Mapped[str] = mapped_column(String(HASH_LEN))  # "" once used or ended
+    replica: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # pending | open | closed
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

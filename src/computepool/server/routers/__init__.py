@@ -20,6 +20,7 @@ from computepool.server.routers import (
     nodes,
     peers,
     quotas,
+    relay,
     secrets,
     services,
     tenants,
@@ -50,4 +51,5 @@ def api_routers() -> list[APIRouter]:
         alerts.router,
         audit.router,
         blobs.router,
+        relay.router,
     ]

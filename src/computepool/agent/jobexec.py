@@ -1,0 +1,197 @@
+"""What `cpool exec` and `cpool forward` run on the node: a command inside a running process job's
+sandbox, and a TCP connection made from inside the job's network namespace.
+
+A process job runs under an init shell that is PID 1 of the job's PID namespace (sandbox.py); it
+holds the job's mount, UTS, IPC and network namespaces too. An exec'd command joins them all with
+`nsenter --target <that pid>`, joins the job's cgroups first (so it counts in the job's CPU,
+memory and process limits), loads the job's syscall filter (after nsenter, which needs setns the
+filter refuses) and drops to the tenant's user with `setpriv` exactly as the job did: no
+capabilities, no supplementary groups, no_new_privs. Its environment is the job's (read from the
+job's first process of the tenant, carried past the root steps as one inert value, as the job's
+was), its directory the job's work dir. It gets no Landlock domain of its own: it would cut the
+shell off from signalling the job's own processes, and the job's PID and network namespaces
+already confine what a signal or an abstract socket could reach.
+
+A forwarded connection is made by a short-lived thread of the agent that switches to the job's
+network namespace (setns is per thread), connects to 127.0.0.1:PORT there, and switches back: the
+socket stays in the job's namespace. A job that shares the node's network (gang members, jobs
+given ports, or a node without slirp4netns) has no loopback of its own: forwarding to it would
+reach the node's own services, so it is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pwd
+import shlex
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from computepool.agent import syscall_filter
+from computepool.agent.localstate import JobRecord
+from computepool.agent.sandbox import FIXED_PATH, HANDOVER, HostSupport, root_side_env
+
+CLONE_NEWNET = 0x40000000
+CONNECT_TIMEOUT_S = 5.0
+# Runs as root: joins the job's cgroups ($1, newline-separated) and execs the rest.
+_JOIN_CGROUPS = """\
+_cpool_cgs=$1
+shift
+_cpool_ifs=$IFS
+IFS='
+'
+for _cpool_cg in $_cpool_cgs; do
+    [ -n "$_cpool_cg" ] && { echo $$ > "$_cpool_cg/cgroup.procs" || exit 126; }
+done
+IFS=$_cpool_ifs
+exec "$@"
+"""
+# The first step as the tenant: the job's environment back (sandbox.root_side_env), then the work dir.
+_TAIL = (
+    f'_i=0; _s=; while eval "[ -n \\"\\${{{HANDOVER}$_i+x}}\\" ]"; do '
+    f'eval "_s=\\$_s\\${HANDOVER}$_i"; unset {HANDOVER}$_i; _i=$((_i + 1)); done; '
+    'eval "$_s"; unset _i _s; cd -- "$1" 2>/dev/null || cd /; shift; exec "$@"'
+)
+
+
+class ExecRefused(Exception):
+    """Why nothing can be run or reached in this job (said to the user as is)."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A running process job as exec and forward see it."""
+
+    rec: JobRecord
+    init_pid: int | None  # PID 1 of the job's PID namespace (None: the job has no namespaces)
+    work: Path
+    user: pwd.struct_passwd | None  # None: the agent runs jobs as itself
+
+
+def _ns(pid: int | str, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def find_init(rec: JobRecord) -> int | None:
+    """The job's namespaces' init: the first of its processes in a PID namespace not the agent's."""
+    try:
+        leader = psutil.Process(rec.pid)
+        if abs(leader.create_time() - rec.create_time) >= 0.05:
+            return None
+        procs = sorted(leader.children(recursive=True), key=lambda p: (p.create_time(), p.pid))
+    except psutil.Error:
+        return None
+    mine = _ns("self", "pid")
+    for p in procs:
+        with contextlib.suppress(OSError):
+            if _ns(p.pid, "pid") != mine:
+                return p.pid
+    return None
+
+
+def job_env(view: JobView) -> dict[str, str]:
+    """The job's environment, as its first process of the tenant's user started with it."""
+    uid = view.user.pw_uid if view.user is not None else os.geteuid()
+    root = view.init_pid if view.init_pid is not None else view.rec.pid
+    try:
+        procs = sorted(psutil.Process(root).children(recursive=True), key=lambda p: (p.create_time(), p.pid))
+        for p in procs:
+            if p.uids().real == uid:
+                return dict(p.environ())
+    except psutil.Error:
+        pass
+    return {"PATH": FIXED_PATH, "HOME": str(view.work)}
+
+
+def exec_argv(
+    view: JobView, host: HostSupport | None, command: Sequence[str], tty: bool
+) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that run `command` in the job's sandbox (see the module's text)."""
+    env = job_env(view)
+    if tty:
+        env.setdefault("TERM", "xterm-256color")
+    user = view.user
+    # on a terminal: a session of its own, made inside the job's PID namespace, with the pty as its
+    # controlling terminal (a shell's job control then names only process groups it can see)
+    session = ["setsid", "--ctty", "--wait"] if tty else []
+    if host is None or not host.root or host.setpriv is None or user is None:
+        # the agent runs jobs as itself (not root): the command runs likewise, in the job's dir
+        argv = ["/bin/sh", "-c", 'cd -- "$1" 2>/dev/null || cd /; shift; exec "$@"', "cpool-exec"]
+        return [*session, *argv, str(view.work), *command], env
+    argv = ["/bin/sh", "-c", _TAIL, "cpool-exec", str(view.work), *command]
+    argv = [host.setpriv, "--reuid", str(user.pw_uid), "--regid", str(user.pw_gid), "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--", *argv]  # fmt: skip
+    if host.filter_loader:  # its source on the line: where the package lives may be hidden in the job
+        source = Path(syscall_filter.__file__).read_text()
+        argv = [host.filter_loader[0], "-I", "-c", source, "--", *argv]
+    argv = [*session, *argv]
+    if view.init_pid is not None:
+        argv = ["nsenter", f"--target={view.init_pid}", "--mount", "--uts", "--ipc", "--net", "--pid",
+                "--", *argv]  # fmt: skip
+    cgroups = view.rec.extra.get("cgroup_paths") or view.rec.cgroup or ""
+    argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "cpool-exec-cgroup", cgroups, *argv]
+    return argv, root_side_env(env)
+
+
+def describe(argv: Sequence[str]) -> str:
+    """For logs: the argv without the filter's source."""
+    return shlex.join(a if len(a) < 200 else "<source>" for a in argv)
+
+
+def connect_in_job(view: JobView, port: int) -> socket.socket:
+    """A TCP connection to 127.0.0.1:`port` in the job's own network namespace. Raises ExecRefused."""
+    if view.init_pid is None:
+        raise ExecRefused("the job has no network namespace of its own on this node: nothing to forward to")
+    try:
+        shared = _ns(view.init_pid, "net") == _ns("self", "net")
+    except OSError as e:
+        raise ExecRefused(f"the job's network namespace is gone: {e.strerror}") from None
+    if shared:
+        raise ExecRefused(
+            "the job uses the node's network (a gang member, or a job given ports): forwarding to "
+            "its loopback would reach the node's own services, so it is refused"
+        )
+    out: list[socket.socket | BaseException] = []
+
+    def inside() -> None:  # a thread of its own: setns moves only this thread
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            job = os.open(f"/proc/{view.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            out.append(e)
+            return
+        try:
+            if libc.setns(job, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                out.append(OSError(err, os.strerror(err)))
+                return
+            try:
+                out.append(socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT_S))
+            except OSError as e:
+                out.append(e)
+            finally:
+                if libc.setns(own, CLONE_NEWNET) != 0:  # the thread ends here anyway
+                    pass
+        finally:
+            os.close(own)
+            os.close(job)
+
+    t = threading.Thread(target=inside, name="cpool-forward-connect", daemon=True)
+    t.start()
+    t.join()
+    got = out[0] if out else OSError("no answer")
+    if isinstance(got, socket.socket):
+        got.settimeout(None)
+        return got
+    if isinstance(got, ConnectionRefusedError):
+        raise ExecRefused(f"nothing listens on port {port} in the job (connection refused)")
+    why = getattr(got, "strerror", None) or str(got)
+    raise ExecRefused(f"cannot connect to port {port} in the job: {why}")
