@@ -130,48 +130,79 @@ def test_exec_reports_a_signal_as_128_plus_n(setup: Setup) -> None:
     assert r.returncode == 128 + signal.SIGTERM, r.stderr
 
 
-def test_exec_with_a_terminal(setup: Setup) -> None:
-    s = setup
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 101, 0, 0))
-    proc = subprocess.Popen(
-        cpool("exec", "-t", str(s.job_a), "--", "sh"), stdin=slave, stdout=slave, stderr=slave,
-        env=s.node.cli_env(s.tenant_a), start_new_session=True,
-    )  # fmt: skip
-    os.close(slave)
-    seen = bytearray()
+class Terminal:
+    """`cpool ARGS` on a pseudo-terminal of `rows` x `cols`, driven as a user at a keyboard would."""
 
-    def expect(text: str, timeout: float = 20) -> None:
+    def __init__(self, env: dict[str, str], args: list[str], rows: int = 24, cols: int = 80) -> None:
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.proc = subprocess.Popen(
+            cpool(*args), stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
+        )
+        os.close(slave)
+        self.seen = bytearray()
+
+    def expect(self, text: str, timeout: float = 30) -> None:
         end = time.monotonic() + timeout
-        while text.encode() not in seen:
+        while text.encode() not in self.seen:
             left = end - time.monotonic()
-            assert left > 0, f"no {text!r} in {bytes(seen)!r}"
-            if select.select([master], [], [], left)[0]:
+            assert left > 0, f"no {text!r} in {bytes(self.seen)!r}"
+            if select.select([self.master], [], [], left)[0]:
                 try:
-                    seen.extend(os.read(master, 4096))
+                    self.seen.extend(os.read(self.master, 4096))
                 except OSError:
                     break
-        assert text.encode() in seen, bytes(seen)
+        assert text.encode() in self.seen, bytes(self.seen)
 
-    try:
-        expect("$ ")  # the job's shell's prompt
-        os.write(master, b"stty size; tty\n")
-        expect("33 101")
-        expect("/dev/pts/")
-        os.write(master, b"sleep 60\n")
-        time.sleep(0.5)
-        os.write(master, b"\x03")  # Ctrl-C: a byte to the job's terminal, which interrupts the sleep
-        os.write(master, b"echo done-$((6*7))\n")
-        expect("done-42")
-        os.write(master, b"exit 3\n")
-        rc = proc.wait(20)
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def exit_status(self) -> int:
+        rc = self.proc.wait(20)
         with contextlib.suppress(OSError):
-            while select.select([master], [], [], 0.5)[0]:
-                seen.extend(os.read(master, 4096))
-        assert rc == 3, bytes(seen)
+            while select.select([self.master], [], [], 0.5)[0]:
+                self.seen.extend(os.read(self.master, 4096))
+        return rc
+
+    def close(self) -> None:
+        stop(self.proc)
+        os.close(self.master)
+
+
+def test_exec_with_a_terminal(setup: Setup) -> None:
+    s = setup
+    t = Terminal(s.node.cli_env(s.tenant_a), ["exec", "-t", str(s.job_a), "--", "sh"], 33, 101)
+    try:
+        t.expect("$ ")  # the job's shell's prompt
+        t.type(b"stty size; tty\n")
+        t.expect("33 101")
+        t.expect("/dev/pts/")
+        t.type(b"sleep 60\n")
+        time.sleep(0.5)
+        t.type(b"\x03")  # Ctrl-C: a byte to the job's terminal, which interrupts the sleep
+        t.type(b"echo done-$((6*7))\n")
+        t.expect("done-42")
+        t.type(b"exit 3\n")
+        assert t.exit_status() == 3, bytes(t.seen)
     finally:
-        stop(proc)
-        os.close(master)
+        t.close()
+
+
+def test_run_with_a_terminal(setup: Setup) -> None:
+    s = setup
+    t = Terminal(s.node.cli_env(s.tenant_a), ["run", "--no-code", "--cpus", "0.1", "--pty", "--", "sh"])
+    try:
+        t.expect("$ ")
+        t.type(b"echo in-job-$((2*3)) $CPOOL_RUN_DIR; id -u\n")
+        t.expect("in-job-6 /")
+        t.expect(str(pwd.getpwnam(user_name(s.tenant_a)).pw_uid))
+        t.type(b"exit 4\n")
+        assert t.exit_status() == 4, bytes(t.seen)
+    finally:
+        t.close()
+    jobs = s.a.get("/api/v1/allocations").json()["items"]
+    mine = max(jobs, key=lambda j: j["id"])
+    assert mine["command"] == ["sleep", "infinity"] and mine["state"] == "cancelled", mine
 
 
 def test_forward_reaches_the_jobs_own_loopback_only(setup: Setup) -> None:

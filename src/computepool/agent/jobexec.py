@@ -104,10 +104,28 @@ def job_env(view: JobView) -> dict[str, str]:
         procs = sorted(psutil.Process(root).children(recursive=True), key=lambda p: (p.create_time(), p.pid))
         for p in procs:
             if p.uids().real == uid:
-                return dict(p.environ())
+                return handed_over(dict(p.environ()))
     except psutil.Error:
         pass
     return {"PATH": FIXED_PATH, "HOME": str(view.work)}
+
+
+def handed_over(env: dict[str, str]) -> dict[str, str]:
+    """The job's environment from a process's: where that process has not yet applied the
+    handover (its first step as the tenant, just started), the handed-over variables."""
+    chunks = sorted((int(k[len(HANDOVER) :]), v) for k, v in env.items() if k.startswith(HANDOVER))
+    if not chunks:
+        return env
+    try:  # `unset PATH LANG` and `export NAME='value'` words (sandbox.root_side_env)
+        words = shlex.split("".join(v for _, v in chunks))
+    except ValueError:
+        return {}
+    out: dict[str, str] = {}
+    for prev, word in zip(words, words[1:], strict=False):
+        if prev == "export" and "=" in word:
+            name, _, value = word.partition("=")
+            out[name] = value
+    return out
 
 
 def exec_argv(

@@ -7,13 +7,15 @@ streams here, this terminal's input goes to it, and `cpool exec` exits with its 
 
 from __future__ import annotations
 
-from typing import Annotated
+import contextlib
+from typing import Annotated, Any
 
 import typer
 
 from computepool.cli.common import fail
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.cli.strict_opts import TrailingCommand
+from computepool.client.errors import PoolError, ServerUnreachable
 
 RankOpt = Annotated[
     int, typer.Option("--rank", min=0, max=10_000, help="Which member of a gang (default 0).")
@@ -29,6 +31,27 @@ def exec_in_job(server: list[str] | None, token: str | None, alloc: str, command
     cfg = resolve_config(server, token)
     with PoolClient.from_config(cfg) as pool:
         return run_exec(pool, cfg.ca, alloc, command, rank, pty)
+
+
+HOLDER = ["sleep", "infinity"]  # what a `cpool run --pty` job runs while the terminal is attached
+
+
+def attach_terminal(pool: Any, server: list[str] | None, token: str | None, job_id: str,
+                    command: list[str]) -> int:  # fmt: skip
+    """`cpool run --pty`: once the holder job runs, `command` on a terminal in it; the job is
+    cancelled when the command ends. The command's exit status."""
+    from computepool.client.http import ENDED_STATES  # noqa: PLC0415 - start-up time
+
+    job = pool.get_allocation(job_id)
+    while job["state"] not in ENDED_STATES and job["state"] != "active":
+        job = pool.get_allocation(job_id, wait=10.0, state=job["state"])
+    if job["state"] != "active":
+        raise fail(f"job {job_id} ended before its terminal opened: {job.get('reason') or job['state']}", 1)
+    try:
+        return exec_in_job(server, token, job_id, command, 0, True)
+    finally:
+        with contextlib.suppress(PoolError, ServerUnreachable):
+            pool.cancel_allocation(job_id)
 
 
 def register(app: typer.Typer) -> None:

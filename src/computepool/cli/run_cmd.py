@@ -205,6 +205,15 @@ def register(app: typer.Typer) -> None:
         detach: Annotated[
             bool, typer.Option("--detach", "-d", help="Submit and return; Ctrl-C never cancels.")
         ] = False,
+        pty: Annotated[
+            bool,
+            typer.Option(
+                "--pty",
+                "-t",
+                help="Run CMD on a terminal (`cpool run --pty -- bash`): the job holds its resources "
+                "while CMD runs in it as `cpool exec -t` would, and ends with it (docs/exec.md).",
+            ),
+        ] = False,
         workdir: WorkdirOpt = None,
         no_code: NoCodeOpt = False,
         no_stdin: NoStdinOpt = False,
@@ -247,6 +256,14 @@ def register(app: typer.Typer) -> None:
             raise InvalidInput(
                 "CMD", "nothing to run: put the command after `--`, e.g. cpool run -- nvidia-smi"
             )
+        on_terminal: list[str] = []
+        if pty:
+            from computepool.cli.exec_cmd import HOLDER
+
+            if image or detach or array is not None:
+                raise InvalidInput("--pty", "runs a process job and stays attached: not with --image, "
+                                   "--detach or --array")  # fmt: skip
+            on_terminal, command, no_stdin = command, list(HOLDER), True  # the terminal is its stdin
         req = request_from_options(
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
@@ -295,6 +312,10 @@ def register(app: typer.Typer) -> None:
             try:
                 with _ends_with_caller(held):
                     job = wait_for_binding(pool, job, None, quiet=False)
+                    if on_terminal and job["state"] not in ENDED_STATES:
+                        from computepool.cli.exec_cmd import attach_terminal
+
+                        raise typer.Exit(attach_terminal(pool, server, token, job_id, on_terminal))
                     if job["state"] not in ENDED_STATES:
                         nodes = list(dict.fromkeys(map(str, job.get("nodes") or [])))
                         what = request_text(job.get("request") or {})
