@@ -26,9 +26,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from e2e_helpers import JOB_PYTHON, cpool, free_port, stop, wait_for
 from job_node import Node, job_node
@@ -107,7 +109,7 @@ def run_cli(
 def test_exec_runs_as_the_tenant_inside_the_job(setup: Setup) -> None:
     s = setup
     script = (
-        "id -u; cat; echo to-stderr >&2; "
+        "id -u; cat; echo to-stderr >&2; grep -E '^Max (address space|processes)' /proc/self/limits; "
         "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done; "
         f"{JOB_PYTHON} -c \"import socket; socket.create_connection(('127.0.0.1', {s.host_port}), 3)\" "
         "2>/dev/null && echo reached-$((6*7)); exit 7"
@@ -119,6 +121,9 @@ def test_exec_runs_as_the_tenant_inside_the_job(setup: Setup) -> None:
     assert int(lines[0]) == pwd.getpwnam(user_name(s.tenant_a)).pw_uid != 0
     assert lines[1] == "piped-in"
     assert err.strip() == "to-stderr"
+    job = next(p for p in psutil.process_iter(["cmdline"]) if s.marker_a in (p.info["cmdline"] or []))
+    held = [x for x in Path(f"/proc/{job.pid}/limits").read_text().splitlines() if x.startswith("Max ")]
+    assert lines[2:4] == [x for x in held if "address space" in x or "processes" in x]  # as the job is
     assert s.marker_a in out  # the job's own processes are there ...
     assert s.marker_b not in out  # ... and nobody else's
     assert "computepool.cli.main agent" not in out  # the node's own processes are not

@@ -39,6 +39,7 @@ from computepool.agent.localstate import JobRecord
 from computepool.agent.sandbox import FIXED_PATH, HANDOVER, HostSupport, root_side_env
 
 CLONE_NEWNET = 0x40000000
+_RLIMITS = (("as", psutil.RLIMIT_AS), ("nproc", psutil.RLIMIT_NPROC))
 CONNECT_TIMEOUT_S = 5.0
 # Runs as root: joins the job's cgroups ($1, newline-separated) and execs the rest.
 _JOIN_CGROUPS = """\
@@ -154,8 +155,30 @@ def exec_argv(
         argv = ["nsenter", f"--target={view.init_pid}", "--mount", "--uts", "--ipc", "--net", "--pid",
                 "--", *argv]  # fmt: skip
     cgroups = view.rec.extra.get("cgroup_paths") or view.rec.cgroup or ""
-    argv = ["/bin/sh", "-c", _JOIN_CGROUPS, "cpool-exec-cgroup", cgroups, *argv]
+    argv = [*held_as_the_job(view.rec), "/bin/sh", "-c", _JOIN_CGROUPS, "cpool-exec-cgroup", cgroups, *argv]
     return argv, root_side_env(env)
+
+
+def held_as_the_job(rec: JobRecord) -> list[str]:
+    """What holds the job where it has no cgroup (cgroups.py's fallback): its memory and process
+    rlimits and its CPUs, read from its first process, as a prefix (util-linux prlimit, taskset)."""
+    out: list[str] = []
+    try:
+        leader = psutil.Process(rec.pid)
+        limits = {name: leader.rlimit(res) for name, res in _RLIMITS}
+        cpus = leader.cpu_affinity() or []
+    except (psutil.Error, OSError):
+        return out
+    shown = [f"--{name}={_limit(soft)}:{_limit(hard)}" for name, (soft, hard) in limits.items()]
+    if any(soft != psutil.RLIM_INFINITY or hard != psutil.RLIM_INFINITY for soft, hard in limits.values()):
+        out += ["prlimit", *shown, "--"]
+    if cpus and len(cpus) < (os.cpu_count() or 0):
+        out += ["taskset", "--cpu-list", ",".join(map(str, cpus))]
+    return out
+
+
+def _limit(value: int) -> str:
+    return "unlimited" if value == psutil.RLIM_INFINITY else str(value)
 
 
 def describe(argv: Sequence[str]) -> str:
