@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from e2e_helpers import JOB_PYTHON, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, cpool, free_port, publish_image, stop, wait_for
 from job_node import Node, job_node
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -318,3 +318,43 @@ def test_sessions_open_once_for_their_own_user_and_node(setup: Setup) -> None:
         assert refused.get("status") == 409 and "expired" in refused["error"]
     finally:
         os.kill(s.node.agent.pid, signal.SIGCONT)
+
+
+def test_a_container_job(setup: Setup, image: str) -> None:
+    s = setup
+    publish_image(s.node.admin, image, [s.tenant_a])
+    marker, port = f"mark-{uuid.uuid4().hex[:8]}", free_port()
+    alloc = s.node.submit(s.a, ["python3", "-c", SERVE, marker, str(port)], image=image)
+    wait_for(
+        f"container job {alloc}",
+        lambda: s.a.get(f"/api/v1/allocations/{alloc}").json()["state"] == "active",
+        60,
+        s.node.logs,
+    )
+    try:
+        r = run_cli(s, "exec", str(alloc), "--", "sh", "-c", "id -u; tr '\\0' ' ' < /proc/1/cmdline; exit 5")
+        out = r.stdout.decode()
+        assert r.returncode == 5, (r.stderr.decode(), s.node.logs())
+        assert int(out.splitlines()[0]) == pwd.getpwnam(user_name(s.tenant_a)).pw_uid
+        assert marker in out  # the container's own processes
+        fwd = subprocess.Popen(
+            cpool("forward", str(alloc), f"0:{port}"), stdout=subprocess.PIPE, env=s.node.cli_env(s.tenant_a)
+        )
+        try:
+            assert fwd.stdout is not None
+            local = int(fwd.stdout.readline().decode().split()[1].split(":")[1])
+            wait_for(f"the container's port {port}", lambda: _greeting(local, marker), 30, s.node.logs)
+        finally:
+            fwd.send_signal(signal.SIGINT)
+            fwd.wait(10)
+    finally:
+        s.a.post(f"/api/v1/allocations/{alloc}/cancel")
+
+
+def _greeting(local: int, marker: str) -> bool:
+    with socket.create_connection(("127.0.0.1", local), timeout=10) as c:
+        c.sendall(b"laptop")
+        got = b""
+        while chunk := c.recv(100):
+            got += chunk
+    return got == f"hello from {marker} laptop".encode()

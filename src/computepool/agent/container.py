@@ -140,6 +140,10 @@ class Podman:
     def _env_prefix(self) -> list[str]:
         return ["/usr/bin/env", "-i", f"CONTAINERS_CONF={self.conf_path}", f"PATH={_PATH}", self.binary]
 
+    def command(self, args: list[str]) -> list[str]:
+        """argv of `podman ARGS` as the agent runs it (its containers.conf, a fixed PATH, no env)."""
+        return [*self._env_prefix(), *args]
+
     def _podman(self, args: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [*self._env_prefix(), *args],

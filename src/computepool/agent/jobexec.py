@@ -27,6 +27,7 @@ import os
 import pwd
 import shlex
 import socket
+import subprocess
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ class JobView:
     init_pid: int | None  # PID 1 of the job's PID namespace (None: the job has no namespaces)
     work: Path
     user: pwd.struct_passwd | None  # None: the agent runs jobs as itself
+    podman: tuple[str, ...] = ()  # a container job: how the agent runs podman, and its container
+    container: str = ""
 
 
 def _ns(pid: int | str, kind: str) -> str:
@@ -179,6 +182,28 @@ def held_as_the_job(rec: JobRecord) -> list[str]:
 
 def _limit(value: int) -> str:
     return "unlimited" if value == psutil.RLIM_INFINITY else str(value)
+
+
+def container_exec_argv(view: JobView, command: Sequence[str], tty: bool) -> list[str]:
+    """`podman exec` in a container job: its namespaces, cgroup, user, capabilities (none),
+    seccomp profile and no_new_privs, its environment and working dir, as the container has them.
+    On a terminal podman makes the container's own pty and passes window sizes to it."""
+    args = ["exec", "--interactive", *(["--tty"] if tty else []), view.container, *command]
+    argv = [*view.podman, *args]
+    return ["setsid", "--ctty", "--wait", *argv] if tty else argv
+
+
+def container_pid(podman: Sequence[str], container: str) -> int | None:
+    """The container's first process on the host (its namespaces'), or None when it runs no more."""
+    try:
+        done = subprocess.run(
+            [*podman, "inspect", "--format", "{{.State.Pid}}", container],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    pid = done.stdout.strip()
+    return int(pid) if done.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
 
 
 def describe(argv: Sequence[str]) -> str:

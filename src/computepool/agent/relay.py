@@ -32,6 +32,7 @@ from computepool.agent import jobexec
 from computepool.agent.api import ApiError, Unreachable
 from computepool.agent.executor import Executor
 from computepool.agent.localstate import job_key
+from computepool.agent.sandbox import FIXED_PATH
 from computepool.wire.relay import CLIENT_SECRET_HEADER, DATA, STDERR, STDIN, STDOUT
 
 log = logging.getLogger("computepool.agent")
@@ -148,13 +149,18 @@ class Relays:
         rec = next((r for r in self.executor.running() if r.key == key), None)
         if rec is None:
             raise jobexec.ExecRefused(f"allocation {s.allocation_id}'s job is not running on this node")
+        work = self.executor.work_dir(rec.allocation_id, rec.attempt)
         if rec.extra.get("container"):
-            raise jobexec.ExecRefused("exec and forward into container jobs are not supported yet")
+            engine = self.executor.launcher.container_engine()
+            podman, name = tuple(engine.command([])), engine.name(rec.extra["container"])
+            pid = jobexec.container_pid(podman, name)
+            if pid is None:
+                raise jobexec.ExecRefused(f"allocation {s.allocation_id}'s container is not running")
+            return jobexec.JobView(rec, pid, work, None, podman, name)
         try:
             user = self.user_of(s.tenant)
         except ValueError as e:
             raise jobexec.ExecRefused(str(e)) from None
-        work = self.executor.work_dir(rec.allocation_id, rec.attempt)
         return jobexec.JobView(rec, jobexec.find_init(rec), work, user)
 
 
@@ -179,13 +185,17 @@ class _Exec:
         self.out = _Sender(ws)
 
     def run(self) -> None:
-        argv, env = jobexec.exec_argv(self.view, self.host, self.s.command, self.s.tty)
+        env = {"PATH": FIXED_PATH}  # podman's; the command gets the container's own
+        if self.view.container:
+            argv = jobexec.container_exec_argv(self.view, self.s.command, self.s.tty)
+        else:
+            argv, env = jobexec.exec_argv(self.view, self.host, self.s.command, self.s.tty)
         log.info("relay session %d: exec in %s: %s", self.s.id, self.view.rec.key, jobexec.describe(argv))
         master = -1
         if self.s.tty:
             master, slave = os.openpty()
             _winsize(master, self.s.rows, self.s.cols)
-            if self.view.user is not None and os.geteuid() == 0:
+            if self.view.user is not None and os.geteuid() == 0 and not self.view.container:
                 os.fchown(slave, self.view.user.pw_uid, self.view.user.pw_gid)
             try:
                 proc = subprocess.Popen(
