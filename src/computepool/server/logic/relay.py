@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 
 from computepool.server.context import Ctx
 from computepool.server.credentials import hash_secret, secret_matches
@@ -31,6 +31,7 @@ from computepool.store import allocations as alloc_store
 from computepool.store import nodes as node_store
 from computepool.store.db import Database, db_now
 from computepool.store.models import RelaySession, Tenant
+from computepool.wire.common import MAX_ID
 from computepool.wire.relay import PendingRelay, PendingRelays, RelayCreate, RelayOut
 
 SESSION_TTL = timedelta(seconds=30)  # both sockets must arrive within this
@@ -70,7 +71,11 @@ def create(ctx: Ctx, alloc_id: int, body: RelayCreate, hub: Hub, replica: str | 
             )
         live = s.scalars(
             select(RelaySession.id).where(
-                RelaySession.allocation_id == a.id, RelaySession.state.in_(("pending", "open"))
+                RelaySession.allocation_id == a.id,
+                or_(
+                    RelaySession.state == "open",
+                    and_(RelaySession.state == "pending", RelaySession.expires_at > now),
+                ),
             )
         ).all()
         if len(live) >= MAX_OPEN_PER_ALLOCATION:
@@ -141,6 +146,8 @@ def claim(db: Database, principal: Principal, sid: int, secret: str, side: str) 
     Every refusal of a session the caller could not open reads the same (404): its existence is
     not told to anyone but its user and its node."""
     missing = NotFound.of("relay session", sid)
+    if not 1 <= sid <= MAX_ID:
+        raise missing
     with db.write() as s:
         r = s.get(RelaySession, sid, with_for_update=True)
         if r is None:
