@@ -1,0 +1,299 @@
+"""A heterogeneous cluster (V100, P100, K80) replayed under the pool's agnostic policy and the aware one.
+
+Jobs arrive, each needs `scale_factor` GPUs of ONE type and runs `total_steps` at the steps/s it has
+alone on that type (Gavel's measurements; co-location is not modelled). The GPUs sit on nodes of
+`gpus_per_node` devices of one type, placed by the live pool's `Scheduler` with its `default`
+policy; a job wider than a node is a gang of whole-node shares.
+
+- `agnostic`, the pool today: every GPU is equal. Waiting jobs are served in the pool's queue order
+  (priority, then age), each starts as soon as the scheduler finds it room on any GPUs, and runs to
+  the end where it landed (no preemption: the pool preempts only across tenants).
+- `aware`: rounds of `round_s` (Gavel's 6 minutes). Each round the pool's shares are Gavel's
+  heterogeneity-aware max-min fairness over the jobs present (`scheduler.hetero`), one round's
+  type per job follows from them, and the jobs it moves or stops are preempted at the round's
+  end. A job (re)starting on a type, and every job's first start under either policy, loses
+  `restart_s` to restore its checkpoint and warm up. A job finishing mid-round leaves its GPUs idle
+  until the round ends; a job arriving mid-round waits for the next one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from computepool.core.request import Request
+from computepool.core.resources import Device, Node
+from computepool.scheduler.hetero import HJob, Speeds, assign_round, max_min_shares, queue_order
+from computepool.scheduler.placement import Decision, Scheduler
+from computepool.scheduler.policies import make_scorer
+from computepool.scheduler.state import ClusterState
+from computepool.sim.gavel import GavelDataError, TraceJob
+
+ROUND_S = 360.0
+RESTART_S = 10.0
+
+
+@dataclass(frozen=True)
+class SimJob:
+    """A trace job ready to replay: its GPUs as placed (gang shape) and its speed on each type."""
+
+    id: int
+    line: int
+    job_type: str
+    steps: int
+    arrival: float
+    scale_factor: int
+    held: int  # GPUs it holds (a gang's shares round up: 20 on nodes of 8 hold 3 × 7)
+    request: Request
+    speeds: dict[str, float]
+    weight: float
+    measured: bool  # speeds measured at this scale factor (else scaled from one GPU)
+
+    def hjob(self) -> HJob:
+        return HJob(self.id, self.held, self.speeds, self.weight, self.arrival)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch a job held `gpus` GPUs of one type; the first `overhead` seconds did no steps."""
+
+    job: int
+    gpu_type: str
+    start: float
+    end: float
+    gpus: int
+    overhead: float
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    jobs: int
+    completed: int
+    avg_jct_s: float
+    p99_jct_s: float
+    makespan_s: float
+    utilization: float
+    preemptions: int
+    finish: dict[int, float] = field(default_factory=dict, repr=False)
+    segments: list[Segment] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "jobs": self.jobs,
+            "completed": self.completed,
+            "avg_jct_s": round(self.avg_jct_s, 1),
+            "p99_jct_s": round(self.p99_jct_s, 1),
+            "makespan_s": round(self.makespan_s, 1),
+            "utilization": round(self.utilization, 4),
+            "preemptions": self.preemptions,
+        }
+
+
+def gang_request(gpus: int, gpus_per_node: int, gpu_type: str | None = None) -> Request:
+    """`gpus` whole GPUs on one node, or a gang of equal shares of whole nodes."""
+    nodes = math.ceil(gpus / gpus_per_node)
+    return Request(
+        gpu_count=math.ceil(gpus / nodes),
+        gpu_milli=1000,
+        gang_nodes=nodes,
+        models=None if gpu_type is None else frozenset({gpu_type}),
+    )
+
+
+def build_jobs(
+    trace: list[TraceJob], where: str, speeds: Speeds, capacity: dict[str, int], gpus_per_node: int
+) -> tuple[list[SimJob], int]:
+    """The trace's jobs that fit some type of the cluster (ids by arrival), and how many do not."""
+    known = speeds.job_types()
+    out: list[SimJob] = []
+    dropped = 0
+    for tj in sorted(trace, key=lambda x: (x.arrival_s, x.line)):
+        if tj.job_type not in known:
+            raise GavelDataError(f"{where}:{tj.line}: job type {tj.job_type!r} has no measured throughput")
+        rates, measured = speeds.of(tj.job_type, tj.scale_factor)
+        req = gang_request(tj.scale_factor, gpus_per_node)
+        held = req.gpu_count * req.gang_nodes
+        fits = [t for t, n in capacity.items() if n >= held and rates.get(t, 0.0) > 0]
+        if not fits:
+            dropped += 1
+            continue
+        out.append(
+            SimJob(
+                len(out), tj.line, tj.job_type, tj.total_steps, tj.arrival_s, tj.scale_factor,
+                held, req, rates, tj.priority, measured,
+            )
+        )  # fmt: skip
+    return out, dropped
+
+
+def retime(jobs: list[SimJob], rate_per_h: float, seed: int) -> list[SimJob]:
+    """The same jobs, in order, arriving as a Poisson stream of `rate_per_h` jobs an hour from 0."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(3600.0 / rate_per_h, size=len(jobs))
+    gaps[0] = 0.0
+    times = np.cumsum(gaps)
+    return [SimJob(**{**j.__dict__, "arrival": float(t)}) for j, t in zip(jobs, times, strict=True)]
+
+
+class _Pool:
+    """The cluster as the live scheduler sees it: nodes of one GPU type each."""
+
+    def __init__(self, capacity: dict[str, int], gpus_per_node: int) -> None:
+        nodes: list[Node] = []
+        self.node_type: list[str] = []
+        for t, n in capacity.items():
+            for first in range(0, n, gpus_per_node):
+                k = min(gpus_per_node, n - first)
+                devs = [Device(d, "nvidia", t, 16384, f"{t}-{first + d}") for d in range(k)]
+                nodes.append(Node(f"{t}-{first // gpus_per_node:03d}", 64000, 1 << 20, devs))
+                self.node_type.append(t)
+        self.state = ClusterState.from_nodes(nodes)
+        self.sched = Scheduler(make_scorer("default"))
+        self.gpus_per_node = gpus_per_node
+
+    def place(self, job: SimJob, gpu_type: str | None) -> tuple[Decision, str] | None:
+        req = (
+            job.request if gpu_type is None else gang_request(job.scale_factor, self.gpus_per_node, gpu_type)
+        )
+        d = self.sched.place(self.state, req, observe=False, explain=False)
+        if not d.ok:
+            return None
+        Scheduler.commit(self.state, d)
+        types = {self.node_type[p.node] for p in d.placements}
+        assert len(types) == 1, "a job's GPUs span device types"
+        return d, types.pop()
+
+    def release(self, d: Decision) -> None:
+        Scheduler.release(self.state, d)
+
+
+def _summary(
+    policy: str, jobs: list[SimJob], finish: dict[int, float], segs: list[Segment], total: int, pre: int
+) -> PolicyResult:
+    jct = np.array([finish[j.id] - j.arrival for j in jobs if j.id in finish])
+    start = min((j.arrival for j in jobs), default=0.0)
+    end = max(finish.values(), default=start)
+    span = end - start
+    busy = sum((s.end - s.start) * s.gpus for s in segs)
+    return PolicyResult(
+        policy=policy,
+        jobs=len(jobs),
+        completed=len(finish),
+        avg_jct_s=float(jct.mean()) if jct.size else 0.0,
+        p99_jct_s=float(np.percentile(jct, 99)) if jct.size else 0.0,
+        makespan_s=span,
+        utilization=busy / (total * span) if span > 0 else 0.0,
+        preemptions=pre,
+        finish=finish,
+        segments=segs,
+    )
+
+
+def run_agnostic(
+    jobs: list[SimJob], capacity: dict[str, int], gpus_per_node: int = 8, restart_s: float = RESTART_S
+) -> PolicyResult:
+    """The pool today: queue order, start where the scheduler finds room, run to the end."""
+    pool = _Pool(capacity, gpus_per_node)
+    events: list[tuple[float, int, int]] = [(j.arrival, 1, j.id) for j in jobs]  # finish (0) first
+    heapq.heapify(events)
+    pending: list[SimJob] = []
+    held: dict[int, Decision] = {}
+    finish: dict[int, float] = {}
+    segs: list[Segment] = []
+    while events:
+        t = events[0][0]
+        while events and events[0][0] == t:
+            _, kind, jid = heapq.heappop(events)
+            if kind == 0:
+                pool.release(held.pop(jid))
+                finish[jid] = t
+            else:
+                pending.append(jobs[jid])
+        failed: set[tuple[int, int]] = set()
+        waiting: list[SimJob] = []
+        for hj in queue_order(j.hjob() for j in pending):
+            job = jobs[hj.id]
+            shape = (job.request.gpu_count, job.request.gang_nodes)
+            got = None if shape in failed else pool.place(job, None)
+            if got is None:
+                failed.add(shape)
+                waiting.append(job)
+                continue
+            held[job.id], gpu_type = got
+            end = t + restart_s + job.steps / job.speeds[gpu_type]
+            segs.append(Segment(job.id, gpu_type, t, end, job.held, restart_s))
+            heapq.heappush(events, (end, 0, job.id))
+        pending = waiting
+    return _summary("agnostic", jobs, finish, segs, sum(capacity.values()), 0)
+
+
+def run_aware(
+    jobs: list[SimJob],
+    capacity: dict[str, int],
+    gpus_per_node: int = 8,
+    restart_s: float = RESTART_S,
+    round_s: float = ROUND_S,
+) -> PolicyResult:
+    """Rounds of `round_s`: Gavel's max-min shares, one type per job per round, preempt between."""
+    if not jobs:
+        return _summary("aware", jobs, {}, [], sum(capacity.values()), 0)
+    pool = _Pool(capacity, gpus_per_node)
+    left = {j.id: float(j.steps) for j in jobs}
+    received: dict[int, dict[str, float]] = {}
+    running: dict[int, tuple[str, Decision]] = {}
+    open_seg: dict[int, Segment] = {}
+    finish: dict[int, float] = {}
+    segs: list[Segment] = []
+    shares: dict[int, dict[str, float]] = {}
+    shared_for: frozenset[int] = frozenset()
+    nxt = 0  # next job to arrive (jobs are by arrival)
+    t0 = jobs[0].arrival
+    t = t0
+    preemptions = 0
+    active: dict[int, SimJob] = {}
+    while nxt < len(jobs) or active:
+        while nxt < len(jobs) and jobs[nxt].arrival <= t:
+            active[jobs[nxt].id] = jobs[nxt]
+            nxt += 1
+        if not active:  # idle: skip to the round the next job arrives in
+            t = t0 + math.ceil((jobs[nxt].arrival - t0) / round_s) * round_s
+            continue
+        hjobs = [j.hjob() for j in active.values()]
+        if frozenset(active) != shared_for:
+            shares = max_min_shares(hjobs, capacity)
+            shared_for = frozenset(active)
+        current = {jid: gt for jid, (gt, _) in running.items()}
+        plan = assign_round(hjobs, shares, received, {j.id: t - j.arrival for j in hjobs}, capacity, current)
+        for jid in [j for j, gt in current.items() if plan.get(j) != gt]:
+            pool.release(running.pop(jid)[1])
+            segs.append(open_seg.pop(jid))
+            preemptions += 1
+        for jid in sorted((j for j in plan if j not in running), key=lambda j: (-active[j].held, j)):
+            got = pool.place(active[jid], plan[jid])
+            if got is not None:
+                running[jid] = (plan[jid], got[0])
+                open_seg[jid] = Segment(jid, plan[jid], t, t, active[jid].held, restart_s)
+        end = t + round_s
+        for jid, (gt, d) in list(running.items()):
+            job = active[jid]
+            seg = open_seg[jid]
+            work_from = max(t, seg.start + seg.overhead)
+            need = left[jid] / job.speeds[gt]
+            r = received.setdefault(jid, {})
+            if work_from + need <= end:
+                done = work_from + need
+                finish[jid] = done
+                segs.append(Segment(jid, gt, seg.start, done, seg.gpus, seg.overhead))
+                del open_seg[jid], running[jid], active[jid]
+                pool.release(d)
+                r[gt] = r.get(gt, 0.0) + done - t
+            else:
+                left[jid] -= job.speeds[gt] * max(0.0, end - work_from)
+                open_seg[jid] = Segment(jid, gt, seg.start, end, seg.gpus, seg.overhead)
+                r[gt] = r.get(gt, 0.0) + round_s
+        t = end
+    return _summary("aware", jobs, finish, segs, sum(capacity.values()), preemptions)
