@@ -171,6 +171,32 @@ class _Pool:
         Scheduler.release(self.state, d)
 
 
+class _TypedNodes:
+    """Free GPUs per node of each type, for the aware policy's rounds (whole GPUs only, so a count
+    per node is the whole state): a job takes the nodes of its type with the fewest GPUs left that
+    hold its share, packing as the pool's default policy does for whole GPUs."""
+
+    def __init__(self, capacity: dict[str, int], gpus_per_node: int) -> None:
+        self.free = {
+            t: [min(gpus_per_node, n - i) for i in range(0, n, gpus_per_node)] for t, n in capacity.items()
+        }
+
+    def place(self, job: SimJob, gpu_type: str) -> tuple[tuple[int, int], ...] | None:
+        per, k = job.request.gpu_count, job.request.gang_nodes
+        free = self.free[gpu_type]
+        fits = sorted((f, i) for i, f in enumerate(free) if f >= per)
+        if len(fits) < k:
+            return None
+        taken = tuple((i, per) for _, i in fits[:k])
+        for i, c in taken:
+            free[i] -= c
+        return taken
+
+    def release(self, gpu_type: str, taken: tuple[tuple[int, int], ...]) -> None:
+        for i, c in taken:
+            self.free[gpu_type][i] += c
+
+
 def _summary(
     policy: str, jobs: list[SimJob], finish: dict[int, float], segs: list[Segment], total: int, pre: int
 ) -> PolicyResult:
@@ -241,10 +267,10 @@ def run_aware(
     """Rounds of `round_s`: Gavel's max-min shares, one type per job per round, preempt between."""
     if not jobs:
         return _summary("aware", jobs, {}, [], sum(capacity.values()), 0)
-    pool = _Pool(capacity, gpus_per_node)
+    pool = _TypedNodes(capacity, gpus_per_node)
     left = {j.id: float(j.steps) for j in jobs}
     received: dict[int, dict[str, float]] = {}
-    running: dict[int, tuple[str, Decision]] = {}
+    running: dict[int, tuple[str, tuple[tuple[int, int], ...]]] = {}
     open_seg: dict[int, Segment] = {}
     finish: dict[int, float] = {}
     segs: list[Segment] = []
@@ -269,15 +295,16 @@ def run_aware(
         current = {jid: gt for jid, (gt, _) in running.items()}
         plan = assign_round(hjobs, shares, received, {j.id: t - j.arrival for j in hjobs}, capacity, current)
         for jid in [j for j, gt in current.items() if plan.get(j) != gt]:
-            pool.release(running.pop(jid)[1])
+            pool.release(current[jid], running.pop(jid)[1])
             segs.append(open_seg.pop(jid))
             preemptions += 1
         for jid in sorted((j for j in plan if j not in running), key=lambda j: (-active[j].held, j)):
             got = pool.place(active[jid], plan[jid])
             if got is not None:
-                running[jid] = (plan[jid], got[0])
+                running[jid] = (plan[jid], got)
                 open_seg[jid] = Segment(jid, plan[jid], t, t, active[jid].held, restart_s)
         end = t + round_s
+        ended = False
         for jid, (gt, d) in list(running.items()):
             job = active[jid]
             seg = open_seg[jid]
@@ -289,11 +316,32 @@ def run_aware(
                 finish[jid] = done
                 segs.append(Segment(jid, gt, seg.start, done, seg.gpus, seg.overhead))
                 del open_seg[jid], running[jid], active[jid]
-                pool.release(d)
+                pool.release(gt, d)
                 r[gt] = r.get(gt, 0.0) + done - t
+                ended = True
             else:
                 left[jid] -= job.speeds[gt] * max(0.0, end - work_from)
                 open_seg[jid] = Segment(jid, gt, seg.start, end, seg.gpus, seg.overhead)
                 r[gt] = r.get(gt, 0.0) + round_s
         t = end
+        settled = (
+            not ended
+            and len(running) == len(active)
+            and all(
+                shares.get(jid, {}).get(gt, 0.0) >= sum(shares.get(jid, {}).values()) - 1e-9
+                for jid, (gt, _) in running.items()
+            )
+        )
+        if settled:  # nothing can change before the next arrival or completion: skip to it
+            until = min(left[jid] / active[jid].speeds[gt] for jid, (gt, _) in running.items())
+            m = math.floor(until / round_s)
+            if nxt < len(jobs):
+                m = min(m, math.ceil((jobs[nxt].arrival - t) / round_s))
+            if m >= 1:
+                for jid, (gt, _) in running.items():
+                    left[jid] -= active[jid].speeds[gt] * round_s * m
+                    received[jid][gt] += round_s * m
+                    seg = open_seg[jid]
+                    open_seg[jid] = Segment(jid, gt, seg.start, t + round_s * m, seg.gpus, seg.overhead)
+                t += round_s * m
     return _summary("aware", jobs, finish, segs, sum(capacity.values()), preemptions)
