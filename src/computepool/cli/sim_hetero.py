@@ -40,7 +40,16 @@ def register(sim_app: typer.Typer) -> None:
             float | None,
             typer.Option("--rate", help="Re-time arrivals as a Poisson stream of this many jobs an hour."),
         ] = None,
-        seed: Annotated[int, typer.Option("--seed", help="Seed of the --rate arrivals.")] = 0,
+        sample: Annotated[
+            int | None,
+            typer.Option(
+                "--sample", help="With --rate: draw this many jobs from the trace (with replacement)."
+            ),
+        ] = None,
+        window: Annotated[
+            str | None, typer.Option("--window", help="A:B — JCT figures over jobs A..B-1 by arrival only.")
+        ] = None,
+        seed: Annotated[int, typer.Option("--seed", help="Seed of the --rate arrivals and --sample.")] = 0,
         gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (one type).")] = 8,
         round_s: Annotated[float, typer.Option("--round-s", help="Round of the aware policy (s).")] = 360.0,
         restart_s: Annotated[
@@ -60,6 +69,8 @@ def register(sim_app: typer.Typer) -> None:
             policy=policy,
             jobs=jobs,
             rate_per_h=rate,
+            sample=sample,
+            window=window,
             seed=seed,
             gpus_per_node=gpus_per_node,
             round_s=round_s,

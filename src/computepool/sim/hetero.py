@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -81,6 +81,15 @@ class PolicyResult:
     finish: dict[int, float] = field(default_factory=dict, repr=False)
     segments: list[Segment] = field(default_factory=list, repr=False)
 
+    def over(self, jobs: list[SimJob]) -> PolicyResult:
+        """The JCT figures over `jobs` only (a steady-state window); the rest unchanged."""
+        jct = np.array([self.finish[j.id] - j.arrival for j in jobs if j.id in self.finish])
+        return replace(
+            self,
+            avg_jct_s=float(jct.mean()) if jct.size else 0.0,
+            p99_jct_s=float(np.percentile(jct, 99)) if jct.size else 0.0,
+        )
+
     def as_dict(self) -> dict[str, object]:
         return {
             "jobs": self.jobs,
@@ -130,9 +139,16 @@ def build_jobs(
     return out, dropped
 
 
-def retime(jobs: list[SimJob], rate_per_h: float, seed: int) -> list[SimJob]:
-    """The same jobs, in order, arriving as a Poisson stream of `rate_per_h` jobs an hour from 0."""
+def retime(jobs: list[SimJob], rate_per_h: float, seed: int, sample: int | None = None) -> list[SimJob]:
+    """The same jobs, in order, arriving as a Poisson stream of `rate_per_h` jobs an hour from 0.
+
+    With `sample`, that many jobs drawn from `jobs` with replacement (a continuous trace of the
+    same job mix, as long as asked for), ids renumbered by arrival.
+    """
     rng = np.random.default_rng(seed)
+    if sample is not None:
+        picks = rng.integers(0, len(jobs), size=sample)
+        jobs = [SimJob(**{**jobs[int(p)].__dict__, "id": i}) for i, p in enumerate(picks)]
     gaps = rng.exponential(3600.0 / rate_per_h, size=len(jobs))
     gaps[0] = 0.0
     times = np.cumsum(gaps)
@@ -154,18 +170,28 @@ class _Pool:
         self.state = ClusterState.from_nodes(nodes)
         self.sched = Scheduler(make_scorer("default"))
         self.gpus_per_node = gpus_per_node
+        self.types = list(capacity)
 
-    def place(self, job: SimJob, gpu_type: str | None) -> tuple[Decision, str] | None:
-        req = (
-            job.request if gpu_type is None else gang_request(job.scale_factor, self.gpus_per_node, gpu_type)
-        )
-        d = self.sched.place(self.state, req, observe=False, explain=False)
-        if not d.ok:
-            return None
-        Scheduler.commit(self.state, d)
-        types = {self.node_type[p.node] for p in d.placements}
-        assert len(types) == 1, "a job's GPUs span device types"
-        return d, types.pop()
+    def place(self, job: SimJob) -> tuple[Decision, str] | None:
+        """Where the scheduler puts the job, blind to speed. A node has one type; a gang, which the
+        scheduler would spread over any nodes, is tried on one type at a time, the type with the
+        most idle GPUs first (a job never mixes types)."""
+        if job.request.gang_nodes == 1:
+            reqs = [job.request]
+        else:
+            idle = dict.fromkeys(self.types, 0)
+            for t, n in zip(self.node_type, self.state.idle_devices, strict=True):
+                idle[t] += int(n)
+            order = sorted(self.types, key=lambda t: -idle[t])
+            reqs = [gang_request(job.scale_factor, self.gpus_per_node, t) for t in order]
+        for req in reqs:
+            d = self.sched.place(self.state, req, observe=False, explain=False)
+            if d.ok:
+                Scheduler.commit(self.state, d)
+                types = {self.node_type[p.node] for p in d.placements}
+                assert len(types) == 1, "a job's GPUs span device types"
+                return d, types.pop()
+        return None
 
     def release(self, d: Decision) -> None:
         Scheduler.release(self.state, d)
@@ -244,7 +270,7 @@ def run_agnostic(
         for hj in queue_order(j.hjob() for j in pending):
             job = jobs[hj.id]
             shape = (job.request.gpu_count, job.request.gang_nodes)
-            got = None if shape in failed else pool.place(job, None)
+            got = None if shape in failed else pool.place(job)
             if got is None:
                 failed.add(shape)
                 waiting.append(job)

@@ -20,6 +20,8 @@ class HeteroSpec:
     policy: str = "both"
     jobs: int | None = None  # the first N jobs by arrival
     rate_per_h: float | None = None  # re-time arrivals as a Poisson stream
+    sample: int | None = None  # with a rate: this many jobs drawn from the trace with replacement
+    window: str | None = None  # "A:B": JCT figures over jobs A..B-1 (by arrival) only
     seed: int = 0
     gpus_per_node: int = 8
     round_s: float = ROUND_S
@@ -32,6 +34,8 @@ class HeteroSpec:
             raise ValueError(f"--jobs {self.jobs}: must be at least 1")
         if self.rate_per_h is not None and not (math.isfinite(self.rate_per_h) and self.rate_per_h > 0):
             raise ValueError(f"--rate {self.rate_per_h}: must be a positive number of jobs an hour")
+        if self.sample is not None and (self.sample < 1 or self.rate_per_h is None):
+            raise ValueError(f"--sample {self.sample}: needs --rate and at least 1 job")
         if self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node {self.gpus_per_node}: must be at least 1")
         if not (math.isfinite(self.round_s) and self.round_s > 0):
@@ -62,7 +66,8 @@ def run(spec: HeteroSpec) -> dict[str, object]:
     if not jobs:
         raise ValueError(f"{spec.trace}: no job fits the cluster {spec.cluster}")
     if spec.rate_per_h is not None:
-        jobs = retime(jobs, spec.rate_per_h, spec.seed)
+        jobs = retime(jobs, spec.rate_per_h, spec.seed, spec.sample)
+    lo, hi = _window(spec.window, len(jobs))
     out: dict[str, object] = {
         "trace": str(spec.trace),
         "cluster": {**capacity, "gpus_per_node": spec.gpus_per_node},
@@ -70,6 +75,8 @@ def run(spec: HeteroSpec) -> dict[str, object]:
         "jobs_too_wide": dropped,
         "jobs_speed_scaled": sum(not j.measured for j in jobs),
         "rate_per_h": spec.rate_per_h,
+        "sampled": spec.sample is not None,
+        "window": [lo, hi],
         "seed": spec.seed if spec.rate_per_h is not None else None,
         "round_s": spec.round_s,
         "restart_s": spec.restart_s,
@@ -77,12 +84,26 @@ def run(spec: HeteroSpec) -> dict[str, object]:
     res: dict[str, float] = {}
     if spec.policy in ("agnostic", "both"):
         a = run_agnostic(jobs, capacity, spec.gpus_per_node, spec.restart_s)
+        a = a.over(jobs[lo:hi])
         out["agnostic"] = a.as_dict()
         res["agnostic"] = a.avg_jct_s
     if spec.policy in ("aware", "both"):
         w = run_aware(jobs, capacity, spec.gpus_per_node, spec.restart_s, spec.round_s)
+        w = w.over(jobs[lo:hi])
         out["aware"] = w.as_dict()
         res["aware"] = w.avg_jct_s
     if len(res) == 2:
         out["avg_jct_ratio"] = round(res["agnostic"] / res["aware"], 3) if res["aware"] > 0 else None
     return out
+
+
+def _window(text: str | None, n: int) -> tuple[int, int]:
+    if text is None:
+        return 0, n
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--window {text!r}: expected A:B, job indices by arrival") from None
+    if not 0 <= lo < hi <= n:
+        raise ValueError(f"--window {text!r}: needs 0 <= A < B <= {n} (the jobs replayed)")
+    return lo, hi
