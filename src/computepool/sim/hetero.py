@@ -102,15 +102,10 @@ class PolicyResult:
         }
 
 
-def gang_request(gpus: int, gpus_per_node: int, gpu_type: str | None = None) -> Request:
-    """`gpus` whole GPUs on one node, or a gang of equal shares of whole nodes."""
+def gang_request(gpus: int, gpus_per_node: int, models: frozenset[str] | None = None) -> Request:
+    """`gpus` whole GPUs on one node, or a gang of equal shares of whole nodes, of `models`."""
     nodes = math.ceil(gpus / gpus_per_node)
-    return Request(
-        gpu_count=math.ceil(gpus / nodes),
-        gpu_milli=1000,
-        gang_nodes=nodes,
-        models=None if gpu_type is None else frozenset({gpu_type}),
-    )
+    return Request(gpu_count=math.ceil(gpus / nodes), gpu_milli=1000, gang_nodes=nodes, models=models)
 
 
 def build_jobs(
@@ -130,6 +125,8 @@ def build_jobs(
         if not fits:
             dropped += 1
             continue
+        if len(fits) < len(capacity):  # it cannot run on some type (too little memory: speed 0)
+            req = gang_request(tj.scale_factor, gpus_per_node, frozenset(fits))
         out.append(
             SimJob(
                 len(out), tj.line, tj.job_type, tj.total_steps, tj.arrival_s, tj.scale_factor,
@@ -175,15 +172,17 @@ class _Pool:
     def place(self, job: SimJob) -> tuple[Decision, str] | None:
         """Where the scheduler puts the job, blind to speed. A node has one type; a gang, which the
         scheduler would spread over any nodes, is tried on one type at a time, the type with the
-        most idle GPUs first (a job never mixes types)."""
+        most idle GPUs first (a job never mixes types). A job that cannot run on a type at all
+        (Gavel measured 0 steps/s: out of memory) asks for the others, as its memory need would."""
         if job.request.gang_nodes == 1:
             reqs = [job.request]
         else:
             idle = dict.fromkeys(self.types, 0)
             for t, n in zip(self.node_type, self.state.idle_devices, strict=True):
                 idle[t] += int(n)
-            order = sorted(self.types, key=lambda t: -idle[t])
-            reqs = [gang_request(job.scale_factor, self.gpus_per_node, t) for t in order]
+            allowed = [t for t in self.types if job.request.models is None or t in job.request.models]
+            order = sorted(allowed, key=lambda t: -idle[t])
+            reqs = [gang_request(job.scale_factor, self.gpus_per_node, frozenset({t})) for t in order]
         for req in reqs:
             d = self.sched.place(self.state, req, observe=False, explain=False)
             if d.ok:
