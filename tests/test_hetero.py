@@ -108,7 +108,7 @@ def test_max_min_shares_split_the_fast_gpu_when_fairness_needs_it() -> None:
 
 
 @needs_gavel
-@pytest.mark.parametrize("policy", ["agnostic", "aware"])
+@pytest.mark.parametrize("policy", ["agnostic", "aware", "fair"])
 def test_replay_invariants_on_a_slice(policy: str) -> None:
     speeds = load_throughputs(GAVEL / "simulation_throughputs.json")
     path = GAVEL / "physical_cluster" / "max_min_fairness.trace"  # 1 to 4 GPUs per job
@@ -116,7 +116,11 @@ def test_replay_invariants_on_a_slice(policy: str) -> None:
     jobs, _ = build_jobs(load_trace(path), str(path), speeds, cap, 2)
     jobs = retime(jobs[:30], 30.0, seed=3)
     assert any(j.held > 2 for j in jobs), "the slice has a gang"
-    r = (run_agnostic if policy == "agnostic" else run_aware)(jobs, cap, gpus_per_node=2)
+    if policy == "agnostic":
+        r = run_agnostic(jobs, cap, gpus_per_node=2)
+    else:
+        r = run_aware(jobs, cap, gpus_per_node=2, blind=policy == "fair")
+    assert r.policy == policy
     assert r.completed == len(jobs) == 30
     # never more GPUs of a type in use than exist, at every segment boundary
     for t in sorted({s.start for s in r.segments}):
@@ -154,12 +158,14 @@ def test_cli_json_and_bad_input(tmp_path: Path) -> None:
         out["agnostic"]["avg_jct_s"] / out["aware"]["avg_jct_s"], rel=1e-2
     )
     one = subprocess.run(
-        [*cpool, "--trace", str(trace), "--cluster", "4:4:4", "--jobs", "3", "--policy", "aware", "--json"],
+        [*cpool, "--trace", str(trace), "--cluster", "4:4:4", "--jobs", "3", "--policy", "fair", "--json"],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert one.returncode == 0 and "agnostic" not in json.loads(one.stdout)
+    assert one.returncode == 0, one.stderr
+    only = json.loads(one.stdout)
+    assert only["fair"]["completed"] == 3 and "agnostic" not in only and "avg_jct_ratio" not in only
     bad = tmp_path / "hetero-cli-bad.trace"
     bad.write_text("A3C\tx\n")
     r = subprocess.run(

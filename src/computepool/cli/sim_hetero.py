@@ -28,7 +28,12 @@ def register(sim_app: typer.Typer) -> None:
         cluster: Annotated[
             str, typer.Option("--cluster", help="V100:P100:K80 GPU counts, e.g. 36:36:36.")
         ] = "36:36:36",
-        policy: Annotated[str, typer.Option("--policy", help="agnostic, aware or both.")] = "both",
+        policy: Annotated[
+            str,
+            typer.Option(
+                "--policy", help="agnostic, aware, both, fair (aware's rounds blind to speed) or all."
+            ),
+        ] = "both",
         throughputs: Annotated[
             Path | None,
             typer.Option(
@@ -80,7 +85,7 @@ def register(sim_app: typer.Typer) -> None:
         if json_out:
             print_json(out)
             return
-        policies = [p for p in ("agnostic", "aware") if p in out]
+        policies = [p for p in ("agnostic", "fair", "aware") if p in out]
         table = Table(title=f"{out['jobs']} jobs of {trace.name} on {cluster} (V100:P100:K80)")
         table.add_column("figure")
         for p in policies:

@@ -288,10 +288,19 @@ def run_aware(
     gpus_per_node: int = 8,
     restart_s: float = RESTART_S,
     round_s: float = ROUND_S,
+    *,
+    blind: bool = False,
 ) -> PolicyResult:
-    """Rounds of `round_s`: Gavel's max-min shares, one type per job per round, preempt between."""
+    """Rounds of `round_s`: Gavel's max-min shares, one type per job per round, preempt between.
+
+    `blind` (the `fair` policy): the same rounds and shares with every usable type taken to be
+    equally fast (max-min fairness in GPU time), each job's type preference drawn at random from
+    its id; jobs still run at their real speeds. It shows what preemptive fair sharing alone buys.
+    """
+    name = "fair" if blind else "aware"
     if not jobs:
-        return _summary("aware", jobs, {}, [], sum(capacity.values()), 0)
+        return _summary(name, jobs, {}, [], sum(capacity.values()), 0)
+    seen = {j.id: _blind(j, capacity) for j in jobs} if blind else {j.id: j.hjob() for j in jobs}
     pool = _TypedNodes(capacity, gpus_per_node)
     left = {j.id: float(j.steps) for j in jobs}
     received: dict[int, dict[str, float]] = {}
@@ -313,7 +322,7 @@ def run_aware(
         if not active:  # idle: skip to the round the next job arrives in
             t = t0 + math.ceil((jobs[nxt].arrival - t0) / round_s) * round_s
             continue
-        hjobs = [j.hjob() for j in active.values()]
+        hjobs = [seen[jid] for jid in active]
         if frozenset(active) != shared_for:
             shares = max_min_shares(hjobs, capacity)
             shared_for = frozenset(active)
@@ -369,4 +378,12 @@ def run_aware(
                     seg = open_seg[jid]
                     open_seg[jid] = Segment(jid, gt, seg.start, t + round_s * m, seg.gpus, seg.overhead)
                 t += round_s * m
-    return _summary("aware", jobs, finish, segs, sum(capacity.values()), preemptions)
+    return _summary(name, jobs, finish, segs, sum(capacity.values()), preemptions)
+
+
+def _blind(job: SimJob, capacity: dict[str, int]) -> HJob:
+    """The job as a speed-blind policy sees it: 1 on every type it can run on, ties broken at random."""
+    rng = np.random.default_rng(job.id)
+    ok = {t for t, n in capacity.items() if n >= job.held and job.speeds.get(t, 0.0) > 0}
+    speeds = {t: 1.0 + 1e-3 * float(rng.random()) if t in ok else 0.0 for t in capacity}
+    return HJob(job.id, job.held, speeds, job.weight, job.arrival)

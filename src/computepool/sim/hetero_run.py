@@ -9,7 +9,7 @@ from pathlib import Path
 from computepool.sim.gavel import THROUGHPUTS_FILE, load_throughputs, load_trace, parse_cluster
 from computepool.sim.hetero import ROUND_S, build_jobs, retime, run_agnostic, run_aware
 
-POLICY_CHOICES = ("agnostic", "aware", "both")
+POLICY_CHOICES = ("agnostic", "aware", "fair", "both", "all")
 
 
 @dataclass(frozen=True)
@@ -82,17 +82,20 @@ def run(spec: HeteroSpec) -> dict[str, object]:
         "restart_s": spec.restart_s,
     }
     res: dict[str, float] = {}
-    if spec.policy in ("agnostic", "both"):
+    if spec.policy in ("agnostic", "both", "all"):
         a = run_agnostic(jobs, capacity, spec.gpus_per_node, spec.restart_s)
         a = a.over(jobs[lo:hi])
         out["agnostic"] = a.as_dict()
         res["agnostic"] = a.avg_jct_s
-    if spec.policy in ("aware", "both"):
+    if spec.policy in ("aware", "both", "all"):
         w = run_aware(jobs, capacity, spec.gpus_per_node, spec.restart_s, spec.round_s)
         w = w.over(jobs[lo:hi])
         out["aware"] = w.as_dict()
         res["aware"] = w.avg_jct_s
-    if len(res) == 2:
+    if spec.policy in ("fair", "all"):
+        f = run_aware(jobs, capacity, spec.gpus_per_node, spec.restart_s, spec.round_s, blind=True)
+        out["fair"] = f.over(jobs[lo:hi]).as_dict()
+    if "agnostic" in res and "aware" in res:
         out["avg_jct_ratio"] = round(res["agnostic"] / res["aware"], 3) if res["aware"] > 0 else None
     return out
 
