@@ -176,3 +176,16 @@ def test_cli_json_and_bad_input(tmp_path: Path) -> None:
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [f"error: {bad}:1: 2 tab-separated fields, expected 7 or 10"]
+
+
+def test_a_type_whose_nodes_cannot_hold_a_job_is_never_used_for_it() -> None:
+    """10 V100s on nodes of 8 (8 + 2) cannot hold a 9-GPU job (2 × 5); 16 K80s (8 + 8) can."""
+    speeds = Speeds({("wide", 8): {"v100": 8.0, "k80": 2.0}, ("wide", 1): {"v100": 1.0, "k80": 0.25}})
+    cap = {"v100": 10, "k80": 16}
+    jobs, dropped = build_jobs([TraceJob(1, "wide", 900, 0.0, 9)], "t", speeds, cap, 8)
+    assert dropped == 0 and jobs[0].held == 10 and jobs[0].speeds["v100"] == 0.0
+    for r in (run_agnostic(jobs, cap), run_aware(jobs, cap)):
+        assert r.completed == 1 and {s.gpu_type for s in r.segments} == {"k80"}
+        assert r.finish[0] == 10.0 + 900 / (9 * 0.25)
+    too_wide, dropped = build_jobs([TraceJob(1, "wide", 900, 0.0, 17)], "t", speeds, cap, 8)
+    assert too_wide == [] and dropped == 1

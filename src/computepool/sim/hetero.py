@@ -121,12 +121,13 @@ def build_jobs(
         rates, measured = speeds.of(tj.job_type, tj.scale_factor)
         req = gang_request(tj.scale_factor, gpus_per_node)
         held = req.gpu_count * req.gang_nodes
-        fits = [t for t, n in capacity.items() if n >= held and rates.get(t, 0.0) > 0]
+        fits = [t for t, n in capacity.items() if _room(n, gpus_per_node, req) and rates.get(t, 0.0) > 0]
         if not fits:
             dropped += 1
             continue
-        if len(fits) < len(capacity):  # it cannot run on some type (too little memory: speed 0)
+        if len(fits) < len(capacity):  # some type cannot hold it (memory: 0 steps/s; or too few nodes)
             req = gang_request(tj.scale_factor, gpus_per_node, frozenset(fits))
+            rates = {t: v if t in fits else 0.0 for t, v in rates.items()}
         out.append(
             SimJob(
                 len(out), tj.line, tj.job_type, tj.total_steps, tj.arrival_s, tj.scale_factor,
@@ -134,6 +135,12 @@ def build_jobs(
             )
         )  # fmt: skip
     return out, dropped
+
+
+def _room(gpus: int, gpus_per_node: int, req: Request) -> bool:
+    """Whether `gpus` GPUs on nodes of `gpus_per_node` (the last one smaller) can ever hold `req`."""
+    sizes = [min(gpus_per_node, gpus - i) for i in range(0, gpus, gpus_per_node)]
+    return sum(n >= req.gpu_count for n in sizes) >= req.gang_nodes
 
 
 def retime(jobs: list[SimJob], rate_per_h: float, seed: int, sample: int | None = None) -> list[SimJob]:
