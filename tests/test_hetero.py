@@ -32,9 +32,10 @@ def test_loads_the_real_throughputs_and_both_trace_layouts() -> None:
     assert not measured and rates["p100"] == pytest.approx(4 * 48.8824, abs=1e-3)
     msr = load_trace(GAVEL / "msr-seed0" / "ed69ec.trace")
     assert len(msr) == 951 and {j.scale_factor for j in msr} == {1}
-    assert msr[0].job_type == "Recommendation (batch size 2048)" or msr[0].total_steps > 0
+    assert msr[0] == TraceJob(1, "Transformer (batch size 128)", 12304123, 0.0, 1)
     phys = load_trace(GAVEL / "physical_cluster" / "max_min_fairness.trace")  # 10 fields, arrival last
     assert len(phys) == 96 and max(j.arrival_s for j in phys) > 0 and {j.priority for j in phys} == {1.0}
+    assert phys[0] == TraceJob(1, "ResNet-18 (batch size 128)", 925982, 0.0, 4)
 
 
 def test_bad_input_names_the_file_and_line(tmp_path: Path) -> None:

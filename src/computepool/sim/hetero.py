@@ -205,8 +205,9 @@ class _Pool:
 
 class _TypedNodes:
     """Free GPUs per node of each type, for the aware policy's rounds (whole GPUs only, so a count
-    per node is the whole state): a job takes the nodes of its type with the fewest GPUs left that
-    hold its share, packing as the pool's default policy does for whole GPUs."""
+    per node is the whole state; the rounds re-place thousands of jobs, too many for the live
+    `Scheduler`'s scoring): a job takes the nodes of its type with the fewest GPUs left that hold
+    its share (best fit)."""
 
     def __init__(self, capacity: dict[str, int], gpus_per_node: int) -> None:
         self.free = {
