@@ -150,6 +150,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "models": sorted(set(body.models)) if body.models else None,
         "vendors": sorted(set(body.vendors)) if body.vendors else None,
         "min_gpu_memory_mib": body.min_gpu_memory_mib,
+        "stacks": dict(sorted(body.stacks.items())) if body.stacks else None,
         "exclusive": exclusive,
         "isolation": isolation,
         "gang_nodes": body.gang_nodes,
