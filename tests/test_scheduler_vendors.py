@@ -9,12 +9,18 @@ NVIDIA), and host CPU and memory fit.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from computepool.agent.devices.base import DeviceInfo
+from computepool.agent.devices.stack import stack_labels
+from computepool.client.options import parse_stacks
 from computepool.core import Device, Isolation, Node, Request
 from computepool.core.errors import InvalidInput
+from computepool.scheduler.constraints import NodeConstraints, NodeRules
 from computepool.scheduler.filters import explain, feasibility, node_feasible
 from computepool.scheduler.pickers import pick_on_node
 from computepool.scheduler.state import ClusterState
@@ -128,3 +134,54 @@ def test_bad_capabilities_are_refused_naming_the_field() -> None:
     with pytest.raises(InvalidInput) as e:
         Request(gpu_count=1, gpu_milli=1000, min_gpu_memory_mib=-1)
     assert e.value.where == "min_gpu_memory_mib"
+
+
+def test_a_stack_request_goes_to_nodes_labelled_that_version_or_later() -> None:
+    nodes = [
+        Node("old", 8000, 65536, [Device(0, "nvidia", "A100", 81920)], labels={"stack.cuda": "12.2"}),
+        Node("new", 8000, 65536, [Device(0, "nvidia", "A100", 81920)], labels={"stack.cuda": "12.10"}),
+        Node("bare", 8000, 65536, [Device(0, "nvidia", "A100", 81920)]),
+        Node(
+            "npu", 8000, 65536, [Device(0, "ascend", "Ascend910B", 65536)], labels={"stack.cann": "8.0.RC2"}
+        ),
+    ]
+    state = ClusterState.from_nodes(nodes)
+    state.rules = NodeConstraints([NodeRules(labels=n.labels) for n in nodes])
+
+    def fits(**stacks: str) -> list[bool]:
+        req = Request(gpu_count=1, gpu_milli=1000, stacks=tuple(sorted(stacks.items())))
+        return state.eligible(req).tolist()
+
+    assert fits(cuda="12.4") == [False, True, False, False]  # 12.10 is later than 12.4
+    assert fits(cuda="12") == [True, True, False, False]
+    assert fits(cann="8.0") == [False, False, False, True]
+    assert fits(cann="8.0.RC3") == [False, False, False, False]
+    assert fits() == [True, True, True, True]
+    text = str(explain(state, Request(gpu_count=1, gpu_milli=1000, stacks=(("rocm", "6.2"),))))
+    assert "4 software stack" in text and "no node provides rocm ≥ 6.2" in text, text
+    with pytest.raises(InvalidInput) as e:
+        Request(gpu_count=1, gpu_milli=1000, stacks=(("cuda", "twelve"),))
+    assert e.value.where == "stacks"
+
+
+def test_the_agent_labels_the_stacks_it_finds(tmp_path: Path) -> None:
+    (tmp_path / "opt/rocm/.info").mkdir(parents=True)
+    (tmp_path / "opt/rocm/.info/version").write_text("6.2.0-66\n")
+    info = tmp_path / "usr/local/Ascend/ascend-toolkit/latest/aarch64-linux/ascend_toolkit_install.info"
+    info.parent.mkdir(parents=True)
+    info.write_text("package_name=Ascend-cann-toolkit\nversion=8.0.RC2\ninnerversion=V100R001C19\n")
+    devices = [
+        DeviceInfo(0, "amd", "MI300X", 196608, "amd-0"),
+        DeviceInfo(1, "ascend", "Ascend910B", 65536, "ascend-1"),
+    ]
+    assert stack_labels(devices, root=tmp_path) == {"stack.rocm": "6.2.0", "stack.cann": "8.0.RC2"}
+    assert stack_labels(devices, root=tmp_path / "nothing") == {}
+    assert stack_labels([DeviceInfo(0, "simulated", "T4", 15360, "sim-0")], root=tmp_path) == {}
+
+
+def test_stack_options_read_as_at_least() -> None:
+    assert parse_stacks(["cuda-12.4", "ROCm>=6.2"], "--stack") == {"cuda": "12.4", "rocm": "6.2"}
+    assert parse_stacks(None, "--stack") is None
+    with pytest.raises(InvalidInput) as e:
+        parse_stacks(["cuda"], "--stack")
+    assert e.value.where == "--stack" and "cuda-12.4" in e.value.message

@@ -9,7 +9,15 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from computepool.client.archive import inside, pack, pack_with_stats, safe_extract, scan
+from computepool.client.archive import (
+    FETCHED_FILE,
+    inside,
+    pack,
+    pack_with_stats,
+    remember_fetched,
+    safe_extract,
+    scan,
+)
 from computepool.core.tarsafe import UnsafeArchive
 
 
@@ -163,3 +171,21 @@ def test_scan_names_the_biggest_files_without_reading_them(tmp_path: Path) -> No
     seen = scan(tmp_path)
     assert seen.files == 4 and seen.bytes_in == (8 << 30) + 10 + len("d.bin\n")
     assert seen.largest == (("sub/b.ckpt", 5 << 30), ("a.bin", 3 << 30), ("c.txt", 10))
+
+
+def test_what_output_brought_back_is_not_shipped_again_unless_re_included(tmp_path: Path) -> None:
+    root = tree(tmp_path / "p")
+    (root / "results").mkdir()
+    (root / "results" / "model.bin").write_text("weights\n")
+    (root / "score.txt").write_text("0.9\n")
+    before = names(pack(root))
+    assert "results/model.bin" in before and "score.txt" in before
+    remember_fetched(root, "results/")
+    remember_fetched(root, "score.txt")
+    remember_fetched(root, "score.txt")  # once is enough
+    assert (root / FETCHED_FILE).read_text() == "results\nscore.txt\n"
+    after = names(pack(root))
+    assert "results" not in after and "score.txt" not in after and FETCHED_FILE not in after
+    assert set(before) - set(after) == {"results", "results/model.bin", "score.txt"}
+    (root / ".cpoolignore").write_text("data/\n!score.txt\n")  # the user's own word wins
+    assert "score.txt" in names(pack(root))

@@ -113,3 +113,18 @@ def test_audit_list_and_verify(cli: Cli) -> None:
     r = cli("audit", "verify")
     assert r.exit_code == 0 and "intact" in r.stdout
     assert json.loads(cli("audit", "verify", "--json").stdout)["ok"] is True
+
+
+def test_tenant_ceilings_in_human_units_and_their_refusal(cli: Cli) -> None:
+    cli("tenants", "create", "c1")
+    r = cli("tenants", "defaults", "c1", "--max-time-limit", "2h", "--max-array", "8")
+    assert r.exit_code == 0, r.output
+    assert "gets 2h" in r.stdout and "the longest it may ask for: 2h" in r.stdout and "array: 8" in r.stdout
+    r = cli("tenants", "defaults", "c1", "--time-limit", "3h")  # over the ceiling: refused, named
+    assert r.exit_code == 1 and "time_limit_s" in r.stderr and "over the longest" in r.stderr, r.output
+    assert "--max-array" in cli("tenants", "defaults", "c1", "--max-array", "lots").stderr
+    out = json.loads(cli("tenants", "defaults", "c1", "--max-array", "none", "--json").stdout)
+    assert (out["max_time_limit_s"], out["max_array"]) == (7200, None)
+    r = cli("run", "--tenant", "c1", "--time-limit", "1d", "--detach", "--no-code", "--", "true")
+    assert r.exit_code == 1 and "over tenant c1's longest, 2h" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1

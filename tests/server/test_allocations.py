@@ -219,6 +219,8 @@ def test_gang_is_all_or_nothing(api: Api) -> None:
         ({"gpus": 1, "vendors": ["amd"]}, "vendors"),  # no AMD device in this pool
         ({"gpus": 1, "min_gpu_memory_mib": 0}, "min_gpu_memory_mib"),
         ({"gpus": 1, "min_gpu_memory_mib": 10**6}, "min_gpu_memory_mib"),
+        ({"gpus": 1, "stacks": {"cuda": "twelve"}}, "stacks.cuda"),
+        ({"gpus": 1, "stacks": {"CUDA!": "12.4"}}, "stacks"),
     ],
 )
 def test_bad_requests_are_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:

@@ -32,6 +32,9 @@ def test_defaults_are_the_pools_until_an_admin_sets_the_tenants(make_api: Callab
         "cpu_milli": 500,
         "memory_mib": 768,
         "pids_max": 300,
+        "time_limit_s": None,
+        "max_time_limit_s": None,
+        "max_array": None,
         "from_pool": ["cpu_milli", "memory_mib", "pids_max"],
     }
     out = _change(api, "t", {"cpu_milli": 2000, "memory_mib": 4096})
@@ -126,6 +129,37 @@ def test_a_default_over_the_tenants_quota_is_refused_with_the_reason(api: Api) -
     # a CPU-only request within the quota is admitted and counted as before
     ok = alloc(api, tenant="t", command=["true"], cpu_milli=400)
     assert ok["request"]["cpu_milli"] == 400
+
+
+def test_ceilings_give_a_time_limit_and_refuse_what_is_over_them_naming_them(api: Api) -> None:
+    api.tenant("t")
+    member = api.user("m", "t", "member")
+    join(api, "n1", devices=0)
+    plain = alloc(api, member, command=["true"], cpu_milli=100)
+    assert plain["request"]["time_limit"] is None  # no ceiling: none given
+    _change(api, "t", {"max_time_limit_s": 7200, "max_array": 4})
+    # a job naming none gets the ceiling (no default set), one naming less keeps its own
+    assert alloc(api, member, command=["true"], cpu_milli=100)["request"]["time_limit"] == 7200
+    assert (
+        alloc(api, member, command=["true"], cpu_milli=100, time_limit="30m")["request"]["time_limit"] == 1800
+    )
+    _change(api, "t", {"time_limit_s": 600})
+    assert alloc(api, member, command=["true"], cpu_milli=100)["request"]["time_limit"] == 600
+    for body, field, words in (
+        ({"time_limit": "3h"}, "time_limit", "3h is over tenant t's longest, 2h"),
+        ({"array": "0-9"}, "array", "10 jobs is over tenant t's largest array, 4"),
+    ):
+        r = api.post(
+            "/api/v1/allocations", json={"command": ["true"], "cpu_milli": 100, **body}, headers=member
+        )
+        assert r.status_code == 422 and r.json()["field"] == field, r.text
+        assert words in r.json()["error"] and "cpool tenants defaults t" in r.json()["error"], r.text
+    assert len(alloc(api, member, command=["true"], cpu_milli=100, array="0-3")["request"]["array"]) > 0
+    # a default over the ceiling is refused, naming the field that was given
+    bad = _change(api, "t", {"time_limit_s": 9000}, expect=422)
+    assert bad["field"] == "time_limit_s" and "over the longest" in bad["error"], bad
+    out = _change(api, "t", {"time_limit_s": None, "max_time_limit_s": None, "max_array": None})
+    assert (out["time_limit_s"], out["max_time_limit_s"], out["max_array"]) == (None, None, None)
 
 
 def test_assignments_carry_the_tenants_process_limit(api: Api) -> None:

@@ -27,6 +27,7 @@ from computepool.agent.api import (
 )
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import DeviceInfo, NodeInventory
+from computepool.agent.devices.stack import stack_labels
 from computepool.agent.sandbox import FIXED_PATH
 
 log = logging.getLogger("computepool.agent")
@@ -121,6 +122,8 @@ def join(config: AgentConfig, inventory: NodeInventory, api: AgentApi, name: str
     labels = dict(config.labels)
     if config.simulate:
         labels.setdefault("simulated", "true")
+    for key, value in stack_labels(inventory.devices).items():  # the operator's own labels win
+        labels.setdefault(key, value)
     body = {
         "join_token": config.join_token,
         "name": name,

@@ -91,6 +91,12 @@ VendorOpt = Annotated[
 MinGpuMemOpt = Annotated[
     str | None, typer.Option("--min-gpu-mem", help="Only devices with at least this much memory, e.g. 40GiB.")
 ]
+StackOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--stack", help="A software stack the node must have, at least this version: cuda-12.4 (repeat)."
+    ),
+]
 AcceleratorOpt = Annotated[
     str | None, typer.Option("--accelerator", help="any (the default: any vendor's device), or a vendor.")
 ]
@@ -334,6 +340,7 @@ def register(app: typer.Typer) -> None:
         vendor: VendorOpt = None,
         min_gpu_mem: MinGpuMemOpt = None,
         accelerator: AcceleratorOpt = None,
+        stack: StackOpt = None,
         isolation: IsolationOpt = None,
         image: ImageOpt = None,
         port: PortOpt = None,
@@ -359,7 +366,7 @@ def register(app: typer.Typer) -> None:
             gpus, gpu_mem, cpus, mem, exclusive, model, isolation,
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=nodes, priority=priority, name=name, tenant=tenant,
-            colocate=colocate, vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator,
+            colocate=colocate, vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator, stack=stack,
         )  # fmt: skip
         with open_client(server, token) as pool:
             out = pool.create_allocation(req)

@@ -77,6 +77,7 @@ def _register() -> None:
         server_cmd,
         sim_fill,
         sim_gangs,
+        sim_hetero,
         sim_replay,
         sim_report,
         tenants_cmd,
@@ -88,6 +89,7 @@ def _register() -> None:
     sim_replay.register(sim_app)
     sim_report.register(sim_app)
     sim_gangs.register(sim_app)
+    sim_hetero.register(sim_app)
     bench_cmd.register(bench_app)
     server_cmd.register(app)
     gateway_cmd.register(app)

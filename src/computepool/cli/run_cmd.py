@@ -40,6 +40,7 @@ from computepool.cli.alloc_cmd import (
     PortOpt,
     PriorityOpt,
     SelectorOpt,
+    StackOpt,
     TenantOpt,
     TimeLimitOpt,
     TolerationOpt,
@@ -152,6 +153,7 @@ def register(app: typer.Typer) -> None:
         vendor: VendorOpt = None,
         min_gpu_mem: MinGpuMemOpt = None,
         accelerator: AcceleratorOpt = None,
+        stack: StackOpt = None,
         isolation: IsolationOpt = None,
         image: ImageOpt = None,
         port: PortOpt = None,
@@ -269,7 +271,7 @@ def register(app: typer.Typer) -> None:
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
             colocate=colocate, secrets=secret_uses(secret), priority=priority, tenant=tenant,
-            vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator,
+            vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator, stack=stack,
         )  # fmt: skip
         from computepool.cli import array_run, ship  # ship archives code: loaded by the command that ships
 

@@ -21,7 +21,13 @@ from computepool.cli.pool_cmd import (
 )
 from computepool.client import PoolError
 from computepool.core.errors import InvalidInput
-from computepool.core.quantities import format_duration, format_mib, parse_cpu_milli, parse_memory_mib
+from computepool.core.quantities import (
+    format_duration,
+    format_mib,
+    parse_cpu_milli,
+    parse_duration_s,
+    parse_memory_mib,
+)
 
 ROLES = ("admin", "tenant-admin", "member", "viewer", "scraper")
 
@@ -130,13 +136,25 @@ def _register_tenants(app: typer.Typer) -> None:
                 "--pids", help="Processes (and threads) one job may run at once; 'pool': the pool's."
             ),
         ] = None,
+        time_limit: Annotated[
+            str | None,
+            typer.Option("--time-limit", help="Time limit of a job that names none, e.g. 4h; 'none'."),
+        ] = None,
+        max_time_limit: Annotated[
+            str | None,
+            typer.Option("--max-time-limit", help="The longest time limit a job may ask, e.g. 2d; 'none'."),
+        ] = None,
+        max_array: Annotated[
+            str | None, typer.Option("--max-array", help="The most jobs one array may hold; 'none'.")
+        ] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
         json_out: JsonOpt = False,
     ) -> None:
-        """What a tenant's requests get when they name no CPU or memory, and how many processes one job
-        may run (admin to change): show them, or set them with --cpus, --mem, --pids."""
-        changes = _default_changes(cpus, mem, pids)
+        """What a tenant's requests get when they name no CPU, memory or time limit, how many processes
+        one job may run, and the ceilings its requests stay under (admin to change): show them, or set
+        them with --cpus, --mem, --pids, --time-limit, --max-time-limit, --max-array."""
+        changes = _default_changes(cpus, mem, pids) | _ceiling_changes(time_limit, max_time_limit, max_array)
         with open_client(server, token) as pool:
             out = pool.set_tenant_defaults(name, changes) if changes else pool.tenant_defaults(name)
         if json_out:
@@ -150,6 +168,13 @@ def _register_tenants(app: typer.Typer) -> None:
             f"tenant {out['tenant']}: a request that names no CPU gets {cpus_text(out['cpu_milli'])} CPU"
             f"{mark['cpu_milli']}, no memory {format_mib(out['memory_mib'])}{mark['memory_mib']}; "
             f"a job runs at most {out['pids_max']} processes{mark['pids_max']}"
+        )
+        tl, top, arr = out.get("time_limit_s"), out.get("max_time_limit_s"), out.get("max_array")
+        given = tl or top
+        say(
+            f"a job without a time limit gets {format_duration(given) if given else 'none'}; "
+            f"the longest it may ask for: {format_duration(top) if top else 'no ceiling'}; "
+            f"the largest array: {arr if arr else 'no ceiling'}"
         )
 
     @tenants.command("gateway-limit")
@@ -218,6 +243,26 @@ def _default_changes(cpus: str | None, mem: str | None, pids: str | None) -> dic
         if value <= 0:
             raise InvalidInput(opt, f"must be above 0, got {text!r} (or 'pool' for the pool's default)")
         changes[field] = value
+    return changes
+
+
+def _ceiling_changes(time_limit: str | None, top: str | None, array: str | None) -> dict[str, int | None]:
+    """The ceilings to change ('none': no default or ceiling), in the API's units."""
+    changes: dict[str, int | None] = {}
+    for field, opt, text in (
+        ("time_limit_s", "--time-limit", time_limit),
+        ("max_time_limit_s", "--max-time-limit", top),
+        ("max_array", "--max-array", array),
+    ):
+        if text is None:
+            continue
+        if text.strip().lower() in ("none", "pool"):
+            changes[field] = None
+            continue
+        value = _whole(text, opt) if field == "max_array" else parse_duration_s(text, opt)
+        if value <= 0:
+            raise InvalidInput(opt, f"must be above 0, got {text!r} (or 'none')")
+        changes[field] = int(value)
     return changes
 
 

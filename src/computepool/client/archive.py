@@ -30,12 +30,15 @@ import pathspec
 from computepool.core.tarsafe import UnsafeArchive, extract, safe_extract, sha256_hex
 
 __all__ = [
-    "SECRET_PATTERNS", "ArchiveStats", "UnsafeArchive", "extract", "inside", "pack", "pack_with_stats",
-    "safe_extract", "scan", "sha256_hex",
+    "FETCHED_FILE", "SECRET_PATTERNS", "ArchiveStats", "UnsafeArchive", "extract", "inside", "pack",
+    "pack_with_stats", "remember_fetched", "safe_extract", "scan", "sha256_hex",
 ]  # fmt: skip
 
 IGNORE_FILES = (".git/info/exclude", ".gitignore", ".cpoolignore")  # at the root; deeper: .gitignore
-ALWAYS_SKIPPED = frozenset({".git"})
+# What `cpool run --output` brought back into the directory, one path per line: never shipped again
+# (it came from the pool), unless an ignore file's `!` pattern says otherwise.
+FETCHED_FILE = ".cpool-fetched"
+ALWAYS_SKIPPED = frozenset({".git", FETCHED_FILE})
 TREE_SKIPPED = frozenset({"__pycache__"})
 # credentials by their usual names (any depth), below every ignore file: a `!` pattern re-includes
 SECRET_PATTERNS = (
@@ -82,6 +85,29 @@ def _secret_rules(leave_out: tuple[PurePosixPath, ...]) -> list[_Rules]:
     return [_Rules(PurePosixPath("."), pathspec.GitIgnoreSpec.from_lines(lines))]
 
 
+def _fetched_rules(root: Path) -> list[_Rules]:
+    """The paths `--output` brought back (FETCHED_FILE), as rules below every ignore file's."""
+    try:
+        names = [n.strip().strip("/") for n in (root / FETCHED_FILE).read_text().splitlines()]
+    except OSError:
+        return []
+    lines = [_literal(PurePosixPath(n)) for n in names if n and ".." not in PurePosixPath(n).parts]
+    return [_Rules(PurePosixPath("."), pathspec.GitIgnoreSpec.from_lines(lines))] if lines else []
+
+
+def remember_fetched(root: Path, path: str) -> None:
+    """Note that `path` (relative to `root`) came back from the pool: the next pack leaves it out."""
+    file = root / FETCHED_FILE
+    try:
+        known = set(file.read_text().splitlines())
+    except OSError:
+        known = set()
+    name = str(PurePosixPath(path)).strip("/")
+    if name and name not in known:
+        with file.open("a") as f:
+            f.write(name + "\n")
+
+
 def _ignored(rel: PurePosixPath, is_dir: bool, rules: list[_Rules]) -> bool | None:
     """Git's precedence: the deepest rule that matches decides (a `!` pattern re-includes); None
     when no rule matches."""
@@ -108,9 +134,9 @@ def _walk(
     def visit(
         directory: Path, rel: PurePosixPath, rules: list[_Rules]
     ) -> Iterator[tuple[PurePosixPath, Path]]:
-        here = rules + _read_rules(
-            directory, rel, IGNORE_FILES if rel == PurePosixPath(".") else (".gitignore",)
-        )
+        top = rel == PurePosixPath(".")
+        here = (_fetched_rules(directory) if top else []) + rules
+        here += _read_rules(directory, rel, IGNORE_FILES if top else (".gitignore",))
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError:

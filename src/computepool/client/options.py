@@ -41,6 +41,7 @@ def build_request(
     vendor: str | Sequence[str] | None = None,
     min_gpu_mem: Quantity | None = None,
     accelerator: str | None = None,
+    stack: str | Sequence[str] | None = None,
     flag: str = "--",
     **extra: Any,
 ) -> AllocationCreate:
@@ -89,9 +90,25 @@ def build_request(
         gang_nodes=nodes,
         colocate=colocate or None,
         vendors=vendors,
+        stacks=parse_stacks(stack, name("stack")),
         min_gpu_memory_mib=parse_memory_mib(min_gpu_mem, name("min-gpu-mem")) if min_gpu_mem else None,
         **extra,
     )
+
+
+def parse_stacks(items: str | Sequence[str] | None, field: str) -> dict[str, str] | None:
+    """`["cuda-12.4", "rocm>=6.2"]` → {"cuda": "12.4", "rocm": "6.2"}: at least these versions."""
+    specs = [items] if isinstance(items, str) else list(items or [])
+    out: dict[str, str] = {}
+    for spec in specs:
+        text = str(spec).strip().lower()
+        name, sep, version = text.partition(">=")
+        if not sep:
+            name, sep, version = text.partition("-")
+        if not sep or not name or not version:
+            raise InvalidInput(field, f"expected NAME-VERSION such as cuda-12.4 or rocm>=6.2, got {spec!r}")
+        out[name.strip()] = version.strip()
+    return out or None
 
 
 def parse_vendors(

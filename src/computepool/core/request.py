@@ -13,6 +13,24 @@ from computepool.core.resources import MIG_PROFILE
 from computepool.core.vendors import VENDORS, canonical
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_STACK_NAME = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+_VERSION = re.compile(r"^[0-9]+(?:\.[0-9A-Za-z]+){0,4}$")
+
+
+def version_key(text: str) -> tuple[tuple[int, str], ...] | None:
+    """`12.4` → comparable parts (numbers as numbers: 12.10 > 12.9; `8.0.RC2` keeps RC2 as text,
+    after any number); None when it is not a version."""
+    if not _VERSION.match(text):
+        return None
+    return tuple((int(p), "") if p.isdigit() else (1 << 30, p) for p in text.split("."))
+
+
+def stack_at_least(have: str, want: str) -> bool:
+    """Whether version `have` of a stack satisfies a request for `want` or later."""
+    h, w = version_key(have), version_key(want)
+    return h is not None and w is not None and h >= w
+
+
 MAX_DEVICES_PER_NODE = 64
 MAX_GANG_NODES = 4096
 
@@ -71,6 +89,9 @@ class Request:
     # device's memory (its size, not what is free: `gpu_memory_mib` is what the slice takes)
     vendors: frozenset[str] | None = None
     min_gpu_memory_mib: int = 0
+    # software stacks the node must provide, at least this version: (("cuda", "12.4"),) needs a
+    # node labelled stack.cuda=12.4 or later (the agent labels what it finds)
+    stacks: tuple[tuple[str, str], ...] = ()
     # derived in __post_init__ (read for every request the scheduler places)
     _tier: Isolation | None = field(init=False, repr=False, compare=False, default=None)
     _whole: bool = field(init=False, repr=False, compare=False, default=False)
@@ -141,6 +162,9 @@ class Request:
             )
         if self.min_gpu_memory_mib < 0:
             raise InvalidInput("min_gpu_memory_mib", f"must not be negative, got {self.min_gpu_memory_mib}")
+        for name, version in self.stacks:
+            if not _STACK_NAME.match(str(name)) or version_key(str(version)) is None:
+                raise InvalidInput("stacks", f"expected NAME-VERSION such as cuda-12.4, got {name}-{version}")
         if (self.vendors is not None or self.min_gpu_memory_mib) and self.gpu_count == 0:
             where = "vendors" if self.vendors is not None else "min_gpu_memory_mib"
             raise InvalidInput(where, "a device capability given without any device (gpu_count is 0)")
@@ -213,3 +237,8 @@ class Request:
             self.vendors,
             self.min_gpu_memory_mib,
         )
+
+    @property
+    def node_rules_key(self) -> tuple[object, ...]:
+        """What the node-level rules (constraints.py) read of a request, the tenant aside."""
+        return (self.node_selector, self.tolerations, self.stacks)

@@ -23,11 +23,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from computepool.core.request import Request
+from computepool.core.request import Request, stack_at_least
 
 # What `rejections` codes mean, in the words `explain` shows.
-OK, SELECTOR, TAINT, DEDICATED = 0, 1, 2, 3
-LABELS = {SELECTOR: "node selector", TAINT: "untolerated taint", DEDICATED: "dedicated to another tenant"}
+OK, SELECTOR, TAINT, DEDICATED, STACK = 0, 1, 2, 3, 4
+LABELS = {
+    SELECTOR: "node selector",
+    TAINT: "untolerated taint",
+    DEDICATED: "dedicated to another tenant",
+    STACK: "software stack",
+}
+STACK_LABEL = "stack."  # a node's stack.cuda=12.4: the version of a software stack it provides
 
 
 def tolerates(tolerations: frozenset[str], key: str, value: str) -> bool:
@@ -81,7 +87,7 @@ class NodeConstraints:
     # --- per request ------------------------------------------------------------------------
     def key(self, req: Request) -> tuple[object, ...]:
         """What a request's node mask depends on (the tenant only where some node is dedicated)."""
-        return (req.node_selector, req.tolerations, req.tenant if self.owners else "")
+        return (*req.node_rules_key, req.tenant if self.owners else "")
 
     def _tenant_ix(self, tenant: str) -> int:
         return self._owner_ix.get(tenant, -2)  # -2: owns nothing (never equal to a node's owner)
@@ -94,6 +100,15 @@ class NodeConstraints:
             if col is None or vid is None:
                 return np.zeros(self.n, dtype=bool)
             ok &= col == vid
+        return ok
+
+    def stack_ok(self, stacks: tuple[tuple[str, str], ...]) -> np.ndarray:
+        """Nodes that provide each stack at least at the version asked (label stack.NAME=VERSION)."""
+        ok = np.ones(self.n, dtype=bool)
+        for name, want in stacks:
+            col, values = self.label_column(STACK_LABEL + name)
+            good = np.array([stack_at_least(v, want) for v in values] + [False], dtype=bool)
+            ok &= good[col]  # -1 (no such label) reads the trailing False
         return ok
 
     def taint_ok(self, tolerations: frozenset[str]) -> np.ndarray:
@@ -112,6 +127,7 @@ class NodeConstraints:
             (DEDICATED, self.dedication_ok(req.tenant)),
             (TAINT, self.taint_ok(req.tolerations)),
             (SELECTOR, self.selector_ok(req.node_selector)),
+            (STACK, self.stack_ok(req.stacks)),
         ):
             code[~ok] = c  # later rules overwrite: the selector is named first, as it is checked first
         return code
@@ -158,6 +174,11 @@ class NodeConstraints:
         if req.node_selector and not self.selector_ok(req.node_selector).any():
             pairs = ",".join(f"{k}={v}" for k, v in req.node_selector)
             out.append(f"node selector {pairs} matches no node's labels (nodes that join later may)")
+        if req.stacks and not self.stack_ok(req.stacks).any():
+            wanted = ", ".join(f"{n} ≥ {v}" for n, v in req.stacks)
+            out.append(
+                f"no node provides {wanted} (a node says so with its {STACK_LABEL}NAME=VERSION labels)"
+            )
         tainted = code == TAINT
         if tainted.any():
             hit = self._tainted[tainted].any(axis=0)

@@ -329,7 +329,7 @@ def explain(state: ClusterState, req: Request, extra: Counter[str] | None = None
         counts["not schedulable"] = n_off
     notes: list[str] = []
     rules = state.rules
-    if rules is None and req.node_selector:
+    if rules is None and (req.node_selector or req.stacks):
         rules = NodeConstraints([NodeRules()] * state.n_nodes)
     if rules is not None:  # node rules next: selector, taints, dedication (constraints.py)
         code = rules.rejections(req)

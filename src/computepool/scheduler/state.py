@@ -444,8 +444,9 @@ class ClusterState:
 
     def eligible(self, req: Request) -> np.ndarray:
         """Schedulable nodes whose labels, taints and dedication let `req` on."""
-        if self.rules is None:  # no node carries labels: a selector matches none
-            return self.schedulable if not req.node_selector else np.zeros_like(self.schedulable)
+        if self.rules is None:  # no node carries labels: a selector (or a stack) matches none
+            fussy = req.node_selector or req.stacks
+            return self.schedulable if not fussy else np.zeros_like(self.schedulable)
         return self.schedulable & self.rules.allowed(req)
 
     def set_schedulable(self, i: int, ok: bool) -> None:

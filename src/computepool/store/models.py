@@ -50,6 +50,11 @@ class Tenant(Base):
     default_cpu_milli: Mapped[int | None] = mapped_column(Integer, nullable=True)
     default_memory_mib: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_pids: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Ceilings (None: none): the time limit of a job that names none, the longest one it may ask
+    # for, and the most jobs one array may hold.
+    default_time_limit_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_time_limit_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_array: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Image(Base):

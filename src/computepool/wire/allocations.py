@@ -178,6 +178,10 @@ VendorName = Annotated[
 ]
 
 
+StackName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,30}$")]
+StackVersion = Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9A-Za-z]+){0,4}$")]
+
+
 class After(In):
     """Start only once allocation `id` has ended this way: ok (released, exit 0), failed (failed or
     preempted) or any end at all (cancelled too)."""
@@ -227,6 +231,11 @@ class AllocationCreate(In):
     )
     min_gpu_memory_mib: int | None = Field(
         default=None, strict=True, ge=1, le=2**24, description="Only devices at least this big (their size)."
+    )
+    stacks: dict[StackName, StackVersion] | None = Field(
+        default=None,
+        max_length=8,
+        description='Software stacks the node must provide, at least these versions: {"cuda": "12.4"}.',
     )
     exclusive: bool = Field(default=False, strict=True, description="Whole devices, alone on them.")
     isolation: IsolationName | None = Field(
@@ -345,6 +354,7 @@ class RequestOut(Out):
     models: list[str] | None
     vendors: list[str] | None = None
     min_gpu_memory_mib: int | None = None
+    stacks: dict[str, str] | None = None
     exclusive: bool
     isolation: IsolationName
     gang_nodes: int

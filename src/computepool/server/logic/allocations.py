@@ -50,6 +50,7 @@ from computepool.wire.allocations import (
     RequestOut,
     SliceOut,
     StreamOut,
+    parse_array,
 )
 from computepool.wire.common import Items
 
@@ -149,6 +150,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "models": sorted(set(body.models)) if body.models else None,
         "vendors": sorted(set(body.vendors)) if body.vendors else None,
         "min_gpu_memory_mib": body.min_gpu_memory_mib,
+        "stacks": dict(sorted(body.stacks.items())) if body.stacks else None,
         "exclusive": exclusive,
         "isolation": isolation,
         "gang_nodes": body.gang_nodes,
@@ -170,7 +172,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
 
 
 def _load_shape(ctx: Ctx) -> tuple[scheduling.Snapshot, dict[str, int], dict[str, RequestDefaults]]:
-    cols = (Tenant.name, Tenant.id, Tenant.default_cpu_milli, Tenant.default_memory_mib, Tenant.max_pids)
+    cols = (Tenant.name, Tenant.id, *request_defaults.COLUMNS)
     with ctx.db.read() as s:
         snap = scheduling.load_snapshot(s, ctx.settings, live=False)
         rows = s.execute(select(*cols)).all()
@@ -237,8 +239,14 @@ def _refusal(shape: Shape, core: Request, tenant: str) -> tuple[str, str] | None
     return None
 
 
+# Refusals the CPU and memory defaults play no part in (the hint about them would mislead).
+_NOT_THE_DEFAULTS = frozenset(
+    {"models", "vendors", "min_gpu_memory_mib", "mig", "isolation", "gpu_memory_mib", "time_limit", "array"}
+)
+
+
 def _defaulted(
-    shape: Shape, req: dict[str, Any], tenant: str
+    shape: Shape, req: dict[str, Any], tenant: str, array_size: int = 0
 ) -> tuple[dict[str, Any], tuple[str, str] | None]:
     """The request with its tenant's defaults where it names no CPU or memory, and why it is
     refused (None: it is not)."""
@@ -248,14 +256,15 @@ def _defaulted(
         core = scheduling.to_core(req)
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
-    problem = _refusal(shape, core, tenant)
-    device_rule = ("models", "vendors", "min_gpu_memory_mib", "mig", "isolation", "gpu_memory_mib")
-    if problem is not None and filled and problem[1] not in device_rule:  # the defaults are not why
+    problem = request_defaults.over_ceiling(req, defaults, tenant, array_size) or _refusal(
+        shape, core, tenant
+    )
+    if problem is not None and filled and problem[1] not in _NOT_THE_DEFAULTS:  # the defaults are not why
         problem = (problem[0] + request_defaults.hint(tenant, defaults, filled), problem[1])
     return req, problem
 
 
-def _admit(ctx: Ctx, req: dict[str, Any], tenant: str) -> tuple[dict[str, Any], int]:
+def _admit(ctx: Ctx, req: dict[str, Any], tenant: str, array_size: int = 0) -> tuple[dict[str, Any], int]:
     """The request as stored (with the tenant's defaults where it names no CPU or memory: booked
     and enforced like any request) and the tenant's id, once it passes admission; 404/422 otherwise.
 
@@ -265,16 +274,22 @@ def _admit(ctx: Ctx, req: dict[str, Any], tenant: str) -> tuple[dict[str, Any], 
     published.check(req.get("ports"), ctx.settings)  # never a privileged port, nor one the pool gives
     cache = ctx.caches.shape if ctx.caches is not None else ShapeCache(0.0)
     shape = cache.get(lambda: _load_shape(ctx))
-    stored, problem = _defaulted(shape, req, tenant) if tenant in shape.tenant_ids else (req, ("", ""))
+    stored, problem = (
+        _defaulted(shape, req, tenant, array_size) if tenant in shape.tenant_ids else (req, ("", ""))
+    )
     if problem is not None:
         cache.invalidate()
         shape = cache.get(lambda: _load_shape(ctx))
         if tenant not in shape.tenant_ids:
             raise NotFound.of("tenant", tenant, "tenant")
-        stored, problem = _defaulted(shape, req, tenant)
+        stored, problem = _defaulted(shape, req, tenant, array_size)
         if problem is not None:
             raise Invalid(*problem)
     return stored, shape.tenant_ids[tenant]
+
+
+def _array_size(body: AllocationCreate) -> int:
+    return len(parse_array(body.array)[0]) if body.array else 0
 
 
 def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, Any], int]:
@@ -285,7 +300,7 @@ def admitted(ctx: Ctx, body: AllocationCreate, tenant: str) -> tuple[dict[str, A
         scheduling.to_core(req)  # a bad field is named before the tenant is looked up
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
-    req, tenant_id = _admit(ctx, req, tenant)
+    req, tenant_id = _admit(ctx, req, tenant, _array_size(body))
     if req.get("image") is not None:
         with ctx.db.read() as s:
             images.pin(s, ctx.settings, tenant, tenant_id, req)
@@ -321,7 +336,7 @@ def create(ctx: Ctx, body: AllocationCreate, key: str | None, hub: Hub) -> tuple
     except InvalidInput as e:
         raise Invalid(f"{e.where}: {e.message}", e.where) from e
     try:
-        req, tenant_id = _admit(ctx, req, tenant_name)
+        req, tenant_id = _admit(ctx, req, tenant_name, _array_size(body))
     except (Invalid, NotFound):
         if key is not None:  # a retry answers with the first one, whatever the pool says now
             with ctx.db.read() as s:

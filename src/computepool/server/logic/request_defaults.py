@@ -1,4 +1,6 @@
-"""What a request gets when it names no host CPU or memory, and how many processes one job may run.
+"""What a request gets when it names no host CPU or memory or time limit, how many processes one
+job may run, and the ceilings a tenant's requests stay under (the longest time limit, the largest
+job array).
 
 A request without `cpu_milli` or `memory_mib` (or with 0, which means the same) takes its tenant's
 default, else the pool's (`ServerSettings.default_*`), at admission: the value is stored in the
@@ -15,8 +17,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from computepool.core.quantities import format_mib
+from computepool.core.quantities import format_duration, format_mib
 from computepool.server.context import Ctx
+from computepool.server.errors import Invalid
 from computepool.server.logic.audit import record
 from computepool.server.logic.tenants import visible
 from computepool.server.settings import ServerSettings
@@ -27,7 +30,13 @@ _COLUMN: dict[DefaultName, str] = {
     "cpu_milli": "default_cpu_milli",
     "memory_mib": "default_memory_mib",
     "pids_max": "max_pids",
+    "time_limit_s": "default_time_limit_s",
+    "max_time_limit_s": "max_time_limit_s",
+    "max_array": "max_array",
 }
+# The Tenant columns `resolve` takes, in its order (admission reads them with the pool's shape).
+COLUMNS = tuple(getattr(Tenant, c) for c in _COLUMN.values())
+_POOL_HAS: tuple[DefaultName, ...] = ("cpu_milli", "memory_mib", "pids_max")  # the rest: none
 
 
 @dataclass(frozen=True)
@@ -36,10 +45,19 @@ class RequestDefaults:
     memory_mib: int
     pids_max: int
     from_pool: tuple[DefaultName, ...] = ()  # the values that are the pool's, not the tenant's own
+    time_limit_s: int | None = None  # what a job without a time limit gets (None: its ceiling)
+    max_time_limit_s: int | None = None
+    max_array: int | None = None
 
 
 def resolve(
-    settings: ServerSettings, cpu_milli: int | None, memory_mib: int | None, pids_max: int | None
+    settings: ServerSettings,
+    cpu_milli: int | None,
+    memory_mib: int | None,
+    pids_max: int | None,
+    time_limit_s: int | None = None,
+    max_time_limit_s: int | None = None,
+    max_array: int | None = None,
 ) -> RequestDefaults:
     """A tenant's own values (None: the pool's) made whole."""
     own: dict[DefaultName, int | None] = {
@@ -53,22 +71,47 @@ def resolve(
         memory_mib=memory_mib or settings.default_memory_mib,
         pids_max=pids_max or settings.default_pids_max,
         from_pool=tuple(pool),
+        time_limit_s=time_limit_s,
+        max_time_limit_s=max_time_limit_s,
+        max_array=max_array,
     )
 
 
 def of_tenant(s: Session, settings: ServerSettings, tenant: str) -> RequestDefaults:
     """The tenant's defaults as stored now (the pool's where it has none, or when it is unknown)."""
-    cols = (Tenant.default_cpu_milli, Tenant.default_memory_mib, Tenant.max_pids)
-    row = s.execute(select(*cols).where(Tenant.name == tenant)).first()
+    row = s.execute(select(*COLUMNS).where(Tenant.name == tenant)).first()
     return resolve(settings, *row) if row is not None else resolve(settings, None, None, None)
 
 
 def fill(req: dict[str, Any], defaults: RequestDefaults) -> tuple[dict[str, Any], list[str]]:
-    """The stored request with the defaults where it names no CPU or memory, and the fields filled."""
+    """The stored request with the defaults where it names no CPU or memory (or, for a job, no
+    time limit), and the fields filled."""
     filled = [f for f in ("cpu_milli", "memory_mib") if not int(req.get(f) or 0)]
-    if not filled:
-        return req, []
-    return dict(req, **{f: getattr(defaults, f) for f in filled}), filled
+    out = dict(req, **{f: getattr(defaults, f) for f in filled}) if filled else req
+    limit = defaults.time_limit_s or defaults.max_time_limit_s
+    if limit and req.get("time_limit") is None:
+        out = dict(out, time_limit=limit)
+    return out, filled
+
+
+def over_ceiling(
+    req: dict[str, Any], defaults: RequestDefaults, tenant: str, array_size: int
+) -> tuple[str, str] | None:
+    """(message, field) when the request asks for more than its tenant's ceilings allow."""
+    see = f"(`cpool tenants defaults {tenant}`)"
+    top, asked = defaults.max_time_limit_s, req.get("time_limit")
+    if top and asked is not None and int(asked) > top:
+        return (
+            f"time_limit: {format_duration(int(asked))} is over tenant {tenant}'s longest, "
+            f"{format_duration(top)} {see}",
+            "time_limit",
+        )
+    if defaults.max_array and array_size > defaults.max_array:
+        return (
+            f"array: {array_size} jobs is over tenant {tenant}'s largest array, {defaults.max_array} {see}",
+            "array",
+        )
+    return None
 
 
 def hint(tenant: str, defaults: RequestDefaults, filled: list[str]) -> str:
@@ -83,12 +126,15 @@ def hint(tenant: str, defaults: RequestDefaults, filled: list[str]) -> str:
 
 # --- the API: GET/PATCH /tenants/{name}/defaults -------------------------------------------------
 def _out(settings: ServerSettings, t: Tenant) -> TenantDefaultsOut:
-    d = resolve(settings, t.default_cpu_milli, t.default_memory_mib, t.max_pids)
+    d = resolve(settings, *(getattr(t, c) for c in _COLUMN.values()))
     return TenantDefaultsOut(
         tenant=t.name,
         cpu_milli=d.cpu_milli,
         memory_mib=d.memory_mib,
         pids_max=d.pids_max,
+        time_limit_s=d.time_limit_s,
+        max_time_limit_s=d.max_time_limit_s,
+        max_array=d.max_array,
         from_pool=list(d.from_pool),
     )
 
@@ -103,6 +149,15 @@ def change(ctx: Ctx, name: str, body: TenantDefaultsIn) -> TenantDefaultsOut:
     given = {f: getattr(body, f) for f in _COLUMN if f in body.model_fields_set}
     with ctx.db.write() as s:
         tenant = visible(s, ctx, name)
+        after = {f: given.get(f, getattr(tenant, c)) for f, c in _COLUMN.items()}
+        default, top = after["time_limit_s"], after["max_time_limit_s"]
+        if default and top and default > top:
+            field = "time_limit_s" if "time_limit_s" in given else "max_time_limit_s"
+            raise Invalid(
+                f"{field}: the default time limit ({format_duration(default)}) would be over "
+                f"the longest ({format_duration(top)})",
+                field,
+            )
         for field, value in given.items():
             setattr(tenant, _COLUMN[field], value)
         s.flush()

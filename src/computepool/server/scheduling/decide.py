@@ -372,7 +372,7 @@ def never_fits(snap: Snapshot, req: Request) -> str | None:
     if not snap.nodes:
         return None  # nodes may still join
     # Node rules are left out: labels, taints and dedication change, and nodes may join with others.
-    req = replace(req, node_selector=(), tolerations=frozenset(), colocate=None)
+    req = replace(req, node_selector=(), tolerations=frozenset(), colocate=None, stacks=())
     world = World(snap, empty=True)
     sched = Scheduler(make_scorer("bestfit"))
     if sched.place(world.state, req, observe=False, explain=False).ok:

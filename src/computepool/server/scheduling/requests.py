@@ -32,6 +32,7 @@ def to_core(req: dict[str, Any]) -> Request:
             tenant=str(req["tenant"]),
             name=str(req.get("name") or ""),
             node_selector=tuple(sorted((req.get("node_selector") or {}).items())),
+            stacks=tuple(sorted((req.get("stacks") or {}).items())),
             tolerations=frozenset(req.get("tolerations") or ()),
             isolation=Isolation(req["isolation"]) if req.get("isolation") else None,
             mig_profile=req.get("mig"),
