@@ -2,7 +2,7 @@
 user's socket and the one its node's agent dials back (`cpool exec`, `cpool forward`).
 
 Revision ID: 0022
-Revises: 0020
+Revises: 0021
 Create Date: 2026-12-02
 """
 
@@ -14,7 +14,7 @@ from alembic import op
 from computepool.store.types import UTCDateTime
 
 revision = "0022"
-down_revision = "0020"
+down_revision = "0021"
 branch_labels = None
 depends_on = None
 
