@@ -141,8 +141,9 @@ class Terminal:
     def __init__(self, env: dict[str, str], args: list[str], rows: int = 24, cols: int = 80) -> None:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        # a session of its own with this terminal as its controlling one: resizes reach it (SIGWINCH)
         self.proc = subprocess.Popen(
-            cpool(*args), stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
+            ["setsid", "--ctty", "--wait", *cpool(*args)], stdin=slave, stdout=slave, stderr=slave, env=env
         )
         os.close(slave)
         self.seen = bytearray()
@@ -158,6 +159,9 @@ class Terminal:
                 except OSError:
                     break
         assert text.encode() in self.seen, bytes(self.seen)
+
+    def resize(self, rows: int, cols: int) -> None:
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
     def type(self, keys: bytes) -> None:
         os.write(self.master, keys)
@@ -182,6 +186,10 @@ def test_exec_with_a_terminal(setup: Setup) -> None:
         t.type(b"stty size; tty\n")
         t.expect("33 101")
         t.expect("/dev/pts/")
+        t.resize(40, 120)
+        time.sleep(0.3)
+        t.type(b"stty size\n")
+        t.expect("40 120")
         t.type(b"sleep 60\n")
         time.sleep(0.5)
         t.type(b"\x03")  # Ctrl-C: a byte to the job's terminal, which interrupts the sleep
