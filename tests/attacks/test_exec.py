@@ -178,6 +178,12 @@ class Terminal:
         os.close(self.master)
 
 
+def test_exec_json_collects_the_output(setup: Setup) -> None:
+    r = run_cli(setup, "exec", "--json", str(setup.job_a), "--", "sh", "-c", "echo out; echo err >&2; exit 2")
+    assert r.returncode == 2, r.stderr
+    assert json.loads(r.stdout) == {"exit_code": 2, "stdout": "out\n", "stderr": "err\n"}
+
+
 def test_exec_with_a_terminal(setup: Setup) -> None:
     s = setup
     t = Terminal(s.node.cli_env(s.tenant_a), ["exec", "-t", str(s.job_a), "--", "sh"], 33, 101)
@@ -223,20 +229,20 @@ def test_forward_reaches_the_jobs_own_loopback_only(setup: Setup) -> None:
     env = s.node.cli_env(s.tenant_a)
     procs = [
         subprocess.Popen(
-            cpool("forward", str(s.job_a), f"0:{port}"),
+            cpool("forward", str(s.job_a), f"0:{port}", *opts),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
         )  # fmt: skip
-        for port in (s.job_port, s.host_port)
+        for port, opts in ((s.job_port, ()), (s.host_port, ("--json",)))
     ]
     try:
-        local = []
-        for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline().decode()
-            assert line.startswith("Forwarding 127.0.0.1:"), line
-            local.append(int(line.split()[1].split(":")[1]))
+        assert procs[0].stdout is not None and procs[1].stdout is not None
+        line = procs[0].stdout.readline().decode()
+        assert line.startswith("Forwarding 127.0.0.1:"), line
+        said = json.loads(procs[1].stdout.readline())
+        assert said["port"] == s.host_port and said["allocation"] == s.job_a, said
+        local = [int(line.split()[1].split(":")[1]), said["local"]]
         with socket.create_connection(("127.0.0.1", local[0]), timeout=20) as c:
             c.sendall(b"laptop")
             got = b""

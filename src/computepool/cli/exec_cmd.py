@@ -8,11 +8,12 @@ streams here, this terminal's input goes to it, and `cpool exec` exits with its 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
-from computepool.cli.common import fail
+from computepool.cli.common import fail, print_json
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.cli.strict_opts import TrailingCommand
 from computepool.client.errors import PoolError, ServerUnreachable
@@ -23,14 +24,14 @@ RankOpt = Annotated[
 
 
 def exec_in_job(server: list[str] | None, token: str | None, alloc: str, command: list[str], rank: int,
-                pty: bool) -> int:  # fmt: skip
+                pty: bool, write: Callable[[int, bytes], None] | None = None) -> int:  # fmt: skip
     """The command's exit status (the session's errors raise PoolError or ServerUnreachable)."""
     from computepool.client import PoolClient, resolve_config  # noqa: PLC0415 - start-up time
     from computepool.client.relay import run_exec  # noqa: PLC0415
 
     cfg = resolve_config(server, token)
     with PoolClient.from_config(cfg) as pool:
-        return run_exec(pool, cfg.ca, alloc, command, rank, pty)
+        return run_exec(pool, cfg.ca, alloc, command, rank, pty, write)
 
 
 HOLDER = ["sleep", "infinity"]  # what a `cpool run --pty` job runs while the terminal is attached
@@ -69,6 +70,12 @@ def register(app: typer.Typer) -> None:
         pty: Annotated[
             bool, typer.Option("--pty", "-t", help="Run it on a terminal (a shell, an editor, top).")
         ] = False,
+        as_json: Annotated[
+            bool,
+            typer.Option(
+                "--json", help="Print {exit_code, stdout, stderr} as JSON once CMD ends (not with -t)."
+            ),
+        ] = False,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -80,4 +87,15 @@ def register(app: typer.Typer) -> None:
             raise fail(f"ID: expected an allocation id (a number), got {alloc!r}", code=2)
         if not command:
             raise fail("give the command to run after `--`, e.g. `cpool exec 42 -- bash`", code=2)
-        raise typer.Exit(exec_in_job(server, token, alloc.strip(), command, rank, pty))
+        if as_json and pty:
+            raise fail("--json collects the output of a command without a terminal: not with -t", code=2)
+        if not as_json:
+            raise typer.Exit(exec_in_job(server, token, alloc.strip(), command, rank, pty))
+        got: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
+        code = exec_in_job(
+            server, token, alloc.strip(), command, rank, False, lambda fd, b: got[fd].extend(b)
+        )
+        out = {"exit_code": code, "stdout": got[1].decode(errors="replace"),
+               "stderr": got[2].decode(errors="replace")}  # fmt: skip
+        print_json(out)
+        raise typer.Exit(code)

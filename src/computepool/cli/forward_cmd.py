@@ -3,11 +3,12 @@ this machine's 127.0.0.1:LOCAL, through the control plane and the job's node (do
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
-from computepool.cli.common import err_console, fail
+from computepool.cli.common import err_console, fail, print_json
 from computepool.cli.exec_cmd import RankOpt
 from computepool.cli.pool_cmd import ServerOpt, TokenOpt, pool_command
 from computepool.core.errors import InvalidInput
@@ -35,6 +36,9 @@ def register(app: typer.Typer) -> None:
         alloc: Annotated[str, typer.Argument(help="The running job's allocation id.", show_default=False)],
         ports: Annotated[str, typer.Argument(help="[LOCAL:]PORT: the job's PORT on 127.0.0.1:LOCAL here.")],
         rank: RankOpt = 0,
+        as_json: Annotated[
+            bool, typer.Option("--json", help="Say where it listens as JSON {local, port, allocation}.")
+        ] = False,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -55,8 +59,12 @@ def register(app: typer.Typer) -> None:
                 fwd = Forwarder(pool, cfg.ca, alloc.strip(), port, rank, local, say)
             except OSError as e:
                 raise fail(f"cannot listen on 127.0.0.1:{local}: {e.strerror or e}", code=1) from None
-            print(f"Forwarding 127.0.0.1:{fwd.local} -> port {port} of allocation {alloc.strip()} "
-                  "(Ctrl-C to stop)", flush=True)  # fmt: skip
+            if as_json:
+                print_json({"local": fwd.local, "port": port, "allocation": int(alloc)})
+                sys.stdout.flush()
+            else:
+                print(f"Forwarding 127.0.0.1:{fwd.local} -> port {port} of allocation {alloc.strip()} "
+                      "(Ctrl-C to stop)", flush=True)  # fmt: skip
             try:
                 fwd.serve()
             except KeyboardInterrupt:

@@ -91,9 +91,13 @@ def _terminal_size() -> tuple[int, int]:
         return 24, 80
 
 
-def run_exec(pool: PoolClient, ca: str | None, alloc: str, command: list[str], rank: int, pty: bool) -> int:
-    """Run `command` in the job; this process's stdin goes to it, its output comes here. Its exit
-    status (128+N when killed by signal N); a session that ends without one raises PoolError."""
+def run_exec(
+    pool: PoolClient, ca: str | None, alloc: str, command: list[str], rank: int, pty: bool,
+    write: Callable[[int, bytes], None] | None = None,
+) -> int:  # fmt: skip
+    """Run `command` in the job; this process's stdin goes to it, its output comes here (to
+    `write(1 or 2, bytes)` when given). Its exit status (128+N when killed by signal N); a session
+    that ends without one raises PoolError."""
     rows, cols = _terminal_size()
     body = {"kind": "exec", "command": command, "rank": rank, "tty": pty, "rows": rows, "cols": cols}
     s = Session(pool, ca, alloc, body)
@@ -109,7 +113,7 @@ def run_exec(pool: PoolClient, ca: str | None, alloc: str, command: list[str], r
             # Ctrl-C, Ctrl-Z and the rest go to the job's terminal as bytes; keys typed ahead are kept
             tty.setraw(stdin, termios.TCSANOW)
         threading.Thread(target=_stdin_pump, args=(s, stdin), daemon=True).start()
-        return _receive(s, resized)
+        return _receive(s, resized, write or _write_all)
     finally:
         if saved is not None:
             termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
@@ -131,7 +135,7 @@ def _stdin_pump(s: Session, fd: int) -> None:
             return
 
 
-def _receive(s: Session, resized: threading.Event) -> int:
+def _receive(s: Session, resized: threading.Event, write: Callable[[int, bytes], None]) -> int:
     while True:
         if resized.is_set():
             resized.clear()
@@ -145,7 +149,7 @@ def _receive(s: Session, resized: threading.Event) -> int:
         if isinstance(frame, bytes):
             out = 2 if frame[:1] == bytes([STDERR]) else 1 if frame[:1] == bytes([STDOUT]) else None
             if out is not None:
-                _write_all(out, frame[1:])
+                write(out, frame[1:])
             continue
         msg = s.control(frame)
         if "exit" in msg:
