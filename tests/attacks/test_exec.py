@@ -320,6 +320,7 @@ def test_sessions_open_once_for_their_own_user_and_node(setup: Setup) -> None:
         b_token = next(t for n, t in s.node.tokens.items() if n != s.tenant_a)
         assert (_dial(s, sid, "client", b_token, client_secret) or {}).get("status") == 404
         assert (_dial(s, sid, "node", cred, "guessed") or {}).get("status") == 404
+        assert (_dial(s, sid, "client", "x.not-a-token", client_secret) or {}).get("status") == 401
         assert (_dial(s, 2**70, "client", s.node.tokens[s.tenant_a], client_secret) or {}).get(
             "status"
         ) == 404

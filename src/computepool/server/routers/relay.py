@@ -20,8 +20,9 @@ from starlette.websockets import WebSocketDisconnect
 from computepool.server.auth import authenticate
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
-from computepool.server.errors import ApiError, Invalid
+from computepool.server.errors import ApiError, Invalid, Unauthorized
 from computepool.server.hub import Hub
+from computepool.server.limits import check_api_rate, check_auth_failures, count_auth_failure
 from computepool.server.logic import relay
 from computepool.server.policy import Action
 from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
@@ -70,7 +71,14 @@ async def relay_socket(websocket: WebSocket, sid: int, side: str) -> None:
             raise Invalid(f"side: {side!r} is neither 'client' nor 'node'", "side")
         auth = websocket.headers.get("authorization", "")
         bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        principal = await run_in_threadpool(authenticate, state.db, bearer, state.caches.tokens)
+        client = websocket.client.host if websocket.client and bearer else None
+        check_auth_failures(state.api_limits, state.settings, client)  # as every route's (deps.py)
+        try:
+            principal = await run_in_threadpool(authenticate, state.db, bearer, state.caches.tokens)
+        except Unauthorized:
+            count_auth_failure(state.api_limits, state.settings, client)
+            raise
+        check_api_rate(state.api_limits, state.settings, principal)
         relay.authenticate_socket(principal)
         secret = websocket.headers.get(CLIENT_SECRET_HEADER, "")
         await run_in_threadpool(relay.claim, state.db, principal, sid, secret, side)
