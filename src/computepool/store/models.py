@@ -728,6 +728,7 @@ class RelaySession(Base):
     `node_secret` (handed out once, wiped when used); the server only relays bytes between them."""
 
     __tablename__ = "relay_sessions"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused: agents ask for those past one
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id", ondelete="CASCADE"), index=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, delete, or_, select
 
 from computepool.server.context import Ctx
 from computepool.server.credentials import hash_secret, secret_matches
@@ -69,6 +69,13 @@ def create(ctx: Ctx, alloc_id: int, body: RelayCreate, hub: Hub, replica: str | 
             return RelayOut(
                 id=0, allocation_id=a.id, node=node, rank=body.rank, secret="", url=replica, expires_in_s=0
             )
+        s.execute(  # the job's ended sessions and those nobody opened (the audit log keeps who asked)
+            delete(RelaySession).where(
+                RelaySession.allocation_id == a.id,
+                RelaySession.state != "open",
+                or_(RelaySession.state == "closed", RelaySession.expires_at <= now - SESSION_TTL),
+            )
+        )
         live = s.scalars(
             select(RelaySession.id).where(
                 RelaySession.allocation_id == a.id,

@@ -47,6 +47,7 @@ def upgrade() -> None:
         sa.Column("created_at", UTCDateTime(), nullable=False),
         sa.Column("expires_at", UTCDateTime(), nullable=False),
         sa.Column("ended_at", UTCDateTime(), nullable=True),
+        sqlite_autoincrement=True,  # ids never reused: agents ask for the sessions past one they saw
     )
     op.create_index("ix_relay_sessions_allocation_id", "relay_sessions", ["allocation_id"])
     op.create_index("ix_relay_sessions_node", "relay_sessions", ["node"])
