@@ -110,6 +110,7 @@ def test_exec_runs_as_the_tenant_inside_the_job(setup: Setup) -> None:
     s = setup
     script = (
         "id -u; cat; echo to-stderr >&2; grep -E '^Max (address space|processes)' /proc/self/limits; "
+        "grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status; "
         "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done; "
         f"{JOB_PYTHON} -c \"import socket; socket.create_connection(('127.0.0.1', {s.host_port}), 3)\" "
         "2>/dev/null && echo reached-$((6*7)); exit 7"
@@ -124,6 +125,8 @@ def test_exec_runs_as_the_tenant_inside_the_job(setup: Setup) -> None:
     job = next(p for p in psutil.process_iter(["cmdline"]) if s.marker_a in (p.info["cmdline"] or []))
     held = [x for x in Path(f"/proc/{job.pid}/limits").read_text().splitlines() if x.startswith("Max ")]
     assert lines[2:4] == [x for x in held if "address space" in x or "processes" in x]  # as the job is
+    status = dict(x.split(":\t") for x in lines[4:8])
+    assert status == {"CapEff": "0" * 16, "CapBnd": "0" * 16, "NoNewPrivs": "1", "Seccomp": "2"}, status
     assert s.marker_a in out  # the job's own processes are there ...
     assert s.marker_b not in out  # ... and nobody else's
     assert "computepool.cli.main agent" not in out  # the node's own processes are not
