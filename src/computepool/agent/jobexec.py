@@ -101,16 +101,20 @@ def find_init(rec: JobRecord) -> int | None:
 
 
 def job_env(view: JobView) -> dict[str, str]:
-    """The job's environment, as its first process of the tenant's user started with it."""
+    """The job's environment, as its first process of the tenant's user started with it; in a job
+    that has just started and runs none yet, as handed to its first step (the agent's own child)."""
     uid = view.user.pw_uid if view.user is not None else os.geteuid()
     root = view.init_pid if view.init_pid is not None else view.rec.pid
-    try:
+    with contextlib.suppress(psutil.Error):
         procs = sorted(psutil.Process(root).children(recursive=True), key=lambda p: (p.create_time(), p.pid))
         for p in procs:
-            if p.uids().real == uid:
-                return handed_over(dict(p.environ()))
-    except psutil.Error:
-        pass
+            with contextlib.suppress(psutil.Error):
+                if p.uids().real == uid:
+                    return handed_over(dict(p.environ()))
+    with contextlib.suppress(psutil.Error):
+        leader = psutil.Process(view.rec.pid)
+        if abs(leader.create_time() - view.rec.create_time) < 0.05:
+            return handed_over(dict(leader.environ()))
     return {"PATH": FIXED_PATH, "HOME": str(view.work)}
 
 

@@ -45,7 +45,10 @@ def create_relay(
     ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_EXEC))],
     hub: Annotated[Hub, Depends(get_hub)],
 ) -> RelayOut:
-    return relay.create(ctx, alloc_id, body, hub, request.app.state.replicas.url)
+    replicas = request.app.state.replicas
+    # with one replica every client's own URL reaches it (a proxy's name, say, not the bound address)
+    here = replicas.url if len(replicas.urls()) > 1 else None
+    return relay.create(ctx, alloc_id, body, hub, here)
 
 
 @router.get("/nodes/{name}/relays", summary="Sessions this node's agent should dial back to (long-poll)")
