@@ -84,7 +84,9 @@ def _ns(pid: int | str, kind: str) -> str:
 
 
 def find_init(rec: JobRecord) -> int | None:
-    """The job's namespaces' init: the first of its processes in a PID namespace not the agent's."""
+    """The job's namespaces' init: the first of its processes in a PID namespace not the agent's,
+    once it has started the command (its mounts, a private /tmp and the data dir hidden, are made
+    by then). None before, and for a job without namespaces."""
     try:
         leader = psutil.Process(rec.pid)
         if abs(leader.create_time() - rec.create_time) >= 0.05:
@@ -94,9 +96,9 @@ def find_init(rec: JobRecord) -> int | None:
         return None
     mine = _ns("self", "pid")
     for p in procs:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, psutil.Error):
             if _ns(p.pid, "pid") != mine:
-                return p.pid
+                return p.pid if p.children() else None
     return None
 
 

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import termios
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from computepool.wire.relay import CLIENT_SECRET_HEADER, DATA, STDERR, STDIN, ST
 log = logging.getLogger("computepool.agent")
 POLL_WAIT_S = 25.0
 CHUNK = 64 * 1024
+SANDBOX_WAIT_S = 10.0  # a job that has just started gets this long to make its namespaces
 DRAIN_S = 2.0  # output still read this long after the command ended (a background child holds it)
 
 
@@ -161,7 +163,16 @@ class Relays:
             user = self.user_of(s.tenant)
         except ValueError as e:
             raise jobexec.ExecRefused(str(e)) from None
-        return jobexec.JobView(rec, jobexec.find_init(rec), work, user)
+        init = jobexec.find_init(rec)
+        host = self.executor.launcher.host
+        if host is not None and host.namespaces and host.unshare is not None:
+            deadline = time.monotonic() + SANDBOX_WAIT_S  # a job just started: its sandbox comes up
+            while init is None and time.monotonic() < deadline and self.executor.get(rec.key) is not None:
+                time.sleep(0.05)
+                init = jobexec.find_init(rec)
+            if init is None:  # never outside the job's namespaces
+                raise jobexec.ExecRefused(f"allocation {s.allocation_id}'s sandbox is not up: try again")
+        return jobexec.JobView(rec, init, work, user)
 
 
 class _Sender:
