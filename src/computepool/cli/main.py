@@ -79,6 +79,7 @@ def _register() -> None:
         sim_replay,
         sim_report,
         tenants_cmd,
+        throughputs_cmd,
         up_cmd,
         usage_cmd,
     )
@@ -107,6 +108,7 @@ def _register() -> None:
     run_cmd.register(app)
     serve_cmd.register(app)
     usage_cmd.register(app)
+    throughputs_cmd.register(app)
     alerts_cmd.register(app)
     cp_cmd.register(app)
     bench_api_cmd.register(bench_app)
@@ -135,6 +137,7 @@ _QUICK: dict[str, tuple[str, str]] = {
     "alerts": ("alerts_cmd", "register"),
     "cp": ("cp_cmd", "register"),
     "secrets": ("secrets_cmd", "register"),
+    "throughputs": ("throughputs_cmd", "register"),
 }
 
 # Optional imports of libraries the client loads that no `cpool` command uses: httpcore imports trio

@@ -23,6 +23,7 @@ from computepool.server.routers import (
     secrets,
     services,
     tenants,
+    throughputs,
     usage,
 )
 
@@ -47,6 +48,7 @@ def api_routers() -> list[APIRouter]:
         secrets.router,
         gateway.router,
         usage.router,
+        throughputs.router,
         alerts.router,
         audit.router,
         blobs.router,
