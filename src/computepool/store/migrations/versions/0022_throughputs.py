@@ -1,7 +1,7 @@
 """Measured speeds: per tenant, job type, device model and device count, an exponentially weighted
 mean of the steps/s its jobs reported, the number of reports and the last one's time.
 
-Revision ID: 0023
+Revision ID: 0022
 Revises: 0021
 Create Date: 2026-12-02
 """
@@ -13,7 +13,7 @@ from alembic import op
 
 from computepool.store.types import UTCDateTime
 
-revision = "0023"
+revision = "0022"
 down_revision = "0021"
 branch_labels = None
 depends_on = None
