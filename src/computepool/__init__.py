@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from computepool.sdk import Pool
+    from computepool.sdk import Pool, progress
 
-__all__ = ["Pool"]
+__all__ = ["Pool", "progress"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from computepool.sdk.pool import Pool  # noqa: PLC0415 - lazy on purpose
 
         return Pool
+    if name == "progress":  # a job's step count, for the pool's speed table (sdk/progress.py)
+        from computepool.sdk.progress import progress  # noqa: PLC0415 - lazy on purpose
+
+        return progress
     raise AttributeError(f"module 'computepool' has no attribute {name!r}")

@@ -191,6 +191,9 @@ def test_a_process_job_is_held_to_its_tenants_defaults(node: Node, tenant: tuple
         "cpu_milli": 1000,
         "memory_mib": 64,
         "pids_max": 32,
+        "time_limit_s": None,
+        "max_time_limit_s": None,
+        "max_array": None,
         "from_pool": ["cpu_milli"],
     }
     hog, out = _ended(node, client, _submit(client, [JOB_PYTHON, "-c", HOG, "256"]))

@@ -94,6 +94,7 @@ BOTH_DATABASES = {
     "test_request_defaults",
     "test_image_admission",
     "test_secrets_api",
+    "test_throughputs",
 }
 
 

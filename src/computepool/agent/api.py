@@ -234,10 +234,14 @@ class AgentApi:
         devices_usage: list[dict[str, Any]],
         address: str | None = None,
         pythons: list[str] | None = None,
+        progress: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """`address` (once after a start): where peers reach the node; "" = where the call comes from.
-        `pythons` (once after a start): the Python versions jobs can run here (installed since the join?)."""
+        `pythons` (once after a start): the Python versions jobs can run here (installed since the join?).
+        `progress`: running jobs' steps/s since the last heartbeat (agent/progress.py)."""
         body: dict[str, Any] = {"devices_usage": devices_usage}
+        if progress:
+            body["progress"] = progress
         if address is not None:
             body["address"] = address
         if pythons is not None:

@@ -37,6 +37,7 @@ from computepool.agent.localstate import JobRecord, JobState
 from computepool.agent.port_guard import LISTEN_PORTS_EXTRA, ports_text
 from computepool.core.allocation import RPC_PORT_ENV, Isolation, Slice
 from computepool.core.errors import InvalidInput
+from computepool.core.progress import PROGRESS_ENV, PROGRESS_FILE
 
 log = logging.getLogger("computepool.agent")
 WORKER_CA_FILE = ".cpool-ca.pem"  # in the job's work dir: the control plane's CA, for function workers
@@ -52,6 +53,16 @@ def check_published(a: Assignment, node: str, allowed: tuple[int, int]) -> None:
     if bad:
         why = f"{bad[0]} cannot be published on node {node}: containers publish {lo}-{hi} only"
         raise InvalidInput("ports", why)
+
+
+def progress_path(a: Assignment, work_dir: Path) -> str:
+    """Where the job writes its progress (core/progress.py): in its work dir, as the job sees it
+    (a container has the work dir at its own path)."""
+    if a.image:
+        from computepool.agent.container import WORKDIR  # noqa: PLC0415 - only for container jobs
+
+        return f"{WORKDIR}/{PROGRESS_FILE}"
+    return str(work_dir / PROGRESS_FILE)
 
 
 class JobStarter:
@@ -137,6 +148,7 @@ class JobStarter:
             if isinstance(self.inventory.backend, SimulatedBackend):
                 env[SIM_MEMORY_FILE_ENV] = str(work_dir / SIM_MEMORY_FILE_NAME)
             env |= self.worker_env(env, work_dir)
+            env[PROGRESS_ENV] = progress_path(a, work_dir)
             (run_dir / ASSIGNMENT_FILE).write_text(json.dumps(assignment_json(a)))
             spec = JobSpec(
                 a.allocation_id,

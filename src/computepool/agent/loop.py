@@ -52,6 +52,7 @@ from computepool.agent.localstate import JobRecord, JobState, job_key
 from computepool.agent.logship import LogShipper
 from computepool.agent.port_guard import GuardedJob, PortGuard, given_ports, parse_ranges
 from computepool.agent.preparing import Preparer
+from computepool.agent.progress import ProgressReader, RunningJob
 from computepool.agent.relay import Relays
 from computepool.agent.reports import Reporter
 
@@ -120,6 +121,7 @@ class Agent:
         )
         self.files = FileAnswerer(api, config.data_dir, self.executor.work_dir, self._file_user)
         self.reports = Reporter(api, self.executor, self._refused)
+        self.progress = ProgressReader()  # running jobs' steps/s, sent with each heartbeat
         self.logs = LogShipper(api, self.executor, config.log_chunk_bytes, self._refused)
         self._lock = threading.Lock()
         # where the node's replicas are dialled and its containers publish: as the pool stored it
@@ -269,6 +271,19 @@ class Agent:
             log.debug("device usage unavailable: %s", e)
             return []
 
+    def _progress(self) -> list[dict[str, Any]]:
+        """Running jobs' steps/s since the last heartbeat, from their progress files."""
+        jobs = [
+            RunningJob(r.key, r.allocation_id, r.attempt, self.executor.work_dir(r.allocation_id, r.attempt))
+            for r in self.executor.running()
+            if not r.stop_reason
+        ]
+        try:
+            return self.progress.rates(jobs)
+        except Exception as e:  # a job's odd file must not stop the heartbeat
+            log.debug("progress unavailable: %s", e)
+            return []
+
     def _heartbeat_loop(self) -> None:
         backoff = Backoff(max_s=self.config.max_backoff_s)
         address: str | None = self.config.address or ""  # said until a heartbeat is answered
@@ -277,7 +292,7 @@ class Agent:
             interval = self.cred.heartbeat_interval_s
             try:
                 sent = fencing.now_s()
-                answer = self.api.heartbeat(self._usage(), address, pythons)
+                answer = self.api.heartbeat(self._usage(), address, pythons, self._progress())
                 address = pythons = None
                 self._learn_address(answer.get("address"))
                 self.port_guard.set_ranges(parse_ranges(answer.get("reserved_ports")))

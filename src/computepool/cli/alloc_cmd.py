@@ -97,6 +97,13 @@ StackOpt = Annotated[
         "--stack", help="A software stack the node must have, at least this version: cuda-12.4 (repeat)."
     ),
 ]
+JobTypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--job-type",
+        help="What kind of work this is (e.g. resnet50): placed on the device model its jobs ran fastest on.",
+    ),
+]
 AcceleratorOpt = Annotated[
     str | None, typer.Option("--accelerator", help="any (the default: any vendor's device), or a vendor.")
 ]
@@ -152,6 +159,8 @@ def request_text(req: dict[str, Any]) -> str:
             g += f" [≥{format_mib(req['min_gpu_memory_mib'])}]"
         if req.get("exclusive"):
             g += " exclusive"
+        if req.get("job_type"):
+            g += f" ({req['job_type']})"
         parts.append(g)
     if req.get("cpu_milli"):
         cpus = cpus_text(req["cpu_milli"])
@@ -341,6 +350,7 @@ def register(app: typer.Typer) -> None:
         min_gpu_mem: MinGpuMemOpt = None,
         accelerator: AcceleratorOpt = None,
         stack: StackOpt = None,
+        job_type: JobTypeOpt = None,
         isolation: IsolationOpt = None,
         image: ImageOpt = None,
         port: PortOpt = None,
@@ -367,6 +377,7 @@ def register(app: typer.Typer) -> None:
             image=image, ports=port, mig=mig, node_selector=node_selector, time_limit=time_limit,
             tolerations=toleration, nodes=nodes, priority=priority, name=name, tenant=tenant,
             colocate=colocate, vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator, stack=stack,
+            job_type=job_type,
         )  # fmt: skip
         with open_client(server, token) as pool:
             out = pool.create_allocation(req)

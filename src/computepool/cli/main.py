@@ -81,6 +81,7 @@ def _register() -> None:
         sim_replay,
         sim_report,
         tenants_cmd,
+        throughputs_cmd,
         up_cmd,
         usage_cmd,
     )
@@ -109,6 +110,7 @@ def _register() -> None:
     run_cmd.register(app)
     serve_cmd.register(app)
     usage_cmd.register(app)
+    throughputs_cmd.register(app)
     alerts_cmd.register(app)
     cp_cmd.register(app)
     exec_cmd.register(app)
@@ -141,6 +143,7 @@ _QUICK: dict[str, tuple[str, str]] = {
     "exec": ("exec_cmd", "register"),
     "forward": ("forward_cmd", "register"),
     "secrets": ("secrets_cmd", "register"),
+    "throughputs": ("throughputs_cmd", "register"),
 }
 
 # Optional imports of libraries the client loads that no `cpool` command uses: httpcore imports trio

@@ -31,6 +31,7 @@ from computepool.cli.alloc_cmd import (
     GpusOpt,
     ImageOpt,
     IsolationOpt,
+    JobTypeOpt,
     MemOpt,
     MigOpt,
     MinGpuMemOpt,
@@ -154,6 +155,7 @@ def register(app: typer.Typer) -> None:
         min_gpu_mem: MinGpuMemOpt = None,
         accelerator: AcceleratorOpt = None,
         stack: StackOpt = None,
+        job_type: JobTypeOpt = None,
         isolation: IsolationOpt = None,
         image: ImageOpt = None,
         port: PortOpt = None,
@@ -272,6 +274,7 @@ def register(app: typer.Typer) -> None:
             tolerations=toleration, nodes=gang_nodes, name=name, command=command, restartable=restartable,
             colocate=colocate, secrets=secret_uses(secret), priority=priority, tenant=tenant,
             vendor=vendor, min_gpu_mem=min_gpu_mem, accelerator=accelerator, stack=stack,
+            job_type=job_type,
         )  # fmt: skip
         from computepool.cli import array_run, ship  # ship archives code: loaded by the command that ships
 

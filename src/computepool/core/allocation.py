@@ -50,12 +50,14 @@ class Slice:
     memory_mib: int
     isolation: Isolation
     device_uuid: str = ""
+    vendor: str = ""  # the device's (core/vendors.py); "" in slices bound before it was kept
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "node": self.node,
             "device_index": self.device_index,
             "device_uuid": self.device_uuid,
+            "vendor": self.vendor,
             "compute_milli": self.compute_milli,
             "memory_mib": self.memory_mib,
             "isolation": str(self.isolation),
@@ -71,4 +73,5 @@ class Slice:
             memory_mib=int(d.get("memory_mib") or 0),
             isolation=Isolation(d.get("isolation") or default_isolation),
             device_uuid=str(d.get("device_uuid") or ""),
+            vendor=str(d.get("vendor") or ""),
         )

@@ -6,6 +6,7 @@ from computepool.sdk.errors import CallCancelled, IncompatiblePython, RemoteErro
 from computepool.sdk.gang import GangHandle
 from computepool.sdk.jobs import Job
 from computepool.sdk.pool import Handle, Pool, RemoteFunction
+from computepool.sdk.progress import progress
 
 __all__ = [
     "CallCancelled",
@@ -17,4 +18,5 @@ __all__ = [
     "RemoteError",
     "RemoteFunction",
     "RemoteTraceback",
+    "progress",
 ]

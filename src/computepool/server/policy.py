@@ -106,6 +106,7 @@ class Action(StrEnum):
     SECRET_SET = "secret.set"  # a tenant's secret: set (or replace) its value
     SECRET_LIST = "secret.list"  # names, who set them and when; never values
     SECRET_DELETE = "secret.delete"
+    THROUGHPUT_LIST = "throughput.list"  # measured speeds per job type and device model
 
     @property
     def mutating(self) -> bool:
@@ -160,6 +161,7 @@ GRANTS: dict[Action, frozenset[Role]] = {
     Action.SECRET_SET: _ADMINS,  # jobs of the tenant's writers use them; only its admins change them
     Action.SECRET_LIST: _ALL,
     Action.SECRET_DELETE: _ADMINS,
+    Action.THROUGHPUT_LIST: _ALL,  # scoped to the caller's tenant but for admins
     Action.ALLOCATION_CREATE: _WRITERS,
     Action.ALLOCATION_LIST: _ALL,
     Action.ALLOCATION_GET: _ALL,

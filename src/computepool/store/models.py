@@ -722,6 +722,22 @@ class Secret(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+class Throughput(Base):
+    """A tenant's measured speed of one job type on `devices` devices of one model: an exponentially
+    weighted mean of the steps/s its jobs reported (server/logic/throughputs.py), how many reports
+    went into it and when the last came. Keyed by tenant: job type names are the tenant's own."""
+
+    __tablename__ = "throughputs"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    job_type: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    model: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    devices: Mapped[int] = mapped_column(Integer, primary_key=True)
+    steps_per_s: Mapped[float] = mapped_column(Float)
+    samples: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 class RelaySession(Base):
     """A user's shell (`cpool exec`) or tunnelled connection (`cpool forward`) into a running job:
     the replica at `replica` holds the user's socket until the node's agent dials back with

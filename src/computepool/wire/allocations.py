@@ -237,6 +237,11 @@ class AllocationCreate(In):
         max_length=8,
         description='Software stacks the node must provide, at least these versions: {"cuda": "12.4"}.',
     )
+    job_type: Name | None = Field(
+        default=None,
+        description="What kind of work this is (e.g. resnet50): the pool learns each type's speed on each "
+        "device model from the progress its jobs report, and places it on the fastest model free.",
+    )
     exclusive: bool = Field(default=False, strict=True, description="Whole devices, alone on them.")
     isolation: IsolationName | None = Field(
         default=None, description="Default: exclusive for whole devices, timeslice for fractions."
@@ -355,6 +360,7 @@ class RequestOut(Out):
     vendors: list[str] | None = None
     min_gpu_memory_mib: int | None = None
     stacks: dict[str, str] | None = None
+    job_type: str | None = None
     exclusive: bool
     isolation: IsolationName
     gang_nodes: int

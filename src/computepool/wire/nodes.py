@@ -13,6 +13,7 @@ from computepool.wire.common import (
     MAX_CPU_MILLI,
     MAX_EXPIRES_S,
     MAX_MEMORY_MIB,
+    Id,
     In,
     ModelName,
     Name,
@@ -115,8 +116,19 @@ class DeviceUsageIn(In):
     )
 
 
+class ProgressIn(In):
+    """A running job's speed since the last heartbeat, from the steps it reported (sdk/progress.py)."""
+
+    allocation_id: Id
+    attempt: int = Field(strict=True, ge=1)
+    steps_per_s: float = Field(gt=0, le=1e9, allow_inf_nan=False, description="Steps per second.")
+
+
 class Heartbeat(In):
     devices_usage: list[DeviceUsageIn] = Field(default_factory=list, max_length=MAX_DEVICES_PER_NODE)
+    progress: list[ProgressIn] | None = Field(
+        default=None, max_length=1024, description="Running jobs that advanced since the last heartbeat."
+    )
     address: Address | None = Field(
         default=None,
         description="Set the node's address (an agent sends it once after it starts); empty: the "

@@ -151,6 +151,7 @@ def _normalise(body: AllocationCreate, tenant: str) -> dict[str, Any]:
         "vendors": sorted(set(body.vendors)) if body.vendors else None,
         "min_gpu_memory_mib": body.min_gpu_memory_mib,
         "stacks": dict(sorted(body.stacks.items())) if body.stacks else None,
+        "job_type": body.job_type,
         "exclusive": exclusive,
         "isolation": isolation,
         "gang_nodes": body.gang_nodes,

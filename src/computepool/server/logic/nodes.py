@@ -11,6 +11,7 @@ from computepool.core.tls import file_fingerprint, split_pin, with_pin
 from computepool.server.context import Ctx
 from computepool.server.credentials import new_secret, secret_matches, split_token
 from computepool.server.errors import Conflict, Invalid, NotFound, Unauthorized
+from computepool.server.logic import throughputs
 from computepool.server.logic.audit import record
 from computepool.server.policy import Principal, Role, Target, authorize
 from computepool.server.settings import ServerSettings
@@ -213,6 +214,8 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> 
             gang_store.set_address(s, name, address)
         if body.pythons is not None:  # an agent that (re)started says which Pythons jobs can run
             fn_store.set_pythons(s, name, body.pythons)
+        if body.progress:  # running jobs' steps/s: the pool's measured speeds
+            throughputs.record_progress(s, name, body.progress, db_now(s))
     return HeartbeatOut(
         node=name,
         state="ready",

@@ -24,6 +24,7 @@ from computepool.server.routers import (
     secrets,
     services,
     tenants,
+    throughputs,
     usage,
 )
 
@@ -48,6 +49,7 @@ def api_routers() -> list[APIRouter]:
         secrets.router,
         gateway.router,
         usage.router,
+        throughputs.router,
         alerts.router,
         audit.router,
         blobs.router,

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from computepool.core import Request
-from computepool.core.allocation import AllocationState
-from computepool.scheduler.filters import Reasons
+from computepool.core.allocation import AllocationState, Isolation
+from computepool.scheduler import speed_pref
+from computepool.scheduler.filters import Reasons, model_ids
 from computepool.scheduler.placement import Decision, Scheduler
 from computepool.scheduler.policies import make_scorer
 from computepool.scheduler.reservation import Reservation
@@ -217,7 +218,7 @@ def _serve_one(c: _Cycle, a: Live, keep_off: np.ndarray | None = None) -> None:
         c.failed_kinds[kind] = world.freed
         c.waiting.setdefault(kind, []).append(a.id)
         return
-    d = _place(c, req, keep_off)
+    d = _place(c, req, keep_off, _speed_order(c, a))
     stmt = world.statement()
     if not d.ok and (guaranteed or owner):
         d = _preempt(c, a, stmt, lent_only=not guaranteed, keep_off=keep_off)
@@ -274,18 +275,42 @@ def _kind(world: World, req: Request, keep_off: np.ndarray | None = None) -> Kin
     )
 
 
-def _place(c: _Cycle, req: Request, keep_off: np.ndarray | None = None) -> Decision:
+def _speed_order(c: _Cycle, a: Live) -> list[frozenset[str]] | None:
+    """The device models to try in turn for a request naming a job type, fastest first by its
+    tenant's measured speeds (scheduler/speed_pref.py); None: no preference (placed as ever)."""
+    job_type = a.request.get("job_type")
+    speeds = c.snap.speeds.get(a.tenant)
+    req = a.core
+    if not job_type or speeds is None or not req.gpu_count or req.tier == Isolation.MIG:
+        return None
+    rates = speed_pref.rates_for(speeds, str(job_type), req.gpu_count * req.gang_nodes)
+    if not rates:
+        return None
+    state = c.world.state
+    ids = model_ids(state, req)
+    names = state.models if ids is None else [state.models[int(i)] for i in ids]
+    return speed_pref.model_order(rates, names)
+
+
+def _place(
+    c: _Cycle, req: Request, keep_off: np.ndarray | None = None, order: list[frozenset[str]] | None = None
+) -> Decision:
     """Place on the preferred nodes first: an owner on its dedicated nodes, others off them; never
-    on nodes `keep_off` leaves out (a reservation's)."""
+    on nodes `keep_off` leaves out (a reservation's). Within each, `order`'s device models in turn
+    (a job type's fastest first), the first where it fits now."""
     rules = c.world.state.rules
     tiers = rules.preference(req) if rules is not None else [None]
     d = Decision(request=req, reasons=Reasons(0))
     for within in tiers:
         if keep_off is not None:
             within = keep_off if within is None else within & keep_off
-        d = c.sched.place(c.world.state, req, observe=False, explain=False, within=within)
-        if d.ok:
-            break
+        groups: list[frozenset[str] | None] = list(order) if order else [None]
+        for models in groups:
+            narrowed = req if models is None else replace(req, models=models)
+            d = c.sched.place(c.world.state, narrowed, observe=False, explain=False, within=within)
+            if d.ok:
+                d.request = req
+                return d
     return d
 
 

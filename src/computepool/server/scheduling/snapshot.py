@@ -14,11 +14,13 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from computepool.core import Request
+from computepool.scheduler.hetero import Speeds
 from computepool.server.scheduling.quota import QuotaMap, Usage, estimate
 from computepool.server.scheduling.requests import stored_core
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as store
 from computepool.store import scheduling as sql
+from computepool.store import throughputs
 from computepool.store.db import db_now
 
 
@@ -91,6 +93,8 @@ class Snapshot:
     silent: int = 0  # nodes not heard from for suspect_after_s
     braked: bool = False  # so many are silent that none is declared lost (`lost_brake`)
     ended: dict[int, str] = field(default_factory=dict)  # ended allocations pending ones wait for: state
+    # measured steps/s per tenant (scheduler/speed_pref.py), read when a pending request names a job type
+    speeds: dict[str, Speeds] = field(default_factory=dict)
 
 
 def node_state(age_s: float, settings: ServerSettings) -> str:
@@ -225,6 +229,9 @@ class SnapshotCache:
         self._live = keep
         snap = Snapshot(nodes, weights, quotas, current, now, settings.topology_label, silent, braked)
         snap.ended = self._ends_awaited(s, current)
+        typed = {a.tenant for a in current if a.state == "pending" and a.request.get("job_type")}
+        if typed:
+            snap.speeds = {t: Speeds(r) for t, r in throughputs.speeds(s, sorted(typed)).items()}
         return snap
 
     def _ends_awaited(self, s: Session, current: list[Live]) -> dict[int, str]:

@@ -1,8 +1,8 @@
 """Relay sessions: a user's shell or tunnelled connection into a running job, relayed between the
 user's socket and the one its node's agent dials back (`cpool exec`, `cpool forward`).
 
-Revision ID: 0022
-Revises: 0021
+Revision ID: 0023
+Revises: 0022
 Create Date: 2026-12-02
 """
 
@@ -13,8 +13,8 @@ from alembic import op
 
 from computepool.store.types import UTCDateTime
 
-revision = "0022"
-down_revision = "0021"
+revision = "0023"
+down_revision = "0022"
 branch_labels = None
 depends_on = None
 
