@@ -94,9 +94,10 @@ async def relay_socket(websocket: WebSocket, sid: int, side: str) -> None:
     try:
         other = await meetings.meet(sid, side, websocket, relay.SESSION_TTL.total_seconds())
         if other is None:
-            who = "the job's node did not answer" if side == "client" else "the user left"
+            who = "the job's node did not answer" if side == "client" else "the user did not connect"
+            wait = int(relay.SESSION_TTL.total_seconds())
             with contextlib.suppress(Exception):
-                await websocket.send_text(json.dumps({"error": f"{who} in time", "status": 504}))
+                await websocket.send_text(json.dumps({"error": f"{who} within {wait} s", "status": 504}))
             return
         if side == "node":
             await meetings.hold(sid)
