@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,14 @@ from computepool.agent.container import Podman
 from computepool.core import Node
 from computepool.sim.alibaba import Pod, load_nodes, load_pods
 from computepool.sim.csvread import traces_dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A harness that starts the tests in the background hands them SIGINT ignored, and every
+    command they start would keep it ignored (so Ctrl-C tests could never pass): give this process
+    Python's own handler, which its children's exec resets to the default, as on a terminal."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # Hypothesis on a machine shared with other work: no per-example deadline and no "too slow" health
 # check, for every property test (a busy core stretches any example; a test that needs a bound on

@@ -99,6 +99,12 @@ def setup() -> Iterator[Setup]:
             b.close()
 
 
+def _sigint_as_on_a_terminal() -> None:
+    """A harness that starts the tests in the background hands them SIGINT ignored, which Python
+    (and so cpool) keeps: the command gets the default a terminal would give it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(
     s: Setup, *args: str, stdin: bytes = b"", tenant: str | None = None
 ) -> subprocess.CompletedProcess[bytes]:
@@ -236,6 +242,7 @@ def test_forward_reaches_the_jobs_own_loopback_only(setup: Setup) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
+            preexec_fn=_sigint_as_on_a_terminal,
         )  # fmt: skip
         for port, opts in ((s.job_port, ()), (s.host_port, ("--json",)))
     ]
@@ -359,7 +366,10 @@ def test_a_container_job(setup: Setup, image: str) -> None:
         assert int(out.splitlines()[0]) == pwd.getpwnam(user_name(s.tenant_a)).pw_uid
         assert marker in out  # the container's own processes
         fwd = subprocess.Popen(
-            cpool("forward", str(alloc), f"0:{port}"), stdout=subprocess.PIPE, env=s.node.cli_env(s.tenant_a)
+            cpool("forward", str(alloc), f"0:{port}"),
+            stdout=subprocess.PIPE,
+            env=s.node.cli_env(s.tenant_a),
+            preexec_fn=_sigint_as_on_a_terminal,
         )
         try:
             assert fwd.stdout is not None

@@ -101,6 +101,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("POST", "/api/v1/functions/{fid}/calls"): CALLS,
     ("POST", "/api/v1/functions/{fid}/results"): {"ids": [1]},
     ("POST", "/api/v1/allocations/{alloc_id}/files"): {"path": "out.txt"},
+    ("POST", "/api/v1/allocations/{alloc_id}/relays"): {"kind": "exec", "command": ["true"]},
 }
 NODE_ROUTES = {("POST", "/api/v1/allocations/{alloc_id}/logs")}
 NOT_TENANT_SCOPED = ("/api/v1/nodes/",)  # node names are shared by every tenant: nothing is hidden

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -283,6 +284,10 @@ def test_a_service_whose_replicas_fail_is_answered_503_at_once_with_why(pool: Po
         row = s.get(Service, sid)
         assert row is not None
         row.reason = f"1 replica (min_replicas); {why}"
+    # a request already waiting when the failure is recorded waits its queue out: ask once the
+    # gateway's table (re-read every 0.5 s) has it
+    gateway = api.app.state.gateway
+    wait_until(lambda: (gateway.service_info(sid) or SimpleNamespace(failing="")).failing, what="the table")
     r = api.post("/v1/chat/completions", json=chat("broken"), headers=pool.alice)
     err = oa_error(r, 503)  # at once: the queue would have waited 120 s
     assert err["code"] == "replicas_failing" and why in err["message"], err

@@ -217,6 +217,10 @@ class Gateway:
             done, self._read_event = self._read_event, asyncio.Event()
             done.set()
 
+    def service_info(self, service_id: int) -> ServiceInfo | None:
+        """The service as the routing table last read it (None: not in it)."""
+        return self._by_id.get(service_id)
+
     async def _table_after(self, arrived: float) -> None:
         """Wait until a table read that began after `arrived` is in use, so that a service made
         a moment ago is found: the loop's next read, or (when the loop is late and the table
