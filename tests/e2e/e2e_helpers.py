@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -268,3 +269,29 @@ def local_pool(
     finally:
         stop(proc, signal.SIGINT, timeout=40)
         kill_jobs_under(data)
+
+
+@contextlib.contextmanager
+def simulated_up(tmp: Path, spec: str) -> Iterator[tuple[Pool, dict[str, str]]]:
+    """`cpool up --simulate SPEC` in `tmp`, its node ready: the pool and a CLI environment for it."""
+    data, port, log = tmp / "pool", free_port(), tmp / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cpool("up", "--simulate", spec, "--data-dir", str(data), "--port", str(port)),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+        )  # fmt: skip
+    try:
+        up = wait_for(
+            "cpool up", lambda: re.search(r"ComputePool is up: API (\S+)", log.read_text()), 60, log.read_text
+        )
+        p = Pool(up[1], data)
+        wait_for("the local node", lambda: [n["state"] for n in p.nodes()] == ["ready"], 30)
+        env = child_env()
+        env["CPOOL_SERVER"] = up[1]
+        if up[1].startswith("https://"):
+            env["CPOOL_CA"] = str(data / "tls" / "cert.pem")
+        env["CPOOL_TOKEN"] = (data / "admin-token").read_text().strip()
+        yield p, env
+        p.close()
+    finally:
+        stop(proc, signal.SIGINT, timeout=40)

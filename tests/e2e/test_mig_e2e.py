@@ -3,15 +3,13 @@ instances beside a whole one, jobs run by the real agent, requests refused at ad
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import JOB_PYTHON, Pool, child_env, cpool, free_port, simulated_up, wait_for
 
 SPEC = "1xA100-80GB:mig=3g.40gb+2g.20gb+2g.20gb,1xA100-80GB"
 SHOW_GPU = "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'])"
@@ -19,28 +17,8 @@ SHOW_GPU = "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'])"
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, dict[str, str]]]:
-    tmp = tmp_path_factory.mktemp("mig")
-    data, port, log = tmp / "pool", free_port(), tmp / "up.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cpool("up", "--simulate", SPEC, "--data-dir", str(data), "--port", str(port)),
-            stdout=out, stderr=subprocess.STDOUT, env=child_env(),
-        )  # fmt: skip
-    try:
-        up = wait_for(
-            "cpool up", lambda: re.search(r"ComputePool is up: API (\S+)", log.read_text()), 60, log.read_text
-        )
-        p = Pool(up[1], data)
-        wait_for("the local node", lambda: [n["state"] for n in p.nodes()] == ["ready"], 30)
-        env = child_env()
-        env["CPOOL_SERVER"] = up[1]
-        if up[1].startswith("https://"):
-            env["CPOOL_CA"] = str(data / "tls" / "cert.pem")
-        env["CPOOL_TOKEN"] = (data / "admin-token").read_text().strip()
-        yield p, env
-        p.close()
-    finally:
-        stop(proc, signal.SIGINT, timeout=40)
+    with simulated_up(tmp_path_factory.mktemp("mig"), SPEC) as up:
+        yield up
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

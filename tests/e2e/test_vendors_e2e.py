@@ -3,13 +3,11 @@ NPU, each job given the variable of its device's vendor by the real agent."""
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
 from collections.abc import Iterator
 
 import pytest
-from e2e_helpers import Pool, child_env, cpool, free_port, stop, wait_for
+from e2e_helpers import Pool, cpool, simulated_up
 
 SPEC = "1xMI300X,1xAscend910B,1xA100-80GB"
 SHOW = (
@@ -20,28 +18,8 @@ SHOW = (
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, dict[str, str]]]:
-    tmp = tmp_path_factory.mktemp("vendors")
-    data, port, log = tmp / "pool", free_port(), tmp / "up.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cpool("up", "--simulate", SPEC, "--data-dir", str(data), "--port", str(port)),
-            stdout=out, stderr=subprocess.STDOUT, env=child_env(),
-        )  # fmt: skip
-    try:
-        up = wait_for(
-            "cpool up", lambda: re.search(r"ComputePool is up: API (\S+)", log.read_text()), 60, log.read_text
-        )
-        p = Pool(up[1], data)
-        wait_for("the local node", lambda: [n["state"] for n in p.nodes()] == ["ready"], 30)
-        env = child_env()
-        env["CPOOL_SERVER"] = up[1]
-        if up[1].startswith("https://"):
-            env["CPOOL_CA"] = str(data / "tls" / "cert.pem")
-        env["CPOOL_TOKEN"] = (data / "admin-token").read_text().strip()
-        yield p, env
-        p.close()
-    finally:
-        stop(proc, signal.SIGINT, timeout=40)
+    with simulated_up(tmp_path_factory.mktemp("vendors"), SPEC) as up:
+        yield up
 
 
 def seen(env: dict[str, str], model: str, *how: str) -> str:
