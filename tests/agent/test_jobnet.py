@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import time
@@ -217,7 +218,7 @@ def test_a_job_on_a_node_with_a_loopback_resolver_asks_slirp4netns(tmp_path: Pat
         pytest.skip("no slirp4netns")
     fake = tmp_path / "resolv.conf"
     fake.write_text(node)
-    launch = " ".join(
+    launch = shlex.join(
         [
             *jobnet.launcher_argv(jobnet.options(shutil.which("slirp4netns"), True, False)),
             "cat",

@@ -32,6 +32,10 @@ def test_v2_writes_cpu_memory_and_pids(tmp_path: Path) -> None:
     job = cg.create("a.1", cpu_milli=1500, memory_mib=256, pids_max=100)
     assert job.path == root / "computepool" / "a.1" and job.paths == (job.path,)
     assert (job.path / "cpu.max").read_text() == "150000 100000"
+    assert job.cpu_limit is None
+    later = cg.create("b.1", cpu_milli=100, memory_mib=0, defer_cpu=True)  # the sandbox's init writes it
+    assert later.cpu_limit == (later.path / "cpu.max", "10000 100000")
+    assert not (later.path / "cpu.max").exists()
     assert (job.path / "memory.max").read_text() == str(256 * 1024 * 1024)
     assert (job.path / "pids.max").read_text() == "100"
     (job.path / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
@@ -82,6 +86,9 @@ def test_v1_writes_each_controller(tmp_path: Path) -> None:
     assert [p.parent.parent.name for p in job.paths] == ["memory", "cpu", "pids"]
     cpu = tmp_path / "cpu" / "computepool" / "a.1"
     assert (cpu / "cpu.cfs_quota_us").read_text() == "50000"
+    later = cg.create("b.1", cpu_milli=100, memory_mib=0, defer_cpu=True)
+    assert later.cpu_limit == (tmp_path / "cpu" / "computepool" / "b.1" / "cpu.cfs_quota_us", "10000")
+    assert not later.cpu_limit[0].exists()
     assert (cpu / "cpu.cfs_period_us").read_text() == "100000"
     assert (job.path / "memory.limit_in_bytes").read_text() == str(64 * 1024 * 1024)
     assert (tmp_path / "pids" / "computepool" / "a.1" / "pids.max").read_text() == "50"
@@ -134,12 +141,20 @@ def test_real_v1_memory_limit_kills_a_hog_and_says_so(real_cg_executor: Executor
 
 
 def test_real_v1_cpu_quota_holds_a_busy_job(real_cg_executor: Executor) -> None:
+    """The sandbox's init writes the quota as its last root step (the launcher before it runs
+    unthrottled): it is in place once the command runs, and holds it."""
     ex = real_cg_executor
     tenant = ex.tenant  # type: ignore[attr-defined]
     spin = [PY, "-c", "print('go', flush=True)\nwhile True: pass"]
     rec = ex.start(JobSpec("spin", 1, spin, cpu_milli=200, tenant=tenant))
     assert "cpu 200m" in rec.limits
-    time.sleep(0.5)
+    out = Path(rec.run_dir, "stdout.log")
+    deadline = time.monotonic() + 60
+    while not out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.read_text() == "go\n", Path(rec.run_dir, "stderr.log").read_text()
+    cpu = next(Path(p) for p in rec.extra["cgroup_paths"].splitlines() if "/cpu" in p)
+    assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "20000"
     procs = [psutil.Process(p) for p in ex.job_pids(rec.key)]
     t0 = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
     time.sleep(3.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from computepool.agent import syscall_filter
 
@@ -22,11 +23,24 @@ print(status["Seccomp"].strip(), r, os.strerror(ctypes.get_errno()), sys.flags.i
 
 
 def test_the_loader_runs_the_command_under_the_filter() -> None:
-    loader, why = syscall_filter.probe()
-    assert why == "" and list(loader) == syscall_filter.loader_argv()
-    r = subprocess.run([*loader, sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["2", "-1", "Operation", "not", "permitted", "0"]  # mode 2: a filter
+    """Loaded as the agent compiled it once (--bpf) or compiled by the loader itself: the same."""
+    loader, why, program = syscall_filter.probe()
+    assert why == "" and program and list(loader) == syscall_filter.loader_argv(program=program)
+    assert "-S" in loader  # no site: the launcher imports from the paths it was given
+    for argv in (list(loader), syscall_filter.loader_argv()):
+        r = subprocess.run([*argv, sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["2", "-1", "Operation", "not", "permitted", "0"]  # mode 2: a filter
+
+
+def test_a_program_that_is_not_bpf_never_runs_the_command(tmp_path: Path) -> None:
+    mark = tmp_path / "ran"
+    for bad in (b"\x01\x02\x03", b""):
+        argv = syscall_filter.loader_argv()
+        argv[argv.index("--"):argv.index("--")] = ["--bpf", bad.hex() or "zz"]  # fmt: skip
+        r = subprocess.run([*argv, "/usr/bin/touch", str(mark)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 126 and "cannot load the job's syscall filter" in r.stderr, r.stderr
+        assert not mark.exists()
 
 
 def test_the_loader_says_why_it_cannot_run_a_command() -> None:

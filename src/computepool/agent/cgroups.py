@@ -57,6 +57,9 @@ class JobCgroup:
     version: str
     path: Path
     paths: tuple[Path, ...]
+    # the CPU quota not yet written (file, value): the sandbox's init writes it as its last root
+    # step, so that the pool's own launcher steps before the command are not throttled (`defer_cpu`)
+    cpu_limit: tuple[Path, str] | None = None
 
     def describe(self, cpu_milli: int, memory_mib: int, pids_max: int) -> str:
         parts = [f"cpu {cpu_milli}m" if cpu_milli > 0 else "cpu unlimited"]
@@ -113,12 +116,17 @@ class CgroupV2:
         """Remove the empty job cgroups under this base that no job holds (left by a crash)."""
         return _sweep([self.base], keep)
 
-    def create(self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0) -> JobCgroup:
+    def create(
+        self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0, defer_cpu: bool = False
+    ) -> JobCgroup:
         path = self.base / name
         path.mkdir(exist_ok=True)
+        cpu_limit: tuple[Path, str] | None = None
         if cpu_milli > 0:
-            quota = max(1000, cpu_milli * CPU_PERIOD_US // 1000)
-            (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+            cpu_limit = (path / "cpu.max", f"{_quota_us(cpu_milli)} {CPU_PERIOD_US}")
+            if not defer_cpu:
+                cpu_limit[0].write_text(cpu_limit[1])
+                cpu_limit = None
         if memory_mib > 0:
             (path / "memory.max").write_text(str(memory_mib * MIB))
             for name_, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
@@ -126,7 +134,7 @@ class CgroupV2:
                     (path / name_).write_text(value)
         if pids_max > 0 and self._pids:
             (path / "pids.max").write_text(str(min(pids_max, self.pids_budget)))
-        return JobCgroup("v2", path, (path,))
+        return JobCgroup("v2", path, (path,), cpu_limit)
 
 
 class CgroupV1:
@@ -165,13 +173,19 @@ class CgroupV1:
         """Remove the empty job cgroups under this base that no job holds (left by a crash)."""
         return _sweep([self.root / c / self.base_name for c in V1_CONTROLLERS], keep)
 
-    def create(self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0) -> JobCgroup:
+    def create(
+        self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0, defer_cpu: bool = False
+    ) -> JobCgroup:
         dirs = {c: self.root / c / self.base_name / name for c in self.controllers}
         for d in dirs.values():
             d.mkdir(exist_ok=True)
+        cpu_limit: tuple[Path, str] | None = None
         if cpu_milli > 0:
             (dirs["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-            (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(max(1000, cpu_milli * CPU_PERIOD_US // 1000)))
+            cpu_limit = (dirs["cpu"] / "cpu.cfs_quota_us", str(_quota_us(cpu_milli)))
+            if not defer_cpu:
+                cpu_limit[0].write_text(cpu_limit[1])
+                cpu_limit = None
         if memory_mib > 0:
             mem = dirs["memory"]
             (mem / "memory.limit_in_bytes").write_text(str(memory_mib * MIB))
@@ -181,7 +195,12 @@ class CgroupV1:
         if pids_max > 0 and "pids" in dirs:
             (dirs["pids"] / "pids.max").write_text(str(min(pids_max, self.pids_budget)))
         ordered = tuple(dirs[c] for c in V1_CONTROLLERS if c in dirs)
-        return JobCgroup("v1", ordered[0], ordered)
+        return JobCgroup("v1", ordered[0], ordered, cpu_limit)
+
+
+def _quota_us(cpu_milli: int) -> int:
+    """CPU time per period for `cpu_milli` thousandths of a CPU (the kernel's floor is 1 ms)."""
+    return max(1000, cpu_milli * CPU_PERIOD_US // 1000)
 
 
 Cgroups = CgroupV2 | CgroupV1
@@ -277,11 +296,14 @@ def hold(
     pids_max: int,
     uses_gpu: bool,
     busy_cpus: list[int],
+    defer_cpu: bool = False,
 ) -> Held:
     """cgroups (v2 or v1) when they are writable, else rlimits and CPU affinity as a best effort.
 
     `pid` is the job's gated wrapper: whatever it starts inherits the limits. `busy_cpus` are the
     CPUs other jobs are pinned to, so that pinned jobs spread out instead of piling on CPU 0.
+    `defer_cpu`: the CPU quota is left for the job's sandbox to write before the command runs
+    (`JobCgroup.cpu_limit`); the memory and pids limits hold from the start.
     """
     if cpu_milli <= 0 and memory_mib <= 0 and pids_max <= 0:
         return Held("none")
@@ -289,7 +311,7 @@ def hold(
     if engine is not None:
         ok, why = engine.usable()
         if ok:
-            cg = engine.create(name, cpu_milli, memory_mib, pids_max)
+            cg = engine.create(name, cpu_milli, memory_mib, pids_max, defer_cpu=defer_cpu)
             try:
                 add(cg, pid)
             except OSError:

@@ -77,11 +77,15 @@ MIB = 1024 * 1024
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 # $1 is the exit file, $2 the job's stdin (a file, or /dev/null); the rest is the command. stdin is
-# the gate pipe until the agent says go.
+# the gate pipe until the agent says go (followed, where the sandbox's init writes the CPU quota, by
+# its value, commas for spaces, and its file, which reach that init through the root side's env).
 # The wrapper outlives SIGTERM (a trap, which the command does not inherit) so that the command
 # gets its whole grace period and its exit status is still written.
 _WRAPPER = """\
-read -r _cpool_go || exit 125
+read -r _cpool_go _cpool_cpu_max _cpool_cpu_file || exit 125
+if [ -n "$_cpool_cpu_file" ]; then
+    export CPOOL_INIT_CPU_FILE="$_cpool_cpu_file" CPOOL_INIT_CPU_MAX="$_cpool_cpu_max"
+fi
 exec <"$2" || exit 125
 trap : TERM
 _cpool_exit_file=$1
@@ -243,14 +247,17 @@ class Executor:
         live = _Live(rec, popen)
         try:
             rec.create_time = psutil.Process(popen.pid).create_time()
+            go = "go"
             if spec.image:
                 rec.limits = f"{launch.applied} (podman applies cpu, memory, devices and the user)"
             else:
-                self._limit(spec, live)
+                cpu_limit = self._limit(spec, live, defer_cpu=launch.writes_cpu_limit)
+                if cpu_limit is not None:
+                    go = f"go {cpu_limit[1].replace(' ', ',')} {cpu_limit[0]}"  # the path last: spaces
                 if launch.applied:
                     rec.limits += f"; sandbox: {launch.applied}"
             self.state.put(rec)  # recorded before the workload runs: a crash now cannot orphan it
-            os.write(gate_w, b"go\n")
+            os.write(gate_w, go.encode() + b"\n")
         except Exception as e:
             os.close(gate_w)  # the wrapper reads EOF and exits without running the command
             popen.wait()
@@ -262,7 +269,8 @@ class Executor:
             self.exits.watch(rec.key, rec.pid)
         return rec
 
-    def _limit(self, spec: JobSpec, live: _Live) -> None:
+    def _limit(self, spec: JobSpec, live: _Live, defer_cpu: bool = False) -> tuple[Path, str] | None:
+        """Holds the job in its limits; returns the CPU quota left for the sandbox to write, if any."""
         sandbox = self.launcher.sandbox
         held = cgroups.hold(
             self.cgroups,
@@ -273,11 +281,14 @@ class Executor:
             pids_max=spec.pids_max or (sandbox.pids_max if sandbox is not None else 0),
             uses_gpu=spec.uses_gpu,
             busy_cpus=[c for other in self._live.values() for c in other.cpus],
+            defer_cpu=defer_cpu,
         )
         live.rec.limits, live.rss_limit_mib, live.cpus = held.limits, held.rss_limit_mib, held.cpus
-        if held.cgroup is not None:
-            live.rec.cgroup = str(held.cgroup.path)
-            live.rec.extra["cgroup_paths"] = "\n".join(str(p) for p in held.cgroup.paths)
+        if held.cgroup is None:
+            return None
+        live.rec.cgroup = str(held.cgroup.path)
+        live.rec.extra["cgroup_paths"] = "\n".join(str(p) for p in held.cgroup.paths)
+        return held.cgroup.cpu_limit
 
     # ---- watching -------------------------------------------------------------------------
 

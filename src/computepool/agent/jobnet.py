@@ -235,7 +235,9 @@ def options(own_network_with: str | None, own: bool, scope: bool) -> list[str]:
 
 def launcher_argv(opts: Sequence[str], python: str = sys.executable) -> list[str]:
     """What goes before ARGV to run it in its own network and scopes (no syscall filter here)."""
-    return [python, "-I", "-m", "computepool.agent.jobnet", *opts, "--"]
+    from computepool.agent.pystart import module_argv  # the agent's side: the launcher needs none of it
+
+    return [*module_argv("computepool.agent.jobnet", python), *opts, "--"]
 
 
 def main(argv: Sequence[str]) -> int:

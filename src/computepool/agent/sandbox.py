@@ -71,6 +71,8 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # shell traps them (the command, in the same process group, gets the agent's signals itself) and
 # waits; when it exits the kernel kills whatever the job left in its namespace. The command keeps
 # this shell's stdin through a copy (fd 6): sh gives a background command /dev/null otherwise.
+# Its last root step writes the job's CPU quota where the agent left it to (CPOOL_INIT_CPU_FILE and
+# _MAX, from the gate line): the launcher's steps ran unthrottled, the command never does.
 _NS_INIT = """\
 _cpool_w=$1
 _cpool_hide=$2
@@ -99,6 +101,12 @@ _cpool_rebind "$_cpool_w" /proc/self/fd/3
 if [ -n "$_cpool_keep" ]; then _cpool_rebind "$_cpool_keep" /proc/self/fd/4; fi
 if [ -n "$_cpool_cache" ]; then _cpool_rebind "$_cpool_cache" /proc/self/fd/5; fi
 exec 3<&- 4<&- 5<&-
+if [ -n "${CPOOL_INIT_CPU_FILE:-}" ]; then
+    _cpool_v=$CPOOL_INIT_CPU_MAX
+    case $_cpool_v in *,*) _cpool_v="${_cpool_v%,*} ${_cpool_v#*,}" ;; esac
+    printf '%s\n' "$_cpool_v" > "$CPOOL_INIT_CPU_FILE" || exit 126
+fi
+unset CPOOL_INIT_CPU_FILE CPOOL_INIT_CPU_MAX
 trap : TERM INT HUP
 exec 6<&0
 "$@" <&6 6<&- &
@@ -141,6 +149,7 @@ class HostSupport:
     filter_why_not: str = ""
     scope_why_not: str = "not probed"  # "": jobs get Landlock scopes (landlock.py)
     slirp: str | None = None  # slirp4netns: a job's own network gets outbound traffic (jobnet.py)
+    filter_program: bytes = b""  # the filter as compiled once here; each job's loader loads it as is
 
 
 def probe(config: SandboxConfig) -> HostSupport:
@@ -168,14 +177,14 @@ def probe(config: SandboxConfig) -> HostSupport:
                 why.append(f"the host refuses PID/mount/IPC/UTS namespaces: {r.stderr.strip()[:200]}")
         except (OSError, subprocess.TimeoutExpired) as e:
             why.append(f"unshare failed: {e}")
-    loader, filter_why = syscall_filter.probe()
+    loader, filter_why, program = syscall_filter.probe()
     scope_why = landlock.probe()
     slirp = shutil.which("slirp4netns")
     if scope_why:
         log.warning("process jobs get no Landlock scopes (abstract unix sockets, signals): %s", scope_why)
     if ns and slirp is None:
         log.warning("slirp4netns is not installed: process jobs keep the node's network (and loopback)")
-    return HostSupport(root, setpriv, unshare, ns, why, loader, filter_why, scope_why, slirp)
+    return HostSupport(root, setpriv, unshare, ns, why, loader, filter_why, scope_why, slirp, program)
 
 
 def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
@@ -330,7 +339,7 @@ def wrap(
     applied.append(landlock.SUMMARY if scope else f"no landlock scopes: {host.scope_why_not}")
     opts = jobnet.options(host.slirp, own, scope)
     if host.filter_loader and not inner:  # outermost: the namespaces' init and setpriv run under it too
-        argv = [*syscall_filter.loader_argv(host.filter_loader[0], opts), *argv]
+        argv = [*syscall_filter.loader_argv(host.filter_loader[0], opts, host.filter_program), *argv]
         applied.append(syscall_filter.SUMMARY)
     else:
         if opts:  # the network and scopes come first, from outside the namespaces

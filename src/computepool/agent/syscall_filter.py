@@ -17,7 +17,8 @@ that would give it one. ptrace stays allowed: a job can only trace its own proce
 its PID namespace), and debuggers and profilers need it.
 
 `python -I -m computepool.agent.syscall_filter -- ARGV` loads the filter and execs ARGV; `-I`
-keeps a job's PYTHONPATH (this runs as root) from choosing what it imports. Given jobnet's options
+keeps a job's PYTHONPATH (this runs as root) from choosing what it imports (the agent starts it
+without `site`, pystart.py). Given jobnet's options
 before `--` (`--own-network SLIRP`, `--scope`), the same process first gives the job its own
 network and its Landlock scopes (jobnet.py, landlock.py): one Python start for all three.
 
@@ -49,6 +50,7 @@ CLONE_NEWNET = 0x40000000
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWTIME = 0x08000000, 0x20000000, 0x00000080
 OTHER_NAMESPACES = (CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWTIME)
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) reads the current one and changes nothing
 REFUSED = (
     "setns", "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
@@ -100,10 +102,46 @@ def job_filter(private_network: bool = False) -> seccomp.SyscallFilter:
     return f
 
 
-def loader_argv(python: str = sys.executable, opts: Sequence[str] = ()) -> list[str]:
+def compiled() -> bytes:
+    """The job filter as the kernel loads it (a classic BPF program), compiled by libseccomp."""
+    import tempfile  # noqa: PLC0415 - the agent's side
+
+    with tempfile.TemporaryFile() as f:
+        job_filter().export_bpf(f)
+        f.seek(0)
+        return f.read()
+
+
+def loader_argv(python: str = sys.executable, opts: Sequence[str] = (), program: bytes = b"") -> list[str]:
     """What goes before ARGV to run it under the filter; `opts`, the job's network and Landlock
-    scopes (jobnet.options), are applied by the same process just before the filter."""
-    return [python, "-I", "-m", "computepool.agent.syscall_filter", *opts, "--"]
+    scopes (jobnet.options), are applied by the same process just before the filter. `program`
+    (`compiled()`, made once by the agent) is loaded as it is, so the launcher of each job neither
+    imports libseccomp's binding (which runs `ldconfig` twice to find its libraries) nor compiles."""
+    from computepool.agent.pystart import module_argv  # the agent's side: this file also runs as -c source
+
+    bpf = ["--bpf", program.hex()] if program else []
+    return [*module_argv("computepool.agent.syscall_filter", python), *bpf, *opts, "--"]
+
+
+def load_program(program: bytes) -> None:
+    """Load a compiled filter (seccomp(2) through prctl), with no_new_privs first as libseccomp's
+    own load sets it: the same filter, the same attributes, without the binding."""
+    import ctypes  # noqa: PLC0415 - the launcher's side alone
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    if not program or len(program) % 8:
+        raise OSError(errno.EINVAL, "not a BPF program")
+    libc = ctypes.CDLL(None, use_errno=True)
+    code = ctypes.create_string_buffer(program, len(program))
+    prog = SockFprog(len(program) // 8, ctypes.cast(code, ctypes.c_void_p))
+    steps = ((PR_SET_NO_NEW_PRIVS, 1), (PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog)))
+    for step in steps:
+        args = (*step, 0, 0, 0)[:5]
+        if libc.prctl(*(ctypes.c_ulong(a) for a in args)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
 
 
 def private_network_loader_argv(python: str = sys.executable) -> list[str]:
@@ -114,21 +152,34 @@ def private_network_loader_argv(python: str = sys.executable) -> list[str]:
     return [python, "-I", "-c", Path(__file__).read_text(), "--private-network", "--"]
 
 
-def probe() -> tuple[tuple[str, ...], str]:
-    """(the loader's argv, "") where it runs a command here; ((), why) where it does not."""
-    argv = loader_argv()
+def probe() -> tuple[tuple[str, ...], str, bytes]:
+    """(the loader's argv, "", the compiled filter) where it runs a command here; ((), why, b"")
+    where it does not."""
+    try:
+        program = compiled()
+    except (OSError, ImportError, RuntimeError):  # no libseccomp: the loader says why below
+        program = b""
+    argv = loader_argv(program=program)
     try:
         r = subprocess.run([*argv, "/bin/true"], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return (), f"the filter's loader failed: {e}"
+        return (), f"the filter's loader failed: {e}", b""
     if r.returncode != 0:
-        return (), (r.stderr.strip().splitlines() or [f"the filter's loader exited {r.returncode}"])[-1][:200]
-    return tuple(argv), ""
+        said = r.stderr.strip().splitlines() or [f"the filter's loader exited {r.returncode}"]
+        return (), said[-1][:200], b""
+    return tuple(argv), "", program
 
 
 def main(argv: Sequence[str]) -> int:
     private_network = bool(argv) and argv[0] == "--private-network"
     argv = argv[1:] if private_network else argv
+    program = b""
+    if len(argv) > 1 and argv[0] == "--bpf" and not private_network:
+        try:
+            program = bytes.fromhex(argv[1])
+        except ValueError:
+            program = b"?"  # refused below, with the job never run
+        argv = argv[2:]
     net = None
     if argv and argv[0] != "--" and not private_network:  # the job's network and scopes first
         from computepool.agent import jobnet  # noqa: PLC0415 - the inner loader (-c) never gets them
@@ -138,7 +189,7 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) < 2 or argv[0] != "--":
         print(
             "usage: python -I -m computepool.agent.syscall_filter [--private-network | "
-            "[--own-network SLIRP|-] [--scope]] -- COMMAND [ARG...]",
+            "[--bpf HEX] [--own-network SLIRP|-] [--scope]] -- COMMAND [ARG...]",
             file=sys.stderr,
         )
         return 2
@@ -149,7 +200,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"cpool: cannot isolate the job's network: {e}", file=sys.stderr)
             return 126
     try:
-        job_filter(private_network).load()
+        load_program(program) if program else job_filter(private_network).load()
     except (OSError, ImportError, RuntimeError) as e:  # the job never runs unfiltered (no libseccomp)
         print(f"cpool: cannot load the job's syscall filter: {e}", file=sys.stderr)
         return 126

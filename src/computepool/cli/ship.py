@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from computepool.cli.common import err_console
 from computepool.client import PoolClient, PoolError
-from computepool.client.archive import remember_fetched
 from computepool.core.errors import InvalidInput
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
@@ -191,6 +190,8 @@ def fetch_outputs(pool: PoolClient, job_id: str, outputs: list[str], base: Path)
             message = e.message if isinstance(e, PoolError) else str(e)
             errors.append(f"--output {path}: {message}")
             continue
+        from computepool.client.archive import remember_fetched  # tar code: only once files came back
+
         remember_fetched(base, path)  # the next run does not ship it back
         err_console.print(f"output: {path} → {base / path}", style="dim", highlight=False, markup=False)
         if left_out:

@@ -38,6 +38,8 @@ from computepool.core.servers import (
 from computepool.core.tls import client_context, describe_tls_failure
 
 if TYPE_CHECKING:  # the wire's models load pydantic: not at the CLI's start-up
+    import ssl
+
     from computepool.wire.allocations import AllocationCreate
 
 API = "/api/v1"
@@ -134,8 +136,15 @@ class PoolClient(BlobMethods, ServiceMethods, UsageMethods, AlertMethods, PeerMe
         headers = {"User-Agent": f"cpool/{_version()}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        verify = client_context(Path(ca)) if ca else True
-        self._http = httpx.Client(headers=headers, timeout=timeout, verify=verify)
+        self._http = httpx.Client(headers=headers, timeout=timeout, verify=self._verify(ca))
+
+    def _verify(self, ca: str | None) -> ssl.SSLContext | bool:
+        """The pool's CA alone where one is given; nothing where every URL is plain http (the
+        system's CAs cost ~100 ms to load, a tenth of a tiny job's whole run, and no TLS is spoken:
+        this client learns no other URLs); else the system's CAs."""
+        if ca:
+            return client_context(Path(ca))
+        return not all(url.startswith("http://") for url in self.servers.urls)
 
     @property
     def server(self) -> str:

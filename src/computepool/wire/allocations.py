@@ -18,13 +18,14 @@ from computepool.wire.common import (
     MAX_CPU_MILLI,
     MAX_ID,
     MAX_MEMORY_MIB,
+    MAX_TAINTS,
     Id,
     In,
     ModelName,
     Name,
     Out,
+    Toleration,
 )
-from computepool.wire.nodes import MAX_TAINTS, Toleration
 
 MAX_COMMAND_ARGS = 1024
 MAX_ARG_LEN = 8192

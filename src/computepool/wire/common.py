@@ -40,3 +40,11 @@ class Out(BaseModel):
 
 class Items(Out, Generic[T]):
     items: list[T] = Field(description="The matching objects.")
+
+
+MAX_TAINTS = 16
+# `key` (any value of the taint) or `key=value` (that taint only), as Kubernetes' Exists / Equal;
+# here, not in nodes.py, so that a request's model does not load every node model
+Toleration = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}(=[A-Za-z0-9_.:/@ -]{0,63})?$")
+]

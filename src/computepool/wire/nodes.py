@@ -13,6 +13,7 @@ from computepool.wire.common import (
     MAX_CPU_MILLI,
     MAX_EXPIRES_S,
     MAX_MEMORY_MIB,
+    MAX_TAINTS,
     Id,
     In,
     ModelName,
@@ -28,7 +29,6 @@ NodeState = Literal["ready", "suspect", "lost"]
 Uuid = Annotated[str, StringConstraints(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:/-]{0,127})?$")]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/@ -]{0,63}$")]
-MAX_TAINTS = 16
 PythonVersion = Annotated[
     str,
     StringConstraints(pattern=r"^3\.[0-9]{1,2}$"),
@@ -39,10 +39,6 @@ Address = Annotated[
     StringConstraints(max_length=MAX_ADDRESS_LEN + 2),
     AfterValidator(lambda v: check_address(v, "address") if v else v),
     Field(description="An IP address or host name the node's peers reach it at."),
-]
-# `key` (any value of the taint) or `key=value` (that taint only), as Kubernetes' Exists / Equal
-Toleration = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}(=[A-Za-z0-9_.:/@ -]{0,63})?$")
 ]
 
 
