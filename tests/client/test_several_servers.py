@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from poolkit import Cli, PoolServer
@@ -19,6 +21,7 @@ from computepool.client import PoolClient, PoolError, ServerUnreachable
 from computepool.client.aio import AioApi
 from computepool.core.errors import InvalidInput
 from computepool.core.servers import ServerList, split_servers
+from computepool.core.tls import generate_self_signed
 from computepool.wire.allocations import AllocationCreate
 
 
@@ -187,3 +190,15 @@ def test_the_benchmarks_async_client_moves_on_too(server: PoolServer) -> None:
 
     name, used = asyncio.run(whoami())
     assert name and used == server.url
+
+
+def test_certificates_are_loaded_only_where_tls_is_spoken(tmp_path: Path) -> None:
+    """Plain-http URLs alone: no CA bundle is read (it is ~100 ms of a short command's start-up);
+    any https URL: the system's CAs, or the pool's CA alone when one is given."""
+    with PoolClient("http://127.0.0.1:1,http://127.0.0.1:2") as plain:
+        assert plain._verify(None) is False
+    with PoolClient("http://127.0.0.1:1,https://127.0.0.1:2") as mixed:
+        assert mixed._verify(None) is True
+    generate_self_signed(tmp_path / "ca.pem", tmp_path / "key.pem", ["127.0.0.1"])
+    with PoolClient("http://127.0.0.1:1") as pinned:
+        assert isinstance(pinned._verify(str(tmp_path / "ca.pem")), ssl.SSLContext)
