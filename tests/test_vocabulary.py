@@ -14,7 +14,8 @@ from computepool.client.options import build_request
 from computepool.core import ENDED, HOLDING, ISOLATIONS, LIVE, STATES, Isolation, Slice
 from computepool.server import ServerSettings, create_app
 from computepool.store import allocations as store
-from computepool.wire.allocations import AllocationCreate, AllocationOut, SliceOut
+from computepool.wire.allocation_out import AllocationOut, SliceOut
+from computepool.wire.allocations import AllocationCreate
 
 
 def test_states_partition_and_tiers_agree() -> None:

@@ -27,7 +27,7 @@ from computepool.store import allocations as store
 from computepool.store import lease, logs
 from computepool.store import nodes as node_store
 from computepool.store.db import db_now
-from computepool.wire.allocations import (
+from computepool.wire.allocation_out import (
     Assignment,
     Assignments,
     LogAppended,

@@ -40,8 +40,7 @@ from computepool.store import allocations as store
 from computepool.store import logs
 from computepool.store.db import db_now
 from computepool.store.models import Allocation, Tenant
-from computepool.wire.allocations import (
-    AllocationCreate,
+from computepool.wire.allocation_out import (
     AllocationOut,
     EventOut,
     ExplainOut,
@@ -50,8 +49,8 @@ from computepool.wire.allocations import (
     RequestOut,
     SliceOut,
     StreamOut,
-    parse_array,
 )
+from computepool.wire.allocations import AllocationCreate, parse_array
 from computepool.wire.common import Items
 
 MAX_LOG_READ = 1 << 20

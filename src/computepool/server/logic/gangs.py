@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from computepool.server.logic.report_times import reported_start
 from computepool.store import allocations as store
 from computepool.store.models import Allocation
-from computepool.wire.allocations import GangOut, MemberOut, Report
+from computepool.wire.allocation_out import GangOut, MemberOut, Report
 
 log = logging.getLogger("computepool.server")
 

@@ -15,7 +15,7 @@ from computepool.server.logic import agent_reports
 from computepool.server.policy import Action
 from computepool.server.routers.allocations import MAX_WAIT_S, get_hub
 from computepool.server.routers.polling import long_poll
-from computepool.wire.allocations import Assignments, LogAppended, LogChunk, Reports, ReportsOut
+from computepool.wire.allocation_out import Assignments, LogAppended, LogChunk, Reports, ReportsOut
 
 router = APIRouter(tags=["agent"])
 

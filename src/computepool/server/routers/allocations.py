@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from computepool.core.allocation import AllocationState
 from computepool.server import topics
 from computepool.server.context import Ctx
 from computepool.server.deps import requires
@@ -14,13 +15,8 @@ from computepool.server.hub import Hub
 from computepool.server.logic import allocations
 from computepool.server.policy import Action
 from computepool.server.routers.polling import long_poll
-from computepool.wire.allocations import (
-    AllocationCreate,
-    AllocationOut,
-    AllocationState,
-    ExplainOut,
-    LogsOut,
-)
+from computepool.wire.allocation_out import AllocationOut, ExplainOut, LogsOut
+from computepool.wire.allocations import AllocationCreate
 from computepool.wire.common import MAX_ID, Items
 
 router = APIRouter(tags=["allocations"])

@@ -17,7 +17,7 @@ from markupsafe import Markup
 from computepool.server.web.charts import Series, bar_words, device_bar, timeline
 from computepool.server.web.fmt import gpus_of
 from computepool.wire.alerts import AlertOut
-from computepool.wire.allocations import AllocationOut
+from computepool.wire.allocation_out import AllocationOut
 from computepool.wire.nodes import NodeOut
 from computepool.wire.usage import DeviceSampleOut, UsageItem
 

@@ -15,7 +15,7 @@ from computepool.server.context import Ctx
 from computepool.server.logic import allocations
 from computepool.server.web.fmt import num
 from computepool.store.models import Allocation
-from computepool.wire.allocations import ExplainOut
+from computepool.wire.allocation_out import ExplainOut
 
 FITS = "fits: waiting for the next cycle"
 

@@ -39,7 +39,7 @@ from computepool.server.web.session import (
     same_origin,
 )
 from computepool.wire.alerts import AlertOut, AlertRuleIn, AlertRuleOut
-from computepool.wire.allocations import AllocationOut
+from computepool.wire.allocation_out import AllocationOut
 from computepool.wire.common import MAX_ID
 from computepool.wire.nodes import NodeOut
 from computepool.wire.usage import DeviceSampleOut, StaticEquivalentOut, UsageOut

@@ -11,7 +11,7 @@ from markupsafe import Markup
 
 from computepool.server.web.board import HOLDING
 from computepool.server.web.charts import spark
-from computepool.wire.allocations import AllocationOut
+from computepool.wire.allocation_out import AllocationOut
 from computepool.wire.nodes import DeviceOut, NodeOut
 from computepool.wire.usage import DeviceSampleOut
 

@@ -16,7 +16,7 @@ from computepool.core.usage import UsageBy
 from computepool.server.web.board import HOLDING
 from computepool.server.web.charts import Series, timeline
 from computepool.server.web.fmt import gpus_of
-from computepool.wire.allocations import AllocationOut
+from computepool.wire.allocation_out import AllocationOut
 from computepool.wire.usage import DeviceSampleOut, UsageItem
 
 SINCE = {"1d": "1 day", "7d": "7 days", "30d": "30 days"}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import urlencode
 
-from computepool.wire.allocations import AllocationOut
+from computepool.wire.allocation_out import AllocationOut
 from computepool.wire.nodes import NodeOut
 
 LIVE = ("pending", "bound", "active")
