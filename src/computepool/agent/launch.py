@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from computepool.agent.devfiles import hidden_files
 from computepool.agent.localstate import JobRecord, LocalState
 from computepool.agent.sandbox import (
     WORK_DIR,
@@ -113,10 +114,13 @@ class Launcher:
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         hide = hidden_dir(work, self.data_dir)
         tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
+        no_device, open_why = hidden_files(spec.device_uuids, spec.device_nodes, self.sandbox.dev)
         argv, applied = wrap(
             spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network,
-            own_network=not spec.host_network,
+            own_network=not spec.host_network, no_device=no_device,
         )  # fmt: skip
+        if open_why:
+            applied.append(open_why)
         if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
             return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""))
         return Launch(argv, env, work, None, ", ".join(applied))

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from computepool.agent import jobnet, landlock, syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
+from computepool.agent.devfiles import DEV
 from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
 
 log = logging.getLogger("computepool.agent")
@@ -65,6 +66,9 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # descriptor opened before, since the path itself leads elsewhere by then). $4 is the tenant's cache
 # dir (CPOOL_CACHE_DIR) or "", kept the same way. $5 is the size of the private /tmp, /var/tmp and
 # /dev/shm (each; "" for the kernel's default): their pages count in the job's memory, the writer's.
+# $6 lists device files (space-separated, devfiles.py) of devices the job's slice does not hold: an
+# empty file of root's with mode 0 is bound over each, so opening one fails (EACCES) as it would
+# under a device cgroup; the file is unlinked at once (the binds keep it), the job cannot unmount.
 # Nothing written there outlives the job, nor do its SysV IPC objects and POSIX message queues (the
 # IPC namespace's; /dev/mqueue, where the host mounts it, shows the job's own).
 # It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
@@ -77,7 +81,8 @@ _cpool_hide=$2
 _cpool_keep=$3
 _cpool_cache=$4
 _cpool_tmpfs=mode=1777,nosuid,nodev${5:+,size=$5}
-shift 5
+_cpool_nodev_files=$6
+shift 6
 exec 3<"$_cpool_w" || exit 126
 if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
 if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
@@ -86,6 +91,14 @@ if [ -d /var/tmp ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-vartmp /var/tmp
 if [ -d /dev/shm ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || exit 126; fi
 if [ -d /run/lock ]; then mount -t tmpfs -o mode=1777,nosuid,nodev,size=1m cpool-lk /run/lock || exit 126; fi
 if [ -d /dev/mqueue ]; then mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || exit 126; fi
+if [ -n "$_cpool_nodev_files" ]; then
+    _cpool_nodev=/tmp/.cpool-no-device
+    (umask 0777 && : > "$_cpool_nodev") || exit 126
+    for _cpool_d in $_cpool_nodev_files; do
+        if [ -e "$_cpool_d" ]; then mount --no-canonicalize --bind "$_cpool_nodev" "$_cpool_d" || exit 126; fi
+    done
+    rm -f "$_cpool_nodev"
+fi
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
     mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" || exit 126
 fi
@@ -126,6 +139,7 @@ class SandboxConfig:
     # MPS daemons' pipes: the MPS server runs as the client's uid and must reach them, which the
     # agent's data dir (0700) forbids; `cpool agent`: DEFAULT_MPS_ROOT. None: DATA_DIR/mps.
     mps_root: Path | None = None
+    dev: Path = DEV  # where the node's device files are (devfiles.py; tests lay out their own)
 
 
 @dataclass(frozen=True)
@@ -276,6 +290,7 @@ def wrap(
     tmp_mib: int = 0,
     private_network: bool = False,
     own_network: bool = False,
+    no_device: Sequence[str] = (),
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
 
@@ -287,6 +302,7 @@ def wrap(
 
     `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
     stay; the private /tmp, /var/tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default).
+    `no_device`: device files (devfiles.py) the job cannot open: covered in its mount namespace.
     Where the first steps run as root (`hands_over`), the argv expects `root_side_env`'s
     environment and restores the job's own after setpriv.
     """
@@ -310,7 +326,7 @@ def wrap(
         applied.append(syscall_filter.SUMMARY_PRIVATE_NETWORK)
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
-                str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else ""]  # fmt: skip
+                str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else "", " ".join(no_device)]  # fmt: skip
         # an MPS client (`keep`: its daemon's pipes) stays in the host's IPC namespace, its server's
         spaces = _NAMESPACES if keep is None else tuple(n for n in _NAMESPACES if n != "--ipc")
         argv = [host.unshare, *spaces, "--", *init, *argv]
@@ -319,6 +335,8 @@ def wrap(
         applied.append(f"own {named} namespaces, private /tmp, /var/tmp and /dev/shm{sized}")
         if hide is not None:
             applied.append(f"{hide} hidden")
+        if no_device:
+            applied.append(f"{len(no_device)} device files of devices not its slice's closed")
     elif host.why_not:
         applied.append("no namespaces: " + "; ".join(host.why_not))
     own = own_network and host.namespaces and host.unshare is not None and host.slirp is not None
