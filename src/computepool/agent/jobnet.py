@@ -6,7 +6,10 @@ tenant's job's listener on 127.0.0.1 (an unauthenticated Jupyter, TensorBoard or
 to the pool's own loopback services. A job now gets a network namespace of its own: its loopback
 is its own, and its traffic out goes through slirp4netns (user-mode TCP/IP in a root process on
 the node's network, `--disable-host-loopback`: nothing reaches the node's 127.0.0.1). The job sees
-`tap0` (10.0.2.100/24, gateway 10.0.2.2, DNS 10.0.2.3, MTU 65520); nobody can connect in.
+`tap0` (10.0.2.100/24, gateway 10.0.2.2, DNS 10.0.2.3, MTU 65520); nobody can connect in. Its
+routes refuse the cloud's instance metadata addresses (`METADATA_NETS`: 169.254.0.0/16, …), which
+hand whoever asks the node's own cloud credentials; the job cannot change its routes (no
+capabilities), and a connection there fails at once with EACCES.
 
 Jobs that must be reached on the node's network keep it (`needs_host_network`): those the pool
 gave ports to listen on (a service replica, a cooperative RPC server, a gang's rank 0), every gang
@@ -51,7 +54,13 @@ RESOLV_COPY = "/run/computepool/job-resolv.conf"  # root's; bound over a job's /
 SLIRP_DNS = "10.0.2.3"
 PR_SET_PDEATHSIG = 1
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+RTM_NEWROUTE, NLMSG_ERROR, RTA_DST = 24, 2, 1
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+RT_TABLE_MAIN, RTPROT_STATIC, RTN_PROHIBIT = 254, 4, 8
 MTU = 65520
+# where clouds answer a node's machine with its credentials: link-local (AWS, GCP, Azure, OpenStack,
+# ECS task roles at 169.254.170.2) and Alibaba's 100.100.100.200; a job's routes refuse them
+METADATA_NETS = ("169.254.0.0/16", "100.100.100.200/32")
 TAP = "tap0"
 READY_TIMEOUT_S = 10.0
 SUMMARY = "own network namespace (private loopback; outbound through slirp4netns, not to the node's loopback)"
@@ -93,6 +102,28 @@ def loopback_up() -> None:
         fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
+def refuse_route(net: str) -> None:
+    """A `prohibit` route to `net` in this network namespace (rtnetlink, as `ip route add prohibit
+    NET`): connecting there fails with EACCES. Raises OSError."""
+    dst = ipaddress.ip_network(net)
+    family = socket.AF_INET if dst.version == 4 else socket.AF_INET6
+    attr = struct.pack("HH", 4 + len(dst.network_address.packed), RTA_DST) + dst.network_address.packed
+    attr += b"\0" * (-len(attr) % 4)
+    # rtmsg: family, dst_len, src_len, tos, table, protocol, scope (universe), type, flags
+    rtm = struct.pack(
+        "BBBBBBBBI", family, dst.prefixlen, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC, 0, RTN_PROHIBIT, 0
+    )
+    flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+    msg = struct.pack("IHHII", 16 + len(rtm) + len(attr), RTM_NEWROUTE, flags, 1, 0) + rtm + attr
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+        nl.sendto(msg, (0, 0))
+        answer = nl.recv(4096)
+    kind = struct.unpack_from("H", answer, 4)[0]
+    err = -struct.unpack_from("i", answer, 16)[0] if kind == NLMSG_ERROR else 0
+    if err:
+        raise OSError(err, f"route prohibit {net}: {os.strerror(err)}")
+
+
 def own_network(slirp: str | None) -> str:
     """Move this process into a new network namespace with its loopback up, and give it outbound
     traffic through `slirp` (None: loopback alone). Returns "" or why there is no outbound.
@@ -102,6 +133,8 @@ def own_network(slirp: str | None) -> str:
     try:
         _check(libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
         loopback_up()
+        for net in METADATA_NETS:
+            refuse_route(net)
         if slirp is None:
             return "slirp4netns is not installed: no outbound network"
         why = _start_slirp(slirp, host_ns)
