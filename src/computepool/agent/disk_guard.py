@@ -43,10 +43,14 @@ MIN_FREE_SHARE = 0.05
 
 @dataclass(frozen=True)
 class DiskJob:
-    """A running job and the directory its files are written under."""
+    """A running job, the directory its files are written under and, where its tenant has one, the
+    tenant's cache (CPOOL_CACHE_DIR, kept between jobs), of which what changed since the job's start
+    (`started`, Unix seconds) counts as the job's: a job filling the disk there is its tenant's."""
 
     key: str
     path: Path
+    cache: Path | None = None
+    started: float = 0.0
 
 
 def free_space(path: Path) -> tuple[int, int]:
@@ -55,12 +59,17 @@ def free_space(path: Path) -> tuple[int, int]:
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
-def tree_bytes(path: Path) -> int:
-    """Disk blocks under `path`, not following links nor crossing into other filesystems."""
+def tree_bytes(path: Path, since: float | None = None, dev: int | None = None) -> int:
+    """Disk blocks under `path`, not following links nor crossing into other filesystems; with
+    `since`, of the entries changed since then only (ctime, which no owner can set back); with `dev`,
+    0 unless `path` is on that filesystem."""
     try:
-        dev = os.lstat(path).st_dev
+        here = os.lstat(path).st_dev
     except OSError:
         return 0
+    if dev is not None and here != dev:
+        return 0
+    dev = here
     total, todo = 0, [path]
     while todo:
         d = todo.pop()
@@ -75,7 +84,8 @@ def tree_bytes(path: Path) -> int:
                 continue
             if st.st_dev != dev:
                 continue
-            total += st.st_blocks * 512
+            if since is None or st.st_ctime >= since:
+                total += st.st_blocks * 512
             if stat.S_ISDIR(st.st_mode):
                 todo.append(Path(e.path))
     return total
@@ -177,19 +187,31 @@ class DiskGuard:
         running = [j for j in self.jobs() if j.key not in self._stopped]
         if not running:
             return done
-        sizes = sorted(((tree_bytes(j.path), j.key) for j in running), reverse=True)
+        sizes = sorted(((self._bytes_of(j), j.key) for j in running), reverse=True)
         size, key = sizes[0]
         if size < MIB:  # not the jobs' doing: nothing of theirs to stop for it
             return done
         reason = (
             f"the node's disk is nearly full ({_mib(free)} free of {_mib(total)}); this job's files "
-            f"took {_mib(size)}, the most of any job's on the node"
+            f"(with what it wrote to its tenant's cache) took {_mib(size)}, the most of any job's on the node"
         )
         log.warning("stopping %s: %s", key, reason)
         self._stopped.add(key)
         self.stop_job(key, reason)
         done.append(f"stopped {key}")
         return done
+
+    def _bytes_of(self, job: DiskJob) -> int:
+        """The job's files, and what changed in its tenant's cache since its start where that cache
+        shares the disk (a tenant's writes outside its job's dir fill it as well)."""
+        own = tree_bytes(job.path)
+        if job.cache is None:
+            return own
+        try:
+            dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
+        except OSError:
+            return own
+        return own + tree_bytes(job.cache, since=job.started, dev=dev)
 
     # ---- the thread ------------------------------------------------------------------------
 

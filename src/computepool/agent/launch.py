@@ -125,6 +125,12 @@ class Launcher:
             return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""))
         return Launch(argv, env, work, None, ", ".join(applied))
 
+    def cache_of(self, tenant: str) -> Path | None:
+        """Where `_cache_dir` keeps `tenant`'s cache (None: nowhere), without making it."""
+        if not tenant or self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
+            return None
+        return self.sandbox.cache_root / tenant if self.host.root else self.data_dir / "cache" / tenant
+
     def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:
         """The tenant's cache (CPOOL_CACHE_DIR), kept between jobs: under `--cache-dir` for a root
         agent; a non-root agent, which cannot hand dirs to other users, keeps it in its data dir."""
