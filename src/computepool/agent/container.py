@@ -293,8 +293,11 @@ class Podman:
             argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
         argv += self._memory_args(key, spec.memory_mib)
         tmp = tmpfs_mib(spec.memory_mib)
-        if tmp:  # sized /tmp and /dev/shm, as a process job has them: their pages are the job's memory
-            argv += [f"--shm-size={tmp}m", f"--tmpfs=/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m"]
+        if tmp:  # sized /tmp, /var/tmp and /dev/shm, as a process job has them: their pages are the
+            # job's memory; else the image's world-writable dirs fill the node's disk (the overlay's)
+            argv += [f"--shm-size={tmp}m", f"--tmpfs=/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m",
+                     f"--tmpfs=/var/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m"]  # fmt: skip
+        argv.append("--tmpfs=/run/lock:rw,nosuid,nodev,mode=1777,size=1m")
         if spec.stdin:
             argv.append("--interactive")  # the run's stdin (the wrapper's) reaches the command
         if spec.ports:
