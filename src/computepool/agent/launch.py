@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from computepool.agent.devfiles import hidden_files
 from computepool.agent.localstate import JobRecord, LocalState
 from computepool.agent.sandbox import (
+    ROOT_ENV,
     WORK_DIR,
     HostSupport,
     SandboxConfig,
@@ -108,8 +109,10 @@ class Launcher:
                 rec.extra["image_id"] = podman.prepare(spec)
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
             # podman (and conmon, which may drop files such as `oom` in its working directory) runs
-            # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`
-            return Launch(argv, env, run_dir, None, f"container {spec.image} through podman")
+            # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`,
+            # and the wrapper and podman with a fixed environment: the job's own (LD_PRELOAD, PATH,
+            # GLIBC_TUNABLES, …) reaches the container through its env file alone
+            return Launch(argv, dict(ROOT_ENV), run_dir, None, f"container {spec.image} through podman")
         mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         hide = hidden_dir(work, self.data_dir)

@@ -41,6 +41,7 @@ from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
 log = logging.getLogger("computepool.agent")
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+ROOT_ENV = {"PATH": FIXED_PATH, "LANG": "C.UTF-8"}  # all a step that runs as root gets of the job's
 # The job's environment, as shell `export`s, carried past the steps that run as root (see
 # `root_side_env`) in HANDOVER_0, HANDOVER_1, … (the kernel takes at most 128 KiB per variable) and
 # applied by the first step that runs as the tenant.
@@ -276,7 +277,7 @@ def root_side_env(job_env: Mapping[str, str]) -> dict[str, str]:
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env.items() if _ENV_NAME.match(k)]
     script = "\n".join(lines)
     chunks = [script[i : i + _HANDOVER_CHUNK] for i in range(0, len(script), _HANDOVER_CHUNK)]
-    return {"PATH": FIXED_PATH, "LANG": "C.UTF-8"} | {f"{HANDOVER}{i}": c for i, c in enumerate(chunks)}
+    return ROOT_ENV | {f"{HANDOVER}{i}": c for i, c in enumerate(chunks)}
 
 
 def wrap(
