@@ -303,9 +303,10 @@ class Podman:
         if spec.ports:
             host = self._publish_prefix()
             argv += [f"--publish={host}{p}:{p}" for p in spec.ports]
-        elif "CPOOL_WORKER_TOKEN" in spec.env:
+        elif spec.container_host_network:
             # a function's worker calls the control plane back at the agent's own URL (CPOOL_SERVER),
-            # loopback included: the host's network, as a process job has it
+            # loopback included: the host's network, as a process job has it (and, like it, in a
+            # Landlock domain scoped for abstract sockets: launch.py)
             argv.append("--network=host")
         else:
             argv.append("--network=none")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from computepool.agent import jobnet, landlock
 from computepool.agent.devfiles import hidden_files
 from computepool.agent.localstate import JobRecord, LocalState
 from computepool.agent.sandbox import (
@@ -108,11 +110,18 @@ class Launcher:
             if spec.image_digest is None:  # an allowed registry's image: the id this node runs, reported
                 rec.extra["image_id"] = podman.prepare(spec)
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
+            how = f"container {spec.image} through podman"
+            if spec.container_host_network and not self.host.scope_why_not:
+                # on the host's network its abstract unix sockets are the node's (other tenants' jobs
+                # on it, the node's daemons): podman, and what it starts, in a scoped Landlock domain
+                python = self.host.filter_loader[0] if self.host.filter_loader else sys.executable
+                argv = [*jobnet.launcher_argv(jobnet.options(None, False, True), python), *argv]
+                how += f", {landlock.SUMMARY}"
             # podman (and conmon, which may drop files such as `oom` in its working directory) runs
             # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`,
             # and the wrapper and podman with a fixed environment: the job's own (LD_PRELOAD, PATH,
             # GLIBC_TUNABLES, …) reaches the container through its env file alone
-            return Launch(argv, dict(ROOT_ENV), run_dir, None, f"container {spec.image} through podman")
+            return Launch(argv, dict(ROOT_ENV), run_dir, None, how)
         mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         hide = hidden_dir(work, self.data_dir)
