@@ -129,7 +129,7 @@ class Launcher:
         no_device, open_why = hidden_files(spec.device_uuids, spec.device_nodes, self.sandbox.dev)
         argv, applied = wrap(
             spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network,
-            own_network=not spec.host_network, no_device=no_device,
+            own_network=not spec.host_network, no_device=no_device, user_prefix=self.sandbox.user_prefix,
         )  # fmt: skip
         if open_why:
             applied.append(open_why)
