@@ -103,7 +103,13 @@ def test_a_job_on_one_gpu_opens_its_own_files_and_none_of_the_others(
     }  # fmt: skip
 
 
-def test_the_files_of_an_nvidia_gpu_that_cannot_be_told_stay_open_and_the_job_says_so(dev: Path) -> None:
+def test_the_files_of_an_nvidia_gpu_that_cannot_be_told_stay_open_and_the_job_says_so(
+    dev: Path, tmp_path: Path
+) -> None:
     hide, why = hidden_files(("GPU-0000-unknown",), (), dev)
     assert hide == [str(dev / f) for f in ("davinci0", "dri/renderD128", "dri/renderD129")]
     assert why == "the NVIDIA device files stay open: none found for GPU-0000-unknown"
+    # a simulated GPU on a node without NVIDIA's files: nothing is left open, nothing to say
+    (tmp_path / "dri").mkdir()
+    os.mknod(tmp_path / "dri" / "renderD128", 0o666 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+    assert hidden_files(("GPU-0000-simulated",), (), tmp_path) == ([str(tmp_path / "dri" / "renderD128")], "")

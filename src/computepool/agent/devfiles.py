@@ -108,6 +108,9 @@ def hidden_files(
     if not uuids:
         candidates += [dev / name for name in _SHARED]
     if why:
-        candidates = [p for p in candidates if not p.name.startswith("nvidia")]
+        nvidia = [p for p in candidates if p.name.startswith("nvidia")]
+        candidates = [p for p in candidates if p not in nvidia]
+        if not any(_is_device(p) for p in nvidia):
+            why = ""  # no NVIDIA file on the node (a simulated GPU): nothing left open
     hide = sorted({str(p) for p in candidates if str(p) not in keep and _is_device(p)})
     return [p for p in hide if _SAFE_PATH.match(p)], why
