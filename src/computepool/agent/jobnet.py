@@ -13,8 +13,10 @@ capabilities), and a connection there fails at once with EACCES.
 
 Jobs that must be reached on the node's network keep it (`needs_host_network`): those the pool
 gave ports to listen on (a service replica, a cooperative RPC server, a gang's rank 0), every gang
-member (its ranks dial each other), and a function's worker (it calls the control plane, which may
-listen on the node's loopback). They still get the Landlock scopes (landlock.py).
+member (its ranks dial each other), and a function's worker whose control plane listens on the
+node's loopback (it calls it back; a worker of a control plane elsewhere reaches it through
+slirp4netns like any other host, and keeps its own network: a function's command is the tenant's
+own). They still get the Landlock scopes (landlock.py).
 
 The launcher (`python -I -m computepool.agent.jobnet [--own-network SLIRP] [--scope] -- ARGV`, or
 the same options given to the syscall filter's loader, which then does both in one process) runs
@@ -74,7 +76,31 @@ def needs_host_network(
     a gang member or a function's worker, or it makes its own network (a cooperative RPC server).
     Nothing a request sets decides it: requests may not name CPOOL_ variables nor give a process
     job ports."""
-    return any(given_ports) or gang or _WORKER_ENV in env or private_network
+    worker = _WORKER_ENV in env and on_loopback(env.get("CPOOL_SERVER", ""))
+    return any(given_ports) or gang or worker or private_network
+
+
+def on_loopback(url: str) -> bool:
+    """Whether the control plane at `url` is reached on the node's loopback (its name resolves to a
+    loopback address, as a host name mapped to 127.0.1.1 does), or cannot be told."""
+    from urllib.parse import urlsplit  # noqa: PLC0415 - the agent's alone, never a job's launcher
+
+    try:
+        host = urlsplit(url).hostname or ""
+        addresses = [ipaddress.ip_address(host)] if _literal(host) else [
+            ipaddress.ip_address(str(a[4][0]).split("%")[0]) for a in socket.getaddrinfo(host, None)
+        ]  # fmt: skip
+    except (OSError, ValueError, UnicodeError):
+        return True
+    return not addresses or any(a.is_loopback for a in addresses)
+
+
+def _literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def slirp_argv(slirp: str, pid: int, ready_fd: int) -> list[str]:
