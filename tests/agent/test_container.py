@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from computepool.agent.container import ContainerError, Podman, mig_cap_nodes
+from computepool.agent.container import ContainerError, Podman
+from computepool.agent.devfiles import mig_cap_nodes
 from computepool.agent.executor import JobSpec
 
 IMAGE = "localhost/pybase:1"

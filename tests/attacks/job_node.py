@@ -22,12 +22,18 @@ ENDED = ("released", "failed", "cancelled", "preempted", "lost")
 
 
 class Node:
-    def __init__(self, root: Path, server_args: tuple[str, ...], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        server_args: tuple[str, ...],
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.root = root
-        self.server_args = server_args
+        self.server_args = (*server_args, "--host", host)
         self.env = child_env() | (env or {})  # the server's and the agent's (and `cpool` commands')
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.srv_dir, self.agent_dir = root / "srv", root / "agent"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tenants: list[str] = []
@@ -113,10 +119,11 @@ class Node:
 
 
 @contextmanager
-def job_node(*server_args: str, env: dict[str, str] | None = None) -> Iterator[Node]:
+def job_node(*server_args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Iterator[Node]:
+    """The pool; `host`: the address its server listens on and its agent calls."""
     root = Path("/var/tmp") / f"cpool-jl-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o755)
-    node = Node(root, server_args, env)
+    node = Node(root, server_args, env, host)
     try:
         node.start()
         yield node

@@ -33,7 +33,7 @@ PROBE = r"""
 import errno, json, os, sys, time
 mem_mib, forks = int(sys.argv[1]), int(sys.argv[2])
 out = {}
-for d in ("/tmp", "/dev/shm"):
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
     path = os.path.join(d, "fill")
     try:
         with open(path, "wb") as f:
@@ -200,8 +200,8 @@ def test_a_process_job_is_held_to_its_tenants_defaults(node: Node, tenant: tuple
     assert hog["state"] == "failed" and "out of memory" in hog["reason"], (hog["reason"], out)
     assert (hog["request"]["cpu_milli"], hog["request"]["memory_mib"]) == (1000, 64)
     seen, limits = _probe(node, client, [JOB_PYTHON])
-    # /tmp and /dev/shm hold 32 MiB each: a 48 MiB write fails before the memory limit is reached
-    assert (seen["/tmp"], seen["/dev/shm"]) == ("ENOSPC", "ENOSPC"), seen
+    # /tmp, /var/tmp and /dev/shm hold 32 MiB each: a 48 MiB write fails before the memory limit is reached
+    assert (seen["/tmp"], seen["/var/tmp"], seen["/dev/shm"]) == ("ENOSPC",) * 3, seen
     assert seen["fork"] == "EAGAIN" and 0 < seen["forked"] < 32, seen
     assert limits == {"memory": 64 * MIB, "cpu": 100_000, "pids": 32}, (limits, seen["cgroup"])
 
@@ -216,6 +216,7 @@ def test_a_container_job_is_held_to_its_tenants_defaults(
     hog, out = _ended(node, client, _submit(client, ["python3", "-c", HOG, "256"], image=image))
     assert hog["state"] == "failed" and "out of memory" in hog["reason"], (hog["reason"], out)
     seen, limits = _probe(node, client, ["python3"], image=image)
-    assert (seen["/tmp"], seen["/dev/shm"]) == ("ENOSPC", "ENOSPC"), seen
+    # /var/tmp too: the image's world-writable dirs were the overlay's, on the node's disk, unbounded
+    assert (seen["/tmp"], seen["/var/tmp"], seen["/dev/shm"]) == ("ENOSPC",) * 3, seen
     assert seen["fork"] == "EAGAIN" and 0 < seen["forked"] < 32, seen
     assert limits == {"memory": 64 * MIB, "cpu": 100_000, "pids": 32}, (limits, seen["cgroup"])

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import wait_for
+from e2e_helpers import publish_image, wait_for
+from job_node import job_node
 from test_cross_tenant_process import Node, _submit
 
 from computepool.agent.tenants import remove_tenant_user
@@ -91,3 +92,29 @@ def test_a_jobs_path_and_loader_variables_never_reach_a_root_step(node: Node) ->
         assert _stdout(client, check).strip() == "glibc.malloc.check=3"
     finally:
         remove_tenant_user(tenant)
+
+
+def test_a_container_jobs_loader_variables_never_reach_root(image: str) -> None:
+    """The same against a container job: its wrapper and podman ran as root with the job's variables
+    (podman's `env -i` came after them), so root loaded a library the tenant left in its cache
+    (LD_PRELOAD) and wrote the loader's debug output where the tenant said (LD_DEBUG_OUTPUT). Now
+    they run with a fixed environment; the job's variables reach the container through its env file."""
+    with job_node() as n:
+        tenant, client = n.member("ec")
+        publish_image(n.admin, image, [tenant])
+        plant = n.submit(client, ["python3", "-c", "import os; print(os.environ['CPOOL_CACHE_DIR'])"])
+        assert n.ended(client, plant)["state"] == "released"
+        cache = Path(_stdout(client, plant).split()[0])
+        env = {
+            "LD_DEBUG": "files",
+            "LD_DEBUG_OUTPUT": f"{cache}/ld",
+            "LD_PRELOAD": f"{cache}/no-such-library.so",
+            "GLIBC_TUNABLES": "glibc.malloc.check=3",
+        }
+        show = "import os; print(os.environ['GLIBC_TUNABLES'])"
+        job = n.submit(client, ["python3", "-c", show], env=env, image=image)
+        out = n.ended(client, job)
+        assert out["state"] == "released", out
+        by_root = [p.name for p in cache.iterdir() if p.stat().st_uid == 0]
+        assert by_root == [], f"root's steps ran with the job's loader variables: {by_root}"
+        assert _stdout(client, job).strip() == "glibc.malloc.check=3"  # the container still has them

@@ -154,11 +154,21 @@ def _ip(*args: str) -> None:
 def elsewhere() -> Iterator[tuple[str, str]]:
     """A network namespace of this test's own behind a veth pair (a /30 of 10.233/16): (its name,
     its address)."""
+    yield from _behind_veth("10.233")
+
+
+@pytest.fixture
+def metadata_service() -> Iterator[tuple[str, str]]:
+    """The same on a /30 of the link-local 169.254/16, where clouds answer with the node's credentials."""
+    yield from _behind_veth("169.254")
+
+
+def _behind_veth(net16: str) -> Iterator[tuple[str, str]]:
     if shutil.which("ip") is None:
         pytest.skip("no `ip` (iproute2) to make a namespace")
     tag = uuid.uuid4().hex[:6]
     ns, near, far = f"cpool-out-{tag}", f"cvh{tag}", f"cvn{tag}"
-    base = f"10.233.{random.randrange(256)}.{random.randrange(64) * 4}"
+    base = f"{net16}.{random.randrange(1, 255)}.{random.randrange(64) * 4}"
     prefix, last = base.rsplit(".", 1)
     mine, theirs = f"{prefix}.{int(last) + 1}", f"{prefix}.{int(last) + 2}"
     _ip("netns", "add", ns)
@@ -183,5 +193,24 @@ def test_a_job_still_reaches_other_hosts(node: Node, elsewhere: tuple[str, str])
         _, c = node.member("no")
         got = _run(node, c, [JOB_PYTHON, "-c", DIAL, json.dumps({"far": ["inet", list(far.address)]})])
         assert got == {"far": "FAR-HELLO"} and far.accepted == 1, got
+    finally:
+        sock.close()
+
+
+def test_a_job_cannot_reach_the_clouds_metadata_service(
+    node: Node, metadata_service: tuple[str, str]
+) -> None:
+    """A link-local listener (169.254.169.254 answers a cloud node's machine with its credentials)
+    is refused at once by the job's own routes; before, slirp4netns took the connection there."""
+    ns, address = metadata_service
+    with entered(ns):
+        sock = socket.create_server((address, 0))
+    imds = Listener(sock, b"NODE-CREDENTIALS")
+    try:
+        _, c = node.member("nm")
+        dials = {"imds": ["inet", list(imds.address)], "alibaba": ["inet", ["100.100.100.200", 80]]}
+        got = _run(node, c, [JOB_PYTHON, "-c", DIAL, json.dumps(dials)])
+        assert got == dict.fromkeys(dials, "refused: [Errno 13] Permission denied"), got
+        assert imds.accepted == 0
     finally:
         sock.close()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
+from computepool.agent.devfiles import NVIDIA_COMMON_NODES, nvidia_nodes
 from computepool.agent.identity import agent_id
 from computepool.agent.sandbox import tmpfs_mib
 from computepool.core.errors import InvalidInput
@@ -48,12 +49,9 @@ MIB = 1024 * 1024
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "computepool-containers"
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
-NVIDIA_CAPS = Path("/proc/driver/nvidia/capabilities")
-NVIDIA_COMMON_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 _INIT_PATHS = ("/usr/libexec/podman/catatonit", "/usr/bin/catatonit", "/usr/libexec/catatonit/catatonit")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
-_CAP_MINOR = re.compile(r"DeviceFileMinor:\s*(\d+)")
 _IMAGE_OK_TTL_S = 60.0
 _IMAGE_ID = re.compile(r"^sha256:[a-f0-9]{64}$")
 
@@ -295,16 +293,20 @@ class Podman:
             argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
         argv += self._memory_args(key, spec.memory_mib)
         tmp = tmpfs_mib(spec.memory_mib)
-        if tmp:  # sized /tmp and /dev/shm, as a process job has them: their pages are the job's memory
-            argv += [f"--shm-size={tmp}m", f"--tmpfs=/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m"]
+        if tmp:  # sized /tmp, /var/tmp and /dev/shm, as a process job has them: their pages are the
+            # job's memory; else the image's world-writable dirs fill the node's disk (the overlay's)
+            argv += [f"--shm-size={tmp}m", f"--tmpfs=/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m",
+                     f"--tmpfs=/var/tmp:rw,nosuid,nodev,mode=1777,size={tmp}m"]  # fmt: skip
+        argv.append("--tmpfs=/run/lock:rw,nosuid,nodev,mode=1777,size=1m")
         if spec.stdin:
             argv.append("--interactive")  # the run's stdin (the wrapper's) reaches the command
         if spec.ports:
             host = self._publish_prefix()
             argv += [f"--publish={host}{p}:{p}" for p in spec.ports]
-        elif "CPOOL_WORKER_TOKEN" in spec.env:
+        elif spec.container_host_network:
             # a function's worker calls the control plane back at the agent's own URL (CPOOL_SERVER),
-            # loopback included: the host's network, as a process job has it
+            # loopback included: the host's network, as a process job has it (and, like it, in a
+            # Landlock domain scoped for abstract sockets: launch.py)
             argv.append("--network=host")
         else:
             argv.append("--network=none")
@@ -427,7 +429,7 @@ class Podman:
             if u in cdi:
                 nodes.append(f"nvidia.com/gpu={u}")
                 continue
-            found = _nvidia_nodes(u)
+            found = nvidia_nodes(u)
             if found:
                 nodes += [*found, *(n for n in NVIDIA_COMMON_NODES if os.path.exists(n))]
         return [f"--device={n}" for n in dict.fromkeys(nodes)]
@@ -512,41 +514,3 @@ def _cdi_names(dirs: tuple[Path, ...]) -> set[str]:
                     names.update(re.findall(r"""name:\s*["']?((?:GPU|MIG)-[0-9a-fA-F-]+)""", text))
                     names.update(re.findall(r'"name":\s*"((?:GPU|MIG)-[0-9a-fA-F-]+)"', text))
     return names
-
-
-def mig_cap_nodes(minor: int, gi: int, ci: int, caps_root: Path = NVIDIA_CAPS) -> list[str]:
-    """The `/dev/nvidia-caps` nodes that open one MIG instance: its GPU and compute instance's."""
-    mig = caps_root / f"gpu{minor}" / "mig" / f"gi{gi}"
-    nodes = []
-    for access in (mig / "access", mig / f"ci{ci}" / "access"):
-        with contextlib.suppress(OSError):
-            m = _CAP_MINOR.search(access.read_text())
-            if m:
-                nodes.append(f"/dev/nvidia-caps/nvidia-cap{m.group(1)}")
-    return nodes
-
-
-def _nvidia_nodes(uuid: str) -> list[str]:
-    """/dev/nvidiaN of the GPU (a MIG instance's parent) plus, for MIG, its capability nodes."""
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver: nothing to pass
-        return []
-    try:
-        h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        if not uuid.startswith("MIG-"):
-            return [f"/dev/nvidia{pynvml.nvmlDeviceGetMinorNumber(h)}"]
-        parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)
-        minor = pynvml.nvmlDeviceGetMinorNumber(parent)
-        gi = pynvml.nvmlDeviceGetGpuInstanceId(h)
-        ci = pynvml.nvmlDeviceGetComputeInstanceId(h)
-        return [f"/dev/nvidia{minor}", *mig_cap_nodes(minor, gi, ci)]
-    except Exception:  # an unknown uuid (simulated device) or an old driver: no device node
-        return []
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()

@@ -13,8 +13,10 @@ kubelet does with dead containers and under disk pressure:
   take the most is stopped, its reason naming the sizes; its dir goes once its end is acknowledged.
 
 The disk is low when less than `min(min_free_bytes, min_free_share × its size)` is free to
-unprivileged writers (`statvfs.f_bavail`). Nothing is removed that the agent may still use: a
-running attempt, one being prepared, or an end not yet acknowledged (`protected`).
+unprivileged writers (`statvfs.f_bavail`), or fewer than `min(min_free_inodes, min_free_share × its
+inodes)` inodes (`f_favail`): then the job that made the most files is the one stopped. Nothing
+is removed that the agent may still use: a running attempt, one being prepared, or an end not yet
+acknowledged (`protected`).
 """
 
 from __future__ import annotations
@@ -39,14 +41,19 @@ KEEP_S = 3600.0  # a finished attempt's files stay this long after its end
 MIN_KEEP_S = 60.0  # even on a full disk: `--output` fetches right after the end
 MIN_FREE_BYTES = 2 << 30
 MIN_FREE_SHARE = 0.05
+MIN_FREE_INODES = 100_000
 
 
 @dataclass(frozen=True)
 class DiskJob:
-    """A running job and the directory its files are written under."""
+    """A running job, the directory its files are written under and, where its tenant has one, the
+    tenant's cache (CPOOL_CACHE_DIR, kept between jobs), of which what changed since the job's start
+    (`started`, Unix seconds) counts as the job's: a job filling the disk there is its tenant's."""
 
     key: str
     path: Path
+    cache: Path | None = None
+    started: float = 0.0
 
 
 def free_space(path: Path) -> tuple[int, int]:
@@ -55,13 +62,30 @@ def free_space(path: Path) -> tuple[int, int]:
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
-def tree_bytes(path: Path) -> int:
-    """Disk blocks under `path`, not following links nor crossing into other filesystems."""
+def free_inodes(path: Path) -> tuple[int, int]:
+    """(inodes free to unprivileged writers, inodes in all; 0 where the filesystem has no fixed
+    count, as btrfs) of the filesystem holding `path`."""
+    st = os.statvfs(path)
+    return st.f_favail, st.f_files
+
+
+def tree_bytes(path: Path, since: float | None = None, dev: int | None = None) -> int:
+    """Disk blocks under `path`, not following links nor crossing into other filesystems; with
+    `since`, of the entries changed since then only (ctime, which no owner can set back); with `dev`,
+    0 unless `path` is on that filesystem."""
+    return tree_usage(path, since, dev)[0]
+
+
+def tree_usage(path: Path, since: float | None = None, dev: int | None = None) -> tuple[int, int]:
+    """(bytes, entries) under `path`, as `tree_bytes` counts them."""
     try:
-        dev = os.lstat(path).st_dev
+        here = os.lstat(path).st_dev
     except OSError:
-        return 0
-    total, todo = 0, [path]
+        return 0, 0
+    if dev is not None and here != dev:
+        return 0, 0
+    dev = here
+    total, count, todo = 0, 0, [path]
     while todo:
         d = todo.pop()
         try:
@@ -75,10 +99,12 @@ def tree_bytes(path: Path) -> int:
                 continue
             if st.st_dev != dev:
                 continue
-            total += st.st_blocks * 512
+            if since is None or st.st_ctime >= since:
+                total += st.st_blocks * 512
+                count += 1
             if stat.S_ISDIR(st.st_mode):
                 todo.append(Path(e.path))
-    return total
+    return total, count
 
 
 def _mib(n: int) -> str:
@@ -104,11 +130,13 @@ class DiskGuard:
         keep_s: float = KEEP_S,
         min_free_bytes: int = MIN_FREE_BYTES,
         min_free_share: float = MIN_FREE_SHARE,
+        min_free_inodes: int = MIN_FREE_INODES,
         every_s: float = GUARD_EVERY_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.runs, self.key, self.protected, self.jobs, self.stop_job = runs, key, protected, jobs, stop
         self.keep_s, self.min_free_bytes, self.min_free_share = keep_s, min_free_bytes, min_free_share
+        self.min_free_inodes = min_free_inodes
         self.every_s, self.clock = every_s, clock
         self._swept: float | None = None  # when the last walk over the finished dirs was (clock)
         self._stopped: set[str] = set()
@@ -122,6 +150,23 @@ class DiskGuard:
         except OSError:
             return False, 0, 0
         return free < min(self.min_free_bytes, self.min_free_share * total), free, total
+
+    def inodes_low(self) -> tuple[bool, int, int]:
+        """(whether the disk is short of inodes, inodes free, inodes in all): a job making empty
+        files without end leaves no file to create for anyone while its bytes stay few."""
+        try:
+            free, total = free_inodes(self.runs if self.runs.exists() else self.runs.parent)
+        except OSError:
+            return False, 0, 0
+        return total > 0 and free < min(self.min_free_inodes, self.min_free_share * total), free, total
+
+    def _pressure(self) -> tuple[bool, bool, str]:
+        """(bytes low, inodes low, what is free in words)."""
+        low, free, total = self.low()
+        short, ifree, itotal = self.inodes_low()
+        if short and not low:
+            return low, short, f"{ifree} inodes free of {itotal}"
+        return low, short, f"{_mib(free)} free of {_mib(total)}"
 
     def finished(self) -> list[tuple[float, Path]]:
         """(ended at, run dir) of the attempts no one uses any more, oldest first."""
@@ -159,8 +204,8 @@ class DiskGuard:
         """One pass; what it did, in words (for logs and tests)."""
         done: list[str] = []
         now = self.clock()
-        low, free, total = self.low()
-        if not low and self._swept is not None and now - self._swept < SWEEP_EVERY_S:
+        low, short, free = self._pressure()
+        if not (low or short) and self._swept is not None and now - self._swept < SWEEP_EVERY_S:
             return done  # the walk costs as many dirs as the node keeps: not every pass
         self._swept = now
         for ended, d in self.finished():
@@ -168,28 +213,49 @@ class DiskGuard:
             if age >= self.keep_s:
                 self._remove(d, f"ended {age:.0f} s ago")
                 done.append(f"removed {d}")
-            elif low and age >= MIN_KEEP_S:
-                self._remove(d, f"the disk is low: {_mib(free)} free")
+            elif (low or short) and age >= MIN_KEEP_S:
+                self._remove(d, f"the disk is low: {free}")
                 done.append(f"removed {d}")
-                low, free, total = self.low()
-        if not low:
+                low, short, free = self._pressure()
+        if not (low or short):
             return done
         running = [j for j in self.jobs() if j.key not in self._stopped]
         if not running:
             return done
-        sizes = sorted(((tree_bytes(j.path), j.key) for j in running), reverse=True)
-        size, key = sizes[0]
-        if size < MIB:  # not the jobs' doing: nothing of theirs to stop for it
-            return done
+        usage = {j.key: self._usage_of(j) for j in running}
+        if low:  # bytes: the job that took the most of them
+            size, key = max((u[0], k) for k, u in usage.items())
+            took = _mib(size)
+            if size < MIB:  # not the jobs' doing: nothing of theirs to stop for it
+                return done
+        else:  # inodes: the job that made the most files
+            size, key = max((u[1], k) for k, u in usage.items())
+            took = f"{size} files"
+            if size < 1000:
+                return done
+        what = "nearly full" if low else "out of inodes"
         reason = (
-            f"the node's disk is nearly full ({_mib(free)} free of {_mib(total)}); this job's files "
-            f"took {_mib(size)}, the most of any job's on the node"
+            f"the node's disk is {what} ({free}); this job's files "
+            f"(with what it wrote to its tenant's cache) took {took}, the most of any job's on the node"
         )
         log.warning("stopping %s: %s", key, reason)
         self._stopped.add(key)
         self.stop_job(key, reason)
         done.append(f"stopped {key}")
         return done
+
+    def _usage_of(self, job: DiskJob) -> tuple[int, int]:
+        """(bytes, files) of the job's own, and of what changed in its tenant's cache since its start
+        where that cache shares the disk (a tenant's writes outside its job's dir fill it as well)."""
+        own = tree_usage(job.path)
+        if job.cache is None:
+            return own
+        try:
+            dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
+        except OSError:
+            return own
+        cached = tree_usage(job.cache, since=job.started, dev=dev)
+        return own[0] + cached[0], own[1] + cached[1]
 
     # ---- the thread ------------------------------------------------------------------------
 

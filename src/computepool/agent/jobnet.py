@@ -6,12 +6,17 @@ tenant's job's listener on 127.0.0.1 (an unauthenticated Jupyter, TensorBoard or
 to the pool's own loopback services. A job now gets a network namespace of its own: its loopback
 is its own, and its traffic out goes through slirp4netns (user-mode TCP/IP in a root process on
 the node's network, `--disable-host-loopback`: nothing reaches the node's 127.0.0.1). The job sees
-`tap0` (10.0.2.100/24, gateway 10.0.2.2, DNS 10.0.2.3, MTU 65520); nobody can connect in.
+`tap0` (10.0.2.100/24, gateway 10.0.2.2, DNS 10.0.2.3, MTU 65520); nobody can connect in. Its
+routes refuse the cloud's instance metadata addresses (`METADATA_NETS`: 169.254.0.0/16, …), which
+hand whoever asks the node's own cloud credentials; the job cannot change its routes (no
+capabilities), and a connection there fails at once with EACCES.
 
 Jobs that must be reached on the node's network keep it (`needs_host_network`): those the pool
 gave ports to listen on (a service replica, a cooperative RPC server, a gang's rank 0), every gang
-member (its ranks dial each other), and a function's worker (it calls the control plane, which may
-listen on the node's loopback). They still get the Landlock scopes (landlock.py).
+member (its ranks dial each other), and a function's worker whose control plane listens on the
+node's loopback (it calls it back; a worker of a control plane elsewhere reaches it through
+slirp4netns like any other host, and keeps its own network: a function's command is the tenant's
+own). They still get the Landlock scopes (landlock.py).
 
 The launcher (`python -I -m computepool.agent.jobnet [--own-network SLIRP] [--scope] -- ARGV`, or
 the same options given to the syscall filter's loader, which then does both in one process) runs
@@ -51,7 +56,13 @@ RESOLV_COPY = "/run/computepool/job-resolv.conf"  # root's; bound over a job's /
 SLIRP_DNS = "10.0.2.3"
 PR_SET_PDEATHSIG = 1
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+RTM_NEWROUTE, NLMSG_ERROR, RTA_DST = 24, 2, 1
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+RT_TABLE_MAIN, RTPROT_STATIC, RTN_PROHIBIT = 254, 4, 8
 MTU = 65520
+# where clouds answer a node's machine with its credentials: link-local (AWS, GCP, Azure, OpenStack,
+# ECS task roles at 169.254.170.2) and Alibaba's 100.100.100.200; a job's routes refuse them
+METADATA_NETS = ("169.254.0.0/16", "100.100.100.200/32")
 TAP = "tap0"
 READY_TIMEOUT_S = 10.0
 SUMMARY = "own network namespace (private loopback; outbound through slirp4netns, not to the node's loopback)"
@@ -65,7 +76,31 @@ def needs_host_network(
     a gang member or a function's worker, or it makes its own network (a cooperative RPC server).
     Nothing a request sets decides it: requests may not name CPOOL_ variables nor give a process
     job ports."""
-    return any(given_ports) or gang or _WORKER_ENV in env or private_network
+    worker = _WORKER_ENV in env and on_loopback(env.get("CPOOL_SERVER", ""))
+    return any(given_ports) or gang or worker or private_network
+
+
+def on_loopback(url: str) -> bool:
+    """Whether the control plane at `url` is reached on the node's loopback (its name resolves to a
+    loopback address, as a host name mapped to 127.0.1.1 does), or cannot be told."""
+    from urllib.parse import urlsplit  # noqa: PLC0415 - the agent's alone, never a job's launcher
+
+    try:
+        host = urlsplit(url).hostname or ""
+        addresses = [ipaddress.ip_address(host)] if _literal(host) else [
+            ipaddress.ip_address(str(a[4][0]).split("%")[0]) for a in socket.getaddrinfo(host, None)
+        ]  # fmt: skip
+    except (OSError, ValueError, UnicodeError):
+        return True
+    return not addresses or any(a.is_loopback for a in addresses)
+
+
+def _literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def slirp_argv(slirp: str, pid: int, ready_fd: int) -> list[str]:
@@ -93,6 +128,28 @@ def loopback_up() -> None:
         fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
+def refuse_route(net: str) -> None:
+    """A `prohibit` route to `net` in this network namespace (rtnetlink, as `ip route add prohibit
+    NET`): connecting there fails with EACCES. Raises OSError."""
+    dst = ipaddress.ip_network(net)
+    family = socket.AF_INET if dst.version == 4 else socket.AF_INET6
+    attr = struct.pack("HH", 4 + len(dst.network_address.packed), RTA_DST) + dst.network_address.packed
+    attr += b"\0" * (-len(attr) % 4)
+    # rtmsg: family, dst_len, src_len, tos, table, protocol, scope (universe), type, flags
+    rtm = struct.pack(
+        "BBBBBBBBI", family, dst.prefixlen, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC, 0, RTN_PROHIBIT, 0
+    )
+    flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+    msg = struct.pack("IHHII", 16 + len(rtm) + len(attr), RTM_NEWROUTE, flags, 1, 0) + rtm + attr
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+        nl.sendto(msg, (0, 0))
+        answer = nl.recv(4096)
+    kind = struct.unpack_from("H", answer, 4)[0]
+    err = -struct.unpack_from("i", answer, 16)[0] if kind == NLMSG_ERROR else 0
+    if err:
+        raise OSError(err, f"route prohibit {net}: {os.strerror(err)}")
+
+
 def own_network(slirp: str | None) -> str:
     """Move this process into a new network namespace with its loopback up, and give it outbound
     traffic through `slirp` (None: loopback alone). Returns "" or why there is no outbound.
@@ -102,6 +159,8 @@ def own_network(slirp: str | None) -> str:
     try:
         _check(libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
         loopback_up()
+        for net in METADATA_NETS:
+            refuse_route(net)
         if slirp is None:
             return "slirp4netns is not installed: no outbound network"
         why = _start_slirp(slirp, host_ns)

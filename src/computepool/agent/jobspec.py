@@ -47,6 +47,12 @@ class JobSpec:
     def key(self) -> str:
         return job_key(self.allocation_id, self.attempt)
 
+    @property
+    def container_host_network(self) -> bool:
+        """A container on the host's network: a function's worker (it calls the control plane back,
+        which may listen on the node's loopback) given no ports."""
+        return bool(self.image) and not self.ports and "CPOOL_WORKER_TOKEN" in self.env
+
 
 @dataclass(frozen=True)
 class AdoptReport:

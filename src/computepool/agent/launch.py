@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from computepool.agent import jobnet, landlock
+from computepool.agent.devfiles import hidden_files
 from computepool.agent.localstate import JobRecord, LocalState
 from computepool.agent.sandbox import (
+    ROOT_ENV,
     WORK_DIR,
     HostSupport,
     SandboxConfig,
@@ -109,21 +113,39 @@ class Launcher:
             if spec.image_digest is None:  # an allowed registry's image: the id this node runs, reported
                 rec.extra["image_id"] = podman.prepare(spec)
             argv = podman.run_argv(spec, work, user.pw_uid, user.pw_gid)
+            how = f"container {spec.image} through podman"
+            if spec.container_host_network and not self.host.scope_why_not:
+                # on the host's network its abstract unix sockets are the node's (other tenants' jobs
+                # on it, the node's daemons): podman, and what it starts, in a scoped Landlock domain
+                python = self.host.filter_loader[0] if self.host.filter_loader else sys.executable
+                argv = [*jobnet.launcher_argv(jobnet.options(None, False, True), python), *argv]
+                how += f", {landlock.SUMMARY}"
             # podman (and conmon, which may drop files such as `oom` in its working directory) runs
-            # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`
-            return Launch(argv, env, run_dir, None, f"container {spec.image} through podman")
+            # as root: it starts in the root-owned run dir, never in the tenant's writable `work/`,
+            # and the wrapper and podman with a fixed environment: the job's own (LD_PRELOAD, PATH,
+            # GLIBC_TUNABLES, …) reaches the container through its env file alone
+            return Launch(argv, dict(ROOT_ENV), run_dir, None, how)
         mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
         keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
         hide = hidden_dir(work, self.data_dir)
         tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
+        no_device, open_why = hidden_files(spec.device_uuids, spec.device_nodes, self.sandbox.dev)
         argv, applied = wrap(
             spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network,
-            own_network=not spec.host_network,
+            own_network=not spec.host_network, no_device=no_device, user_prefix=self.sandbox.user_prefix,
         )  # fmt: skip
+        if open_why:
+            applied.append(open_why)
         if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
             init = self.host.namespaces and self.host.unshare is not None
             return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""), init)
         return Launch(argv, env, work, None, ", ".join(applied))
+
+    def cache_of(self, tenant: str) -> Path | None:
+        """Where `_cache_dir` keeps `tenant`'s cache (None: nowhere), without making it."""
+        if not tenant or self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
+            return None
+        return self.sandbox.cache_root / tenant if self.host.root else self.data_dir / "cache" / tenant
 
     def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:
         """The tenant's cache (CPOOL_CACHE_DIR), kept between jobs: under `--cache-dir` for a root

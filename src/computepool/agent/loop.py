@@ -571,7 +571,12 @@ class Agent:
         return desired | {r.key for r in self.state.open_jobs()}
 
     def _disk_jobs(self) -> list[DiskJob]:
-        return [DiskJob(r.key, Path(r.run_dir)) for r in self.executor.running() if not r.stop_reason]
+        cache = self.executor.launcher.cache_of
+        return [
+            DiskJob(r.key, Path(r.run_dir), cache(r.extra.get("tenant", "")), r.started_at)
+            for r in self.executor.running()
+            if not r.stop_reason
+        ]
 
     def _stop_squatter(self, key: str, reason: str) -> None:
         self.executor.stop(key, reason)

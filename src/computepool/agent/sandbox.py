@@ -35,11 +35,13 @@ from pathlib import Path
 
 from computepool.agent import jobnet, landlock, syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
+from computepool.agent.devfiles import DEV
 from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
 
 log = logging.getLogger("computepool.agent")
 WORK_DIR = "work"
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+ROOT_ENV = {"PATH": FIXED_PATH, "LANG": "C.UTF-8"}  # all a step that runs as root gets of the job's
 # The job's environment, as shell `export`s, carried past the steps that run as root (see
 # `root_side_env`) in HANDOVER_0, HANDOVER_1, … (the kernel takes at most 128 KiB per variable) and
 # applied by the first step that runs as the tenant.
@@ -65,6 +67,12 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # descriptor opened before, since the path itself leads elsewhere by then). $4 is the tenant's cache
 # dir (CPOOL_CACHE_DIR) or "", kept the same way. $5 is the size of the private /tmp, /var/tmp and
 # /dev/shm (each; "" for the kernel's default): their pages count in the job's memory, the writer's.
+# $6 lists device files (space-separated, devfiles.py) of devices the job's slice does not hold: an
+# empty file of root's with mode 0 is bound over each, so opening one fails (EACCES) as it would
+# under a device cgroup; the file is unlinked at once (the binds keep it), the job cannot unmount.
+# $7 is the prefix of tenants' users and $8 the job's own: /etc/passwd and /etc/group are bound over
+# by copies without the other tenants' users and groups, and the tenants' caches' root ($4's parent)
+# is covered like $2, so that a job learns no other tenant's name from the node.
 # Nothing written there outlives the job, nor do its SysV IPC objects and POSIX message queues (the
 # IPC namespace's; /dev/mqueue, where the host mounts it, shows the job's own).
 # It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
@@ -79,7 +87,10 @@ _cpool_hide=$2
 _cpool_keep=$3
 _cpool_cache=$4
 _cpool_tmpfs=mode=1777,nosuid,nodev${5:+,size=$5}
-shift 5
+_cpool_nodev_files=$6
+_cpool_users=$7
+_cpool_me=$8
+shift 8
 exec 3<"$_cpool_w" || exit 126
 if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
 if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
@@ -88,8 +99,29 @@ if [ -d /var/tmp ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-vartmp /var/tmp
 if [ -d /dev/shm ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || exit 126; fi
 if [ -d /run/lock ]; then mount -t tmpfs -o mode=1777,nosuid,nodev,size=1m cpool-lk /run/lock || exit 126; fi
 if [ -d /dev/mqueue ]; then mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || exit 126; fi
+if [ -n "$_cpool_nodev_files" ]; then
+    _cpool_nodev=/tmp/.cpool-no-device
+    (umask 0777 && : > "$_cpool_nodev") || exit 126
+    for _cpool_d in $_cpool_nodev_files; do
+        if [ -e "$_cpool_d" ]; then mount --no-canonicalize --bind "$_cpool_nodev" "$_cpool_d" || exit 126; fi
+    done
+    rm -f "$_cpool_nodev"
+fi
+if [ -n "$_cpool_users" ]; then
+    for _cpool_f in passwd group; do
+        [ -f "/etc/$_cpool_f" ] || continue
+        _cpool_t=/tmp/.cpool-$_cpool_f
+        (umask 022 && awk -F: -v p="$_cpool_users" -v me="$_cpool_me" 'index($1, p) != 1 || $1 == me' \
+            "/etc/$_cpool_f" > "$_cpool_t") || exit 126
+        mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" || exit 126
+        rm -f "$_cpool_t"
+    done
+fi
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
     mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" || exit 126
+fi
+if [ -n "$_cpool_cache" ] && [ -d "${_cpool_cache%/*}" ] && [ -n "${_cpool_cache%/*}" ]; then
+    mount -t tmpfs -o mode=0711,nosuid,nodev,size=1m cpool-caches "${_cpool_cache%/*}" || exit 126
 fi
 _cpool_rebind() {
     if ! [ "$1" -ef "$2" ]; then
@@ -134,6 +166,7 @@ class SandboxConfig:
     # MPS daemons' pipes: the MPS server runs as the client's uid and must reach them, which the
     # agent's data dir (0700) forbids; `cpool agent`: DEFAULT_MPS_ROOT. None: DATA_DIR/mps.
     mps_root: Path | None = None
+    dev: Path = DEV  # where the node's device files are (devfiles.py; tests lay out their own)
 
 
 @dataclass(frozen=True)
@@ -271,7 +304,7 @@ def root_side_env(job_env: Mapping[str, str]) -> dict[str, str]:
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env.items() if _ENV_NAME.match(k)]
     script = "\n".join(lines)
     chunks = [script[i : i + _HANDOVER_CHUNK] for i in range(0, len(script), _HANDOVER_CHUNK)]
-    return {"PATH": FIXED_PATH, "LANG": "C.UTF-8"} | {f"{HANDOVER}{i}": c for i, c in enumerate(chunks)}
+    return ROOT_ENV | {f"{HANDOVER}{i}": c for i, c in enumerate(chunks)}
 
 
 def wrap(
@@ -285,6 +318,8 @@ def wrap(
     tmp_mib: int = 0,
     private_network: bool = False,
     own_network: bool = False,
+    no_device: Sequence[str] = (),
+    user_prefix: str = "",
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
 
@@ -296,6 +331,9 @@ def wrap(
 
     `hide` is covered by an empty tmpfs in the job's mount namespace; `work`, `keep` and `cache`
     stay; the private /tmp, /var/tmp and /dev/shm hold `tmp_mib` MiB each (0: the kernel's default).
+    `no_device`: device files (devfiles.py) the job cannot open: covered in its mount namespace.
+    `user_prefix`: the tenants' users' (tenants.py); the job's /etc/passwd and /etc/group show none
+    but its own, and its cache's parent (the tenants' caches) is covered.
     Where the first steps run as root (`hands_over`), the argv expects `root_side_env`'s
     environment and restores the job's own after setpriv.
     """
@@ -319,7 +357,8 @@ def wrap(
         applied.append(syscall_filter.SUMMARY_PRIVATE_NETWORK)
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
-                str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else ""]  # fmt: skip
+                str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else "", " ".join(no_device), user_prefix,
+                user.pw_name]  # fmt: skip
         # an MPS client (`keep`: its daemon's pipes) stays in the host's IPC namespace, its server's
         spaces = _NAMESPACES if keep is None else tuple(n for n in _NAMESPACES if n != "--ipc")
         argv = [host.unshare, *spaces, "--", *init, *argv]
@@ -328,6 +367,10 @@ def wrap(
         applied.append(f"own {named} namespaces, private /tmp, /var/tmp and /dev/shm{sized}")
         if hide is not None:
             applied.append(f"{hide} hidden")
+        if user_prefix:
+            applied.append("no other tenant's user or cache in view")
+        if no_device:
+            applied.append(f"{len(no_device)} device files of devices not its slice's closed")
     elif host.why_not:
         applied.append("no namespaces: " + "; ".join(host.why_not))
     own = own_network and host.namespaces and host.unshare is not None and host.slirp is not None

@@ -1,0 +1,109 @@
+"""Tenant B fills the node's disk, through its tenant cache or with empty files, to have the disk
+guard stop A's job or to leave no file for anyone.
+
+The disk guard stops, on a nearly full disk, the running job whose files take the most. It used to
+count each job's own dir alone; B's job wrote its fill to `CPOOL_CACHE_DIR` (its tenant's cache,
+on the same disk, outside its job's dir) and A's job, with a few MiB of its own, was the one
+stopped. What a job writes to its tenant's cache now counts as its own; what was there before it
+started (A's large cache, written by earlier jobs) does not. And the guard looked at bytes alone:
+a job making empty files without end took every inode of the disk, and nobody could create a file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from computepool.agent.disk_guard import DiskGuard, DiskJob
+from computepool.agent.localstate import job_key
+
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")]
+MIB = 1 << 20
+
+
+@pytest.fixture
+def disk() -> Iterator[Path]:
+    """A 48 MiB disk of 3000 inodes holding the agent's runs and the tenants' caches."""
+    d = Path("/var/tmp") / f"cpool-disk-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,nr_inodes=3000", "tmpfs", str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+        d.rmdir()
+
+
+def _write(path: Path, mib: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * (mib * MIB))
+
+
+def test_a_tenant_filling_its_cache_is_the_one_stopped(disk: Path) -> None:
+    runs, caches = disk / "runs", disk / "cache"
+    _write(caches / "a" / "pip" / "wheels.bin", 12)  # A's cache, from its earlier jobs
+    a_started = time.time()
+    _write(runs / "1" / "1" / "work" / "model.bin", 4)  # A's running job: its own files
+    b_started = time.time()
+    _write(runs / "2" / "1" / "work" / "x", 0)
+    _write(caches / "b" / "fill.bin", 24)  # B's running job fills the disk through its cache
+    jobs = [
+        DiskJob(job_key("1", 1), runs / "1" / "1", caches / "a", a_started),
+        DiskJob(job_key("2", 1), runs / "2" / "1", caches / "b", b_started),
+    ]
+    stopped: list[tuple[str, str]] = []
+    g = DiskGuard(
+        runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+        min_free_bytes=16 * MIB, min_free_share=0.5,
+    )  # fmt: skip
+    assert g.low()[0]
+    assert g.check_once() == [f"stopped {job_key('2', 1)}"]
+    [(key, reason)] = stopped
+    assert key == job_key("2", 1) and "its tenant's cache) took 24 MiB" in reason, reason
+
+
+def test_a_cache_on_another_disk_is_not_counted(disk: Path, tmp_path: Path) -> None:
+    """Writes elsewhere do not fill this disk: the job that does is stopped."""
+    runs = disk / "runs"
+    started = time.time()
+    _write(runs / "1" / "1" / "work" / "fill.bin", 30)
+    _write(tmp_path / "cache-b" / "big.bin", 40)  # another filesystem
+    jobs = [
+        DiskJob(job_key("1", 1), runs / "1" / "1", None, started),
+        DiskJob(job_key("2", 1), runs / "2" / "1", tmp_path / "cache-b", started),
+    ]
+    stopped: list[tuple[str, str]] = []
+    g = DiskGuard(
+        runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+        min_free_bytes=24 * MIB, min_free_share=0.5,
+    )  # fmt: skip
+    assert g.check_once() == [f"stopped {job_key('1', 1)}"]
+
+
+def test_a_job_taking_every_inode_is_stopped(disk: Path) -> None:
+    runs = disk / "runs"
+    started = time.time()
+    _write(runs / "1" / "1" / "work" / "model.bin", 8)  # A: bytes, few files
+    many = runs / "2" / "1" / "work"
+    many.mkdir(parents=True)
+    for i in range(2600):  # B: empty files until the disk has hardly an inode left
+        (many / f"f{i}").touch()
+    jobs = [
+        DiskJob(job_key("1", 1), runs / "1" / "1", None, started),
+        DiskJob(job_key("2", 1), runs / "2" / "1"),
+    ]
+    stopped: list[tuple[str, str]] = []
+    g = DiskGuard(
+        runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+        min_free_bytes=8 * MIB, min_free_share=0.5, min_free_inodes=1000,
+    )  # fmt: skip
+    assert not g.low()[0] and g.inodes_low()[0]
+    assert g.check_once() == [f"stopped {job_key('2', 1)}"]
+    [(key, reason)] = stopped
+    assert "the node's disk is out of inodes" in reason and "took 260" in reason, reason
