@@ -298,3 +298,16 @@ def test_a_service_whose_replicas_fail_is_answered_503_at_once_with_why(pool: Po
             return api.post("/v1/chat/completions", json=chat("broken"), headers=pool.alice)
 
         wait_until(lambda: ask().status_code == 200, what="the ready replica answers")
+
+
+def test_a_replicas_answer_is_never_sniffed_nor_run_as_a_page(pool: Pool) -> None:
+    """A replica's bytes come from the pool's own origin (the dashboard's): whatever type it claims,
+    the browser neither guesses another nor runs it as a page (no script, no same-origin access)."""
+    with engine() as port:
+        pool.reg.replica(pool.reg.service("t1", "framed"), port)
+        r = pool.api.post("/v1/chat/completions", json=chat("framed"), headers=pool.alice)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["content-security-policy"].split(";")[0] == "sandbox"
+        streamed = pool.api.post("/v1/chat/completions", json=chat("framed", stream=True), headers=pool.alice)
+        assert streamed.status_code == 200 and streamed.headers["x-content-type-options"] == "nosniff"

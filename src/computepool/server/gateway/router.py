@@ -31,6 +31,14 @@ _KINDS = {401: "authentication_error", 403: "permission_error", 404: "invalid_re
 _CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_found"}
 
 
+# A replica's answer is a tenant's bytes served from the pool's own origin (the dashboard's): never
+# sniffed into another type, and never run as a page, whatever content type the replica claims.
+REPLICA_ANSWER_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "sandbox; default-src 'none'",
+}
+
+
 def error_response(
     status: int, message: str, kind: str, code: str | None, headers: dict[str, str]
 ) -> JSONResponse:
@@ -161,9 +169,11 @@ async def _infer(request: Request, path: str) -> Response:
             answer.close,
             status_code=answer.status,
             media_type=answer.content_type,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **REPLICA_ANSWER_HEADERS},
         )
-    return Response(answer.body, status_code=answer.status, media_type=answer.content_type)
+    return Response(
+        answer.body, status_code=answer.status, media_type=answer.content_type, headers=REPLICA_ANSWER_HEADERS
+    )
 
 
 @router.post("/v1/chat/completions", summary="Chat completion by a service's replica (OpenAI API)")
