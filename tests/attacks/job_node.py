@@ -5,7 +5,9 @@ member tokens whose users are removed at the end, and the agent's containers rem
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -130,3 +132,22 @@ def job_node(*server_args: str, env: dict[str, str] | None = None, host: str = "
     finally:
         node.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def secret_listener(listener: socket.socket, secret: bytes) -> list[int]:
+    """Answer `secret` to whoever connects to `listener` (until it is closed), in a thread; one
+    entry per connection in the list returned, so a test can say that nobody came."""
+    accepted: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                c = listener.accept()[0]
+            except OSError:
+                return
+            accepted.append(1)
+            c.sendall(secret)
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return accepted

@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import publish_image, wait_for
-from job_node import Node, job_node
+from job_node import Node, job_node, secret_listener
 
 from computepool.agent.landlock import probe as landlock_probe
 
@@ -52,19 +51,7 @@ def test_a_container_worker_cannot_connect_to_the_nodes_abstract_sockets(node: N
     listener = socket.socket(socket.AF_UNIX)
     listener.bind("\0" + name)
     listener.listen()
-    accepted: list[int] = []
-
-    def serve() -> None:
-        while True:
-            try:
-                c = listener.accept()[0]
-            except OSError:
-                return
-            accepted.append(1)
-            c.sendall(b"NODE-SECRET")
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    accepted = secret_listener(listener, b"NODE-SECRET")
     try:
         tenant, b = node.member("wc")
         publish_image(node.admin, image, [tenant])

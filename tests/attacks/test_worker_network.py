@@ -14,12 +14,11 @@ import json
 import os
 import shutil
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 from e2e_helpers import JOB_PYTHON, wait_for
-from job_node import Node, job_node
+from job_node import Node, job_node, secret_listener
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="tenant users and namespaces need a root agent"),
@@ -63,19 +62,7 @@ def node() -> Iterator[Node]:
 
 def test_a_worker_of_a_control_plane_elsewhere_has_a_network_of_its_own(node: Node) -> None:
     pool_side = socket.create_server(("127.0.0.1", 0))  # a service on the node's loopback
-    accepted: list[int] = []
-
-    def serve() -> None:
-        while True:
-            try:
-                c = pool_side.accept()[0]
-            except OSError:
-                return
-            accepted.append(1)
-            c.sendall(b"POOL-SECRET")
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    accepted = secret_listener(pool_side, b"POOL-SECRET")
     try:
         _, b = node.member("wn")
         request = {"command": [JOB_PYTHON, "-c", DIAL, str(pool_side.getsockname()[1])], "cpu_milli": 100}
