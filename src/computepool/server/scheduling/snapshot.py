@@ -110,7 +110,7 @@ def lost_brake(silent: int, total: int, share: float, min_nodes: int) -> bool:
     return silent >= min_nodes and silent > share * total
 
 
-def _node_states(
+def node_states(
     beats: list[datetime], now: datetime, since: datetime | None, settings: ServerSettings
 ) -> tuple[list[str], list[bool], int, bool]:
     """Each node's state, whether it is fresh, how many are silent, and whether the brake holds.
@@ -126,10 +126,12 @@ def _node_states(
     return states, [b >= fresh_after for b in beats], silent, braked
 
 
-def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
+def load_snapshot(
+    s: Session, settings: ServerSettings, *, live: bool = True, observed_since: datetime | None = None
+) -> Snapshot:
     """A whole snapshot read afresh (`live=False`: without allocations, what admission checks).
     The controller keeps a `SnapshotCache` instead, which reads only what changed."""
-    return SnapshotCache().load(s, settings, live=live)
+    return SnapshotCache().load(s, settings, live=live, observed_since=observed_since)
 
 
 def _live_of(r: Any) -> Live:
@@ -185,7 +187,7 @@ class SnapshotCache:
             )
         for gone in set(self._devices) - set(keys):
             del self._devices[gone]
-        states, fresh, silent, braked = _node_states([r[4] for r in node_rows], now, observed_since, settings)
+        states, fresh, silent, braked = node_states([r[4] for r in node_rows], now, observed_since, settings)
         nodes = [
             NodeSnap(
                 name=name,
