@@ -217,15 +217,21 @@ class SnapshotCache:
             if (c := self._live.get(i)) is None or c.state != st or c.attempt != att
         ]
         if stale:
+            for i in stale:
+                self._live.pop(i, None)
             for r in store.live_rows(s, stale):
                 self._live[r.id] = _live_of(r)
         current: list[Live] = []
         keep: dict[int, Live] = {}
         for i, st, att, reason in heads:
             a = self._live.get(i)
-            if a is None or a.state != st or a.attempt != att:
-                continue  # changed again between the two reads: the next cycle sees it
-            a.reason = reason
+            if a is None:
+                continue  # ended between the two reads: what it held is free
+            if a.state == st and a.attempt == att:
+                a.reason = reason
+            # else it changed again between the two reads (on PostgreSQL each statement sees the
+            # latest commits: a job bound last cycle turns active as its agent reports): the row
+            # read second is the newer, and leaving it out would offer what it holds to others
             keep[i] = a
             current.append(a)
         self._live = keep
