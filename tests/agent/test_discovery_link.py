@@ -10,8 +10,10 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -117,7 +119,10 @@ def test_the_link_fetches_the_key_runs_discovery_and_reports(
         link.close()  # idempotent
     api.close()
     assert len(plane.reports) >= 2, "no reports"
-    assert {r["path"] for r in plane.reports} == {"/api/v1/nodes/n1/peers"}
+    assert {r["path"].split("?")[0] for r in plane.reports} == {"/api/v1/nodes/n1/peers"}
+    for r in plane.reports:  # the node's clock when it sent it: the server corrects last_seen by it
+        (sent,) = parse_qs(urlsplit(r["path"]).query)["sent_at"]
+        assert datetime.fromisoformat(sent).tzinfo is not None
     for r in plane.reports:
         NodePeersIn.model_validate(r["body"])  # the wire type the server parses
     assert KEY.hex() not in caplog.text  # the key is a secret

@@ -9,7 +9,7 @@ import socket
 import time
 from datetime import UTC, datetime, timedelta
 
-from computepool.chaos.oracle import CapacitySampler, Collector, ledger_mismatches
+from computepool.chaos.oracle import CapacitySampler, Collector, ledger_mismatches, time_order_violations
 
 
 def test_overlapping_copies_are_duplicates_and_successive_attempts_are_not() -> None:
@@ -95,4 +95,20 @@ def test_the_ledger_must_book_share_times_bind_to_end() -> None:
     assert wrong == [
         "allocation 3: the ledger booked 5.95 GPU-seconds, its share × bind-to-end (20.50 s) is 10.25",
         "allocation 4: the ledger booked 10.00 CPU-seconds, its share × bind-to-end (5.00 s) is 5.00",
+    ]
+
+
+def test_times_must_follow_one_another() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    at = {
+        k: (t0 + timedelta(seconds=i)).isoformat()
+        for i, k in enumerate(("created_at", "bound_at", "started_at", "ended_at"))
+    }
+    early = at | {
+        "started_at": (t0 - timedelta(minutes=10)).isoformat()
+    }  # an agent's clock, ten minutes slow
+    pending = {"created_at": at["created_at"], "bound_at": None, "started_at": None, "ended_at": None}
+    assert time_order_violations({1: at, 2: pending}) == []
+    assert time_order_violations({3: early}) == [
+        "allocation 3: started_at 2025-12-31T23:50:00+00:00 is before bound_at 2026-01-01T00:00:01+00:00"
     ]

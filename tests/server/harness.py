@@ -172,10 +172,12 @@ def heartbeat_ago(api: Api, node: str, seconds: float) -> None:
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A real tmpfs of `size` (e.g. "1m") mounted at `path` (made), unmounted after: a disk to fill."""
+def small_tmpfs(path: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A real tmpfs of `size` (e.g. "1m") mounted at `path` (made), unmounted after: a disk to fill
+    (with `inodes`, one that runs out of inodes first)."""
     path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    opts = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True)
     try:
         yield path
     finally:

@@ -68,10 +68,10 @@ def booked(make_api: Any) -> tuple[Api, H, datetime]:
     n2 = join(api, "n2", model="T4")
     start = datetime.now(UTC).replace(minute=5, second=0, microsecond=0) - timedelta(hours=6)
     for x in (a, b):
-        backdate(api, x["id"], start - timedelta(minutes=1))
+        backdate(api, x["id"], start)
     beat(api, "n1", n1, utilization_pct=60.0, power_w=300.0, energy_j=1000.0)
     beat(api, "n2", n2)
-    assert tick(api, start) == LedgerReport(leader=True)  # the first pass only starts the clock
+    assert tick(api, start) == LedgerReport(leader=True)  # bound at the first pass: nothing to book yet
     beat(api, "n1", n1, utilization_pct=60.0, power_w=300.0, energy_j=1000.0 + 180_000)
     assert tick(api, start + timedelta(seconds=INTERVAL)).booked_s == INTERVAL
     beat(api, "n1", n1, utilization_pct=0.0, power_w=100.0, energy_j=1000.0 + 240_000)

@@ -114,6 +114,7 @@ def test_a_lost_nodes_last_readings_are_not_exported(api: Api) -> None:
     n1 = join(api, "n1", devices=1)
     n2 = join(api, "n2", devices=1)
     join(api, "bare", devices=0)
+    join(api, "bare2", devices=0)  # two of four silent: not so many that the brake holds
     for name, h in (("n1", n1), ("n2", n2)):
         beat(api, name, h, [{"index": 0, "used_memory_mib": 1, "utilization_pct": 50.0, "power_w": 200.0}])
     lost_at = datetime.now(UTC) - timedelta(seconds=api.settings.lost_after_s + 5)
@@ -127,6 +128,7 @@ def test_a_lost_nodes_last_readings_are_not_exported(api: Api) -> None:
         frozenset({"node": "n1", "state": "ready"}.items()): 1.0,
         frozenset({"node": "n2", "state": "lost"}.items()): 1.0,
         frozenset({"node": "bare", "state": "suspect"}.items()): 1.0,
+        frozenset({"node": "bare2", "state": "ready"}.items()): 1.0,
     }
     ages = {dict(k)["node"]: v for k, v in series(s, "cpool_node_heartbeat_age_seconds").items()}
     assert ages["n2"] >= api.settings.lost_after_s and ages["n1"] < api.settings.suspect_after_s

@@ -149,3 +149,18 @@ def test_bad_reports_answer_422_naming_the_field(
 def test_bad_observer_filter_answers_422(api: Api, lan: dict[str, H]) -> None:
     r = api.get("/api/v1/peers", headers=api.admin, params={"observer": "x" * 64})
     assert r.status_code == 422 and "observer" in r.text, r.text
+
+
+def test_a_skewed_node_clock_neither_ages_nor_freshens_a_peer(api: Api, lan: dict[str, H]) -> None:
+    """last_seen is the node's clock: moved to the control plane's by the report's `sent_at` (a
+    query parameter: older servers ignore it), and never later than the report's arrival."""
+    behind = datetime.now(UTC) - timedelta(minutes=10)  # the node's clock, ten minutes slow
+    body = {"peers": [peer("n2", last_seen=(behind - timedelta(seconds=5)).isoformat())]}
+    sent = {"sent_at": behind.isoformat()}
+    [got] = api.ok("PUT", "/api/v1/nodes/n1/peers", lan["n1"], json=body, params=sent)["items"]
+    seen, reported = datetime.fromisoformat(got["last_seen"]), datetime.fromisoformat(got["reported_at"])
+    assert reported - timedelta(seconds=60) < seen <= reported - timedelta(seconds=5)  # 5 s before it sent
+    ahead = datetime.now(UTC) + timedelta(hours=1)  # no sent_at (an older agent): only clamped
+    body = {"peers": [peer("n1", last_seen=ahead.isoformat())]}
+    [got] = api.ok("PUT", "/api/v1/nodes/n2/peers", lan["n2"], json=body)["items"]
+    assert got["last_seen"] == got["reported_at"]

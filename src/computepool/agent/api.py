@@ -22,6 +22,7 @@ import os
 import ssl
 import stat
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -292,7 +293,8 @@ class AgentApi:
         return dict(self._call("GET", f"{API}/discovery/key"))
 
     def report_peers(self, name: str, peers: list[dict[str, Any]]) -> dict[str, Any]:
-        return dict(self._call("PUT", f"{API}/nodes/{name}/peers", json={"peers": peers}))
+        sent = {"sent_at": datetime.now(UTC).isoformat()}  # the server corrects last_seen by our clock's skew
+        return dict(self._call("PUT", f"{API}/nodes/{name}/peers", json={"peers": peers}, params=sent))
 
     def relays(self, since: int, wait_s: float) -> dict[str, Any]:
         """Long-poll: the shells and tunnels this node should dial back to (agent/relay.py)."""

@@ -38,6 +38,7 @@ from computepool.agent.port_guard import LISTEN_PORTS_EXTRA, ports_text
 from computepool.core.allocation import RPC_PORT_ENV, Isolation, Slice
 from computepool.core.errors import InvalidInput
 from computepool.core.progress import PROGRESS_ENV, PROGRESS_FILE
+from computepool.core.servers import ServerList, join_servers, split_servers
 
 log = logging.getLogger("computepool.agent")
 WORKER_CA_FILE = ".cpool-ca.pem"  # in the job's work dir: the control plane's CA, for function workers
@@ -85,6 +86,7 @@ class JobStarter:
         self.name = name
         self.blobs: BlobCache | None = None  # set by the agent: fetches code and stdin (agent/blobs.py)
         self.server = server
+        self.replicas: ServerList | None = None  # the agent's replicas, learnt ones too (set by the agent)
         self.ca = ca
         self.inventory = inventory
         self.executor = executor
@@ -235,10 +237,13 @@ class JobStarter:
 
     def worker_env(self, env: dict[str, str], work_dir: Path) -> dict[str, str]:
         """A function's worker (its env holds CPOOL_WORKER_TOKEN) calls the control plane back: it
-        gets the agent's server URL and, when the agent pins a CA, a copy the job can read."""
+        gets every replica the agent knows now (those it was given and those it learnt since, the
+        one answering first), so it carries on through a replica that dies; and, when the agent
+        pins a CA, a copy the job can read."""
         if "CPOOL_WORKER_TOKEN" not in env or not self.server:
             return {}
-        out = {"CPOOL_SERVER": self.server}
+        urls = self.replicas.order() if self.replicas is not None else split_servers(self.server)
+        out = {"CPOOL_SERVER": join_servers(urls)}
         if self.ca is not None and self.ca.is_file():
             copy = write_job_file(work_dir, WORKER_CA_FILE, self.ca.read_bytes())  # never through a link
             out["CPOOL_CA"] = str(copy)

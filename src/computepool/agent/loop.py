@@ -116,6 +116,7 @@ class Agent:
             ca=config.ca or (pinned if pinned.exists() else None), mps_root=config.sandbox.mps_root,
         )  # fmt: skip
         self.starter.publish_ports = config.publish_ports
+        self.starter.replicas = api.servers  # workers get the replicas learnt since the start too
         self.starter.blobs = BlobCache(  # a run's code and stdin, by hash; code unpacked as the tenant
             config.data_dir, api, sandbox=self.executor.launcher.sandbox, max_unpacked=config.code_max_bytes
         )

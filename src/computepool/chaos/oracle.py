@@ -15,6 +15,9 @@
   reason is its node lost and a fault did silence that node (the pool cannot know better then;
   work that cannot restart runs on through the silence and may still exit 0) — nor run again
   after.
+- **Times in order, on the control plane's clock.** Each allocation's `created_at`, `bound_at`,
+  `started_at` and `ended_at`, where set, follow one another: a start reported by an agent is
+  kept between the bind and the report's arrival, whatever the node's clock says.
 - **The ledger books what was held.** Once the usage ledger's clock has passed the last end, each
   ended allocation's booked CPU- and GPU-seconds equal its share × bind-to-end (first attempts:
   a requeued one is booked per attempt, which the history does not pin down from outside).
@@ -29,6 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -202,6 +206,20 @@ class CapacitySampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+TIMES = ("created_at", "bound_at", "started_at", "ended_at")
+
+
+def time_order_violations(final: dict[int, dict[str, Any]]) -> list[str]:
+    """Allocations (API objects by id) whose recorded times do not follow one another."""
+    out = []
+    for alloc_id, a in sorted(final.items()):
+        seen = [(k, datetime.fromisoformat(str(a[k]))) for k in TIMES if a.get(k)]
+        for (k1, t1), (k2, t2) in zip(seen, seen[1:], strict=False):
+            if t2 < t1:
+                out.append(f"allocation {alloc_id}: {k2} {t2.isoformat()} is before {k1} {t1.isoformat()}")
+    return out
 
 
 LEDGER_QUERY = """

@@ -41,7 +41,13 @@ from typing import Any
 import psycopg
 
 from computepool.chaos.cluster import ApiRefused, Cluster, ClusterError, cpool_argv
-from computepool.chaos.oracle import JOB, CapacitySampler, Collector, ledger_violations
+from computepool.chaos.oracle import (
+    JOB,
+    CapacitySampler,
+    Collector,
+    ledger_violations,
+    time_order_violations,
+)
 
 FAULTS = (
     "leader_kill",
@@ -329,6 +335,7 @@ class Run:
                         f"(attempts {sorted(later)})"
                     )
         v += self.collector.duplicates()
+        v += time_order_violations(final)
         try:
             wrong, self.ledger_checked = ledger_violations(
                 self.cluster.pg.dsn, [s.id for s in self.submitted]

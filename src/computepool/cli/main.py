@@ -45,10 +45,30 @@ def _root(
             help="PEM file an https server's certificate must chain to (else what `cpool login` saved).",
         ),
     ] = None,
+    outage_wait: Annotated[
+        str | None,
+        typer.Option(
+            "--outage-wait",
+            envvar="CPOOL_OUTAGE_WAIT",
+            help="How long `run`, `logs -f` and `alloc` wait for a control plane that is away (a "
+            "restart, a failover) before giving up: e.g. 30m, 2h; 0 not at all. Default 15m.",
+        ),
+    ] = None,
 ) -> None:
     """ComputePool: one pool of GPUs and CPUs."""
     if ca is not None:
         os.environ["CPOOL_CA"] = str(ca.expanduser().absolute())  # read by every client this run makes
+    if outage_wait is not None:
+        from computepool.client.follow import OUTAGE_ENV, outage_wait_s
+        from computepool.core.errors import InvalidInput
+
+        try:
+            outage_wait_s(outage_wait, "--outage-wait")
+        except InvalidInput as e:
+            from computepool.cli.common import fail
+
+            raise fail(str(e)) from None
+        os.environ[OUTAGE_ENV] = outage_wait  # read by every follower this run makes
 
 
 def _register() -> None:
@@ -153,12 +173,12 @@ _UNUSED_OPTIONAL = ("trio", "httpx._main")
 
 
 def _command_word(argv: list[str]) -> str | None:
-    """The command named on the line: the first word that is neither an option nor `--ca`'s value."""
+    """The command named on the line: the first word neither an option nor a global option's value."""
     skip = False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--ca":
+        elif arg in ("--ca", "--outage-wait"):
             skip = True
         elif not arg.startswith("-"):
             return arg

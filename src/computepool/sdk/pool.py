@@ -32,7 +32,7 @@ import cloudpickle
 
 from computepool.client.config import resolve_config
 from computepool.client.errors import PoolError
-from computepool.client.follow import OutageRider
+from computepool.client.follow import OutageRider, outage_wait_s
 from computepool.client.http import PoolClient
 from computepool.client.options import build_request, parse_secrets
 from computepool.core.errors import InvalidInput
@@ -82,12 +82,16 @@ class Pool:
         token: str | None = None,
         ca: str | None = None,
         timeout: float = 30.0,
+        outage_wait: str | float | None = None,
     ) -> None:
+        """`outage_wait`: how long results are waited for while the control plane is away (a
+        duration such as `30m`, or seconds; 0: not at all), else $CPOOL_OUTAGE_WAIT, else 15 minutes."""
+        wait_s = outage_wait_s(outage_wait, "outage_wait")
         cfg = resolve_config(server, token, ca=ca)
         self.client = PoolClient.from_config(cfg, timeout=max(timeout, POLL_S + 15))
         self.server = cfg.server
         # results are read again while the control plane restarts or fails over: the calls run on
-        self.rider = OutageRider(on_outage=lambda e: log.warning("%s; waiting for it", e))
+        self.rider = OutageRider(wait_s, on_outage=lambda e: log.warning("%s; waiting for it", e))
 
     @overload
     def function(self, fn: Callable[P, R], /, **options: Any) -> RemoteFunction[P, R]: ...

@@ -5,7 +5,8 @@ cloudpickle alone (cloudpickle ships beside it, in `__cpool__/lib`). The SDK shi
 archive as `__cpool__/worker.py`; the agent unpacks that into the job's work dir and starts
 `python3.X -u __cpool__/worker.py` there, as the tenant's user, with:
 
-- CPOOL_SERVER, CPOOL_WORKER_TOKEN (and CPOOL_CA): how to reach `POST /worker/next` and `/worker/output`;
+- CPOOL_SERVER (one URL or several, comma-separated), CPOOL_WORKER_TOKEN (and CPOOL_CA): how to reach
+  `POST /worker/next` and `/worker/output`;
 - CPOOL_KEEP_WARM_S: how long to wait for another call once idle (0: one call, then exit);
 - CPOOL_PIP (JSON list): requirements; built once per node into $CPOOL_CACHE_DIR/envs/<hash>;
 - CPOOL_SYS_PATH (JSON list): the caller's import roots, relative to the work dir.
@@ -69,21 +70,39 @@ class Rejected(Exception):
 
 
 class Api:
-    """JSON over one kept-alive HTTP(S) connection to the control plane, with the worker's token."""
+    """JSON over one kept-alive HTTP(S) connection to the control plane, with the worker's token.
+
+    CPOOL_SERVER may name several replicas, comma-separated (the agent passes every one it knows):
+    a connection that fails, or a replica that answers 502/503/504, moves the worker to the next.
+    """
 
     def __init__(self) -> None:
-        url = urllib.parse.urlsplit(os.environ["CPOOL_SERVER"])
-        self.https = url.scheme == "https"
-        self.host = url.hostname or "127.0.0.1"
-        self.port = url.port or (443 if self.https else 80)
-        self.base = url.path.rstrip("/") + "/api/v1"
+        self.urls = [u.strip() for u in os.environ["CPOOL_SERVER"].split(",") if u.strip()]
+        if not self.urls:
+            raise RuntimeError("CPOOL_SERVER names no control plane URL")
         self.headers = {
             "Authorization": "Bearer " + os.environ["CPOOL_WORKER_TOKEN"],
             "Content-Type": "application/json",
         }
-        ca = os.environ.get("CPOOL_CA")
-        self.context = ssl.create_default_context(cafile=ca or None) if self.https else None
+        self.ca = os.environ.get("CPOOL_CA") or None
         self.conn: http.client.HTTPConnection | None = None
+        self.at = 0
+        self._aim(0)
+
+    def _aim(self, index: int) -> None:
+        """Talk to replica `index` of `urls` from the next connection on."""
+        self.at = index % len(self.urls)
+        url = urllib.parse.urlsplit(self.urls[self.at])
+        self.https = url.scheme == "https"
+        self.host = url.hostname or "127.0.0.1"
+        self.port = url.port or (443 if self.https else 80)
+        self.base = url.path.rstrip("/") + "/api/v1"
+        self.context = ssl.create_default_context(cafile=self.ca) if self.https else None
+
+    def _next(self) -> None:
+        self.close()
+        if len(self.urls) > 1:
+            self._aim(self.at + 1)
 
     def _connect(self, timeout: float) -> http.client.HTTPConnection:
         if self.conn is None:
@@ -98,6 +117,7 @@ class Api:
 
     def post(self, path: str, body: dict, timeout: float = 30.0, tries: int = 5) -> dict:
         data = json.dumps(body).encode()
+        tries = max(tries, 2 * len(self.urls))  # each replica at least twice
         for attempt in range(tries):
             try:
                 conn = self._connect(timeout)
@@ -105,7 +125,7 @@ class Api:
                 r = conn.getresponse()
                 text = r.read()
             except (OSError, http.client.HTTPException):
-                self.close()
+                self._next()
                 if attempt + 1 == tries:
                     raise
                 time.sleep(min(0.2 * 2**attempt, 3.0))
@@ -119,6 +139,8 @@ class Api:
                 raise Rejected(f"HTTP {r.status}: {text[:500].decode(errors='replace')}")
             if attempt + 1 == tries:
                 raise RuntimeError(f"{path}: HTTP {r.status} {text[:300]!r}")
+            if r.status in (502, 503, 504):  # this replica cannot serve now: another may
+                self._next()
             time.sleep(min(0.2 * 2**attempt, 3.0))
         raise RuntimeError("unreachable")
 

@@ -7,13 +7,16 @@ pre-ping replaces dead connections, so the server recovers by itself when the da
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -79,6 +82,31 @@ class TooManyRequests(ApiError):
     status = 429
 
 
+def sqlite_file(url: str) -> str | None:
+    """The file of a SQLite database URL (None for another database, or one in memory)."""
+    if not url.startswith("sqlite"):
+        return None
+    name = make_url(url).database
+    return name if name and name != ":memory:" else None
+
+
+def store_of(settings: Any, filename: object) -> str:
+    """Which of the server's stores holds `filename` (a path an OSError names), in words."""
+    if not isinstance(filename, str | bytes | os.PathLike):
+        return "disk"
+    path = os.path.abspath(os.fsdecode(filename))
+    db = sqlite_file(settings.database_url)
+    places = [
+        (str(settings.blobs_path), "blob store (--blob-dir)"),
+        (os.path.dirname(os.path.abspath(db)) if db else "", "database"),
+        (str(settings.data_dir), "data dir (--data-dir)"),
+    ]
+    for root, name in places:
+        if root and (path == os.path.abspath(root) or path.startswith(os.path.abspath(root) + os.sep)):
+            return name
+    return f"disk at {path}"
+
+
 def error_body(message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"error": message}
     if field is not None:
@@ -137,8 +165,9 @@ def install_handlers(app: FastAPI, on_denied: Any = None) -> None:
             notes.failed(f"{request.method} {request.url.path}", exc)  # once per outage (outage.py)
         else:
             log.warning("database unavailable: %s", type(exc).__name__)
-        retry = str(request.app.state.settings.retry_after_s)
-        if disk_full(exc):  # the write was refused whole; nothing stored before is touched
+        settings = request.app.state.settings
+        retry = str(settings.retry_after_s)
+        if disk_full(exc, sqlite_file(settings.database_url)):  # refused whole; nothing stored is touched
             why = "the pool's database is out of disk space: nothing was stored; retry once there is room"
             return JSONResponse(error_body(why), status_code=507, headers={"Retry-After": retry})
         return JSONResponse(
@@ -147,6 +176,24 @@ def install_handlers(app: FastAPI, on_denied: Any = None) -> None:
 
     for exc_type in (OperationalError, InterfaceError, PoolTimeout):
         app.add_exception_handler(exc_type, _db_down)
+
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+        """A full disk under a store no route names itself: 507 naming where; anything else a 500,
+        in JSON like every other answer (logged with its traceback)."""
+        settings = request.app.state.settings
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            log.warning("%s %s: %s", request.method, request.url.path, exc)
+            where = store_of(settings, exc.filename)
+            why = (
+                f"the server's {where} is out of disk space ({exc.strerror}): nothing was stored; "
+                "retry once there is room"
+            )
+            return JSONResponse(
+                error_body(why), status_code=507, headers={"Retry-After": str(settings.retry_after_s)}
+            )
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal server error (the server's log says more)"), status_code=500)
 
     @app.exception_handler(OverflowError)
     async def _overflow(request: Request, exc: OverflowError) -> JSONResponse:

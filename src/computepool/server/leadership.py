@@ -107,6 +107,8 @@ class Leadership:
     `since` is the database's time at which this replica last began to lead with a working
     database: node silence is counted from no earlier than that (a leader that was away, or a
     database that was, has seen nothing of the nodes meanwhile, whatever stored heartbeats say).
+    It is written in the lease row too (`observed_since`), so every replica's `cpool nodes` and
+    /metrics judge a node as the leader does.
     """
 
     def __init__(self, db: Database, *, ttl_s: float = LEASE_TTL_S, holder: str | None = None) -> None:
@@ -138,6 +140,8 @@ class Leadership:
             with self.db.write() as s:
                 now = db_now(s)
                 term = lease.acquire_lease(s, self.holder, now, self.ttl_s, take_over_from=gone)
+                if term is not None and term != was:  # watching afresh: every replica reads it
+                    lease.mark_observing(s, self.holder, now)
         except Exception:
             self._term = None  # the database failed us: lead again only from a fresh renewal
             raise
@@ -167,8 +171,11 @@ class Leadership:
         self._term = None
 
     def observed_since(self, at: datetime) -> None:
-        """As if this replica had led with a working database since `at` (tests move time back)."""
+        """As if this replica had led with a working database since `at` (tests move time back),
+        in the lease too when it holds it."""
         self.since = at if self.since is None else min(self.since, at)
+        with self.db.write() as s:
+            lease.mark_observing(s, self.holder, self.since)
 
     def close(self) -> None:
         """Give this replica's liveness lock up (a standby takes over at once) and close it."""

@@ -28,7 +28,8 @@ from computepool.server.deps import requires
 from computepool.server.policy import Action
 from computepool.server.settings import ServerSettings
 from computepool.store import allocations as alloc_store
-from computepool.store.db import Database
+from computepool.store import lease
+from computepool.store.db import Database, db_now
 from computepool.store.models import Alert, Device, Node
 
 CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -72,14 +73,16 @@ class PoolCollector(Collector):
         self.settings = settings
 
     def collect(self) -> Iterator[Metric]:
-        with self.db.read() as s:
-            snap = scheduling.load_snapshot(s, self.settings)
+        with self.db.read() as s:  # node states as the scheduling leader judges them
+            since = lease.observed_since(s, db_now(s))
+            snap = scheduling.load_snapshot(s, self.settings, observed_since=since)
             pending = alloc_store.count_by(s, "pending")
             telemetry = _telemetry(s)
             firing = _firing(s)
         yield from self._allocation(snap, pending)
         yield from self._brake(snap)
-        yield from self._devices(telemetry, snap.now or datetime.now(UTC))
+        states = {n.name: n.state for n in snap.nodes}
+        yield from self._devices(telemetry, snap.now or datetime.now(UTC), states)
         yield from self._alerts(firing)
 
     def _allocation(self, snap: scheduling.Snapshot, pending: dict[str, int]) -> Iterator[Metric]:
@@ -149,8 +152,9 @@ class PoolCollector(Collector):
         brake.add_metric([], 1.0 if snap.braked else 0.0)
         yield from (silent, brake)
 
-    def _devices(self, rows: Sequence[Any], now: datetime) -> Iterator[Metric]:
-        """What heartbeats carry, per device, and each node's state and heartbeat age."""
+    def _devices(self, rows: Sequence[Any], now: datetime, states: dict[str, str]) -> Iterator[Metric]:
+        """What heartbeats carry, per device, and each node's state (`states`: as the scheduling
+        leader judges it) and heartbeat age."""
         util = GaugeMetricFamily(
             "cpool_device_utilization_percent",
             "Device utilization as its last heartbeat reported it (absent where the vendor cannot tell).",
@@ -173,7 +177,10 @@ class PoolCollector(Collector):
             labels=DEV_LABELS,
         )
         state = GaugeMetricFamily(
-            "cpool_node_state", "1 for the node's current state (by heartbeat age).", labels=["node", "state"]
+            "cpool_node_state",
+            "1 for the node's current state, as the scheduler judges it (silence counted from no "
+            "earlier than the leader began to watch; none lost while the brake holds).",
+            labels=["node", "state"],
         )
         age = GaugeMetricFamily(
             "cpool_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat.", labels=["node"]
@@ -181,7 +188,7 @@ class PoolCollector(Collector):
         seen: set[str] = set()
         for name, beat, index, model, util_pct, used_mib, watts, joules, health in rows:
             age_s = max(0.0, (now - beat).total_seconds())
-            current = scheduling.node_state(age_s, self.settings)
+            current = states.get(name) or scheduling.node_state(age_s, self.settings)
             if name not in seen:
                 seen.add(name)
                 age.add_metric([name], age_s)

@@ -10,9 +10,11 @@ opens a new one.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -21,15 +23,29 @@ log = logging.getLogger("computepool.server")
 
 DB_DOWN = (OperationalError, InterfaceError, PoolTimeout)  # the database away, not a bug of ours
 SQLITE_FULL = 13  # sqlite3's "database or disk is full"
+SQLITE_IOERR = 10  # "disk I/O error": its extended codes say which call failed, not why
 PG_DISK_FULL = "53100"  # PostgreSQL's disk_full SQLSTATE ("could not extend file ...")
+NO_ROOM_BYTES = 1 << 16  # less free space than this beside the database: no write can get through
 
 
-def disk_full(exc: BaseException) -> bool:
+def disk_full(exc: BaseException, db_file: str | Path | None = None) -> bool:
     """Whether a database error says its disk is full: the write was refused whole (its
-    transaction rolled back), and retrying helps only once an operator makes room."""
+    transaction rolled back), and retrying helps only once an operator makes room.
+
+    SQLite says "database or disk is full" when a write cannot grow its files, but a connection
+    that must first make its shared-memory index (`-shm`) on a full disk fails with a plain "disk
+    I/O error" (SQLITE_IOERR_SHMSIZE), reads included: with `db_file` (a SQLite database's path), an
+    I/O error while the disk beside it has no room counts as full too."""
     orig = getattr(exc, "orig", None) or exc
-    if getattr(orig, "sqlite_errorcode", None) == SQLITE_FULL:
+    code = getattr(orig, "sqlite_errorcode", None)
+    if code == SQLITE_FULL:
         return True
+    if isinstance(code, int) and code & 0xFF == SQLITE_IOERR and db_file is not None:
+        try:
+            st = os.statvfs(Path(db_file).parent)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < NO_ROOM_BYTES
     return getattr(orig, "sqlstate", None) == PG_DISK_FULL
 
 

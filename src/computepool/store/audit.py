@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from computepool.store.models import AuditHead, AuditRecord
@@ -200,17 +200,28 @@ def query(
 def verify(session: Session, key: bytes | None = None, anchor: Anchor | None = None) -> ChainReport:
     """Recompute every hash and link, then hold the end of the chain against the head, its seal
     (with `key`) and the server's anchor; `first_broken` is the first sequence number that fails."""
+    # The head first, and the records up to it: on PostgreSQL each statement sees the latest
+    # commits, and a record appended meanwhile (with its head, in one transaction) would make a
+    # head read after the records look past the table's end ("records cut") when nothing was cut.
+    seq, head_hash, mac = read_head(session)
     prev, expected, count = GENESIS_HASH, 1, 0
     at_anchor: str | None = None
-    rows = session.scalars(select(AuditRecord).order_by(AuditRecord.seq).execution_options(yield_per=1000))
-    for rec in rows:
+    stmt = select(AuditRecord).where(AuditRecord.seq <= seq).order_by(AuditRecord.seq)
+    for rec in session.scalars(stmt.execution_options(yield_per=1000)):
         if rec.seq != expected or rec.prev_hash != prev or record_hash(rec) != rec.hash:
             why = f"broken at record {expected}: edited, removed or reordered (hash or link does not match)"
             return ChainReport(ok=False, records=count, first_broken=expected, cause=why)
         if anchor is not None and rec.seq == anchor.seq:
             at_anchor = rec.hash
         prev, expected, count = rec.hash, expected + 1, count + 1
-    seq, head_hash, mac = read_head(session)
+    # Records past the head: appended since it was read (the head moved with them), or put there
+    # without it. Read the table's end, then the head again: a head older than the end is not
+    # a race (each append commits its record and its head together).
+    last = int(session.scalar(select(func.max(AuditRecord.seq))) or 0)
+    if last > seq:
+        seq_now = read_head(session)[0]
+        if last > seq_now:
+            seq, count, prev = seq_now, last, ""  # reported as a head that does not match the end
     cause: str | None = None
     first = count + 1
     if seq > count:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from computepool.store.models import SchedulerLease
@@ -60,3 +60,24 @@ def holds_lease(session: Session, holder: str, term: int) -> bool:
 def current_term(session: Session) -> int:
     row = session.execute(select(SchedulerLease.term).where(SchedulerLease.id == LEASE_ID)).scalar()
     return int(row or 0)
+
+
+def mark_observing(session: Session, holder: str, at: datetime) -> None:
+    """`holder`, holding the lease, has watched the nodes with a working database since `at`."""
+    stmt = update(SchedulerLease).where(SchedulerLease.id == LEASE_ID, SchedulerLease.holder == holder)
+    session.execute(stmt.values(observed_since=at))
+
+
+def observed_since(session: Session, now: datetime) -> datetime | None:
+    """From when node silence counts, as the scheduling leader counts it: since its holder began to
+    watch with a working database; once the lease has expired, from no earlier than its expiry (the
+    next leader counts from when it takes over). None when no leader ever said (no lease, or one
+    from before this was recorded): silence then counts from the heartbeats alone."""
+    stmt = select(SchedulerLease.observed_since, SchedulerLease.expires_at).where(
+        SchedulerLease.id == LEASE_ID
+    )
+    row = session.execute(stmt).one_or_none()
+    if row is None or row[0] is None:
+        return None
+    since: datetime = row[0]
+    return max(since, row[1]) if row[1] <= now else since

@@ -337,6 +337,9 @@ class SchedulerLease(Base):
     holder: Mapped[str] = mapped_column(String(64))
     term: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # since when the holder has watched the nodes with a working database: node silence counts
+    # from no earlier, on every replica (None: never said, e.g. before this column existed)
+    observed_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class ControlPlaneUrl(Base):

@@ -46,6 +46,11 @@ def list_all(session: Session) -> Sequence[Node]:
     return session.scalars(select(Node).order_by(Node.name)).all()
 
 
+def heartbeats(session: Session) -> dict[str, datetime]:
+    """Every node's last heartbeat, by name."""
+    return {name: at for name, at in session.execute(select(Node.name, Node.last_heartbeat_at)).all()}
+
+
 def create(
     session: Session,
     *,

@@ -4,7 +4,8 @@
 pass, in one transaction fenced by the lease term, books the time since the ledger's clock (see
 `accrual` for what is booked and how energy is measured and split), writes one history sample per
 device at most once a minute, drops samples older than `history_keep_s`, and moves the clock. The
-first pass ever only starts the clock.
+first pass ever books from the earliest bind it finds (no further back than `FIRST_LOOKBACK`), so
+what a new pool ran before its first pass is booked whole, not from the pass on.
 
 Every allocation books exactly the time it held devices, from its bind to its end, however short
 and however long the pass: allocations ended since the last pass keep their slices and are booked
@@ -38,6 +39,7 @@ from computepool.store.db import Database, db_now
 log = logging.getLogger("computepool.server")
 MAX_GAP_INTERVALS = 3  # a power estimate covers at most this many intervals of a longer gap
 SAMPLE_EVERY = timedelta(minutes=1)  # device history resolution
+FIRST_LOOKBACK = timedelta(days=1)  # the first pass books binds this old at most (an old pool's history)
 
 
 @dataclass(frozen=True)
@@ -118,12 +120,16 @@ class Accountant:
         if sampled is None or now - sampled >= SAMPLE_EVERY:
             sql.add_samples(s, now, devs)
         sql.prune_samples(s, now - timedelta(seconds=self.settings.history_keep_s))
+        if last is None:  # the first pass: from the earliest bind, what held devices before it
+            floor = now - FIRST_LOOKBACK
+            binds = [r.bound_at for r in sql.held(s, floor) if r.bound_at is not None]
+            last = max(floor, min([now, *binds]))
+            if last >= now:
+                sql.set_clock(s, now)
+                sql.set_marks(s, {d.id: d.energy_j for d in devs if d.mark_j != d.energy_j})
+                return LedgerReport(leader=True), (now, {})
         rows = sql.held(s, last)
         seen = (now, {r.id: (r.attempt, holding_of(r)) for r in rows if r.ended_at is None})
-        if last is None:
-            sql.set_clock(s, now)
-            sql.set_marks(s, {d.id: d.energy_j for d in devs if d.mark_j != d.energy_j})
-            return LedgerReport(leader=True), seen
         heard_after = now - timedelta(seconds=self.settings.lost_after_s)
         states = [
             DeviceState(d.node, d.index, d.model, d.utilization_pct, d.power_w, d.energy_j, d.mark_j,

@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from computepool.core.tarsafe import is_sha256
@@ -177,19 +178,38 @@ def _holding(ctx: Ctx, tenant_id: int, sha: str) -> tuple[int | None, int]:
 def _commit(
     ctx: Ctx, tenant: str, tenant_id: int, sha: str, size: int, tmp: store.TempBlob | None
 ) -> BlobOut:
-    with ctx.db.write() as s:
-        store.lock_tenant(s, tenant_id)  # uploads of one tenant check its cap one after another
-        now = db_now(s)
-        used = store.tenant_bytes(s, tenant_id)
-        if tmp is not None and store.held(s, tenant_id, sha) is None and used + size > _tenant_cap(ctx):
-            raise TooLarge(_over_tenant(ctx, tenant, used, size), "body")
-        if tmp is not None:
-            store.keep(_dir(ctx), tmp, sha)
-        created = store.hold(s, tenant_id, sha, size, now)
-        if created:
-            used += size
-            record(s, ctx, f"blob:{sha[:16]}", tenant=tenant, detail={"size": size}, now=now)
+    placed = False  # whether this call put the blob's file in place (none was there)
+    try:
+        with ctx.db.write() as s:
+            store.lock_tenant(s, tenant_id)  # uploads of one tenant check its cap one after another
+            now = db_now(s)
+            used = store.tenant_bytes(s, tenant_id)
+            if tmp is not None and store.held(s, tenant_id, sha) is None and used + size > _tenant_cap(ctx):
+                raise TooLarge(_over_tenant(ctx, tenant, used, size), "body")
+            if tmp is not None:
+                placed = not store.blob_path(_dir(ctx), sha).exists()
+                store.keep(_dir(ctx), tmp, sha)
+            created = store.hold(s, tenant_id, sha, size, now)
+            if created:
+                used += size
+                record(s, ctx, f"blob:{sha[:16]}", tenant=tenant, detail={"size": size}, now=now)
+    except BaseException:
+        if placed:  # the row was not stored (a full database, say): no file without a holder stays
+            _unplace(ctx, sha)
+        raise
     return BlobOut(sha256=sha, size=size, created=created, tenant_bytes=used)
+
+
+def _unplace(ctx: Ctx, sha: str) -> None:
+    """Remove the blob's file unless some tenant holds it (another upload of the same bytes may
+    have committed meanwhile); when the database cannot say, the file stays."""
+    try:
+        with ctx.db.read() as s:
+            if store.anyone_holds(s, sha):
+                return
+    except SQLAlchemyError:
+        return
+    store.blob_path(_dir(ctx), sha).unlink(missing_ok=True)
 
 
 def _maybe_sweep(ctx: Ctx) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import cast
+
+from sqlalchemy.orm import Session
 
 from computepool.core.address import check_address
 from computepool.core.errors import InvalidInput
@@ -14,10 +17,11 @@ from computepool.server.errors import Conflict, Invalid, NotFound, Unauthorized
 from computepool.server.logic import throughputs
 from computepool.server.logic.audit import record
 from computepool.server.policy import Principal, Role, Target, authorize
+from computepool.server.scheduling.snapshot import node_states
 from computepool.server.settings import ServerSettings
 from computepool.store import functions as fn_store
 from computepool.store import gangs as gang_store
-from computepool.store import nodes, peers, tenants, tokens
+from computepool.store import lease, nodes, peers, tenants, tokens
 from computepool.store.db import db_now
 from computepool.store.models import ApiToken, JoinToken, Node
 from computepool.store.nodes import DeviceSpec, DeviceUsage
@@ -51,6 +55,25 @@ def node_state(age_s: float, settings: ServerSettings) -> NodeState:
     return "lost"
 
 
+def judged_states(
+    s: Session, now: datetime, settings: ServerSettings, beats: dict[str, datetime] | None = None
+) -> dict[str, NodeState]:
+    """Every node's state as the scheduling leader judges it, whichever replica answers: silence
+    counted from no earlier than the leader began to watch with a working database (the lease
+    says when), and none lost while so many are silent that the brake holds. A stored heartbeat's
+    age alone would call nodes lost after a database outage or a failover that the scheduler, rightly,
+    has not declared lost. `beats`: name → last heartbeat of every node, when already read."""
+    beats = nodes.heartbeats(s) if beats is None else beats
+    names = list(beats)
+    states, _, _, _ = node_states([beats[n] for n in names], now, lease.observed_since(s, now), settings)
+    return {n: cast(NodeState, st) for n, st in zip(names, states, strict=True)}
+
+
+def _judged_out(s: Session, node: Node, settings: ServerSettings, viewer: Principal | None = None) -> NodeOut:
+    now = db_now(s)
+    return _out(node, now, settings, viewer, judged_states(s, now, settings).get(node.name))
+
+
 def _dedicated_to(n: Node, viewer: Principal | None) -> str | None:
     """The owner's name for admins and the owner's users; others only learn that it is dedicated."""
     t = n.dedicated_tenant
@@ -61,7 +84,15 @@ def _dedicated_to(n: Node, viewer: Principal | None) -> str | None:
     return None
 
 
-def _out(n: Node, now: datetime, settings: ServerSettings, viewer: Principal | None = None) -> NodeOut:
+def _out(
+    n: Node,
+    now: datetime,
+    settings: ServerSettings,
+    viewer: Principal | None = None,
+    state: NodeState | None = None,
+) -> NodeOut:
+    """`state`: as `judged_states` says (else by the heartbeat's age alone, as for a node that has
+    just joined)."""
     age = max(0.0, (now - n.last_heartbeat_at).total_seconds())
     return NodeOut(
         name=n.name,
@@ -85,7 +116,7 @@ def _out(n: Node, now: datetime, settings: ServerSettings, viewer: Principal | N
             )
             for d in n.devices
         ],
-        state=node_state(age, settings),
+        state=state or node_state(age, settings),
         heartbeat_age_s=round(age, 3),
         cordoned=n.cordoned,
         draining=n.draining,
@@ -250,7 +281,9 @@ def list_all(ctx: Ctx) -> Items[NodeOut]:
     with ctx.db.read() as s:
         now = db_now(s)
         viewer = ctx.caller()
-        return Items[NodeOut](items=[_out(n, now, ctx.settings, viewer) for n in nodes.list_all(s)])
+        every = nodes.list_all(s)
+        states = judged_states(s, now, ctx.settings, {n.name: n.last_heartbeat_at for n in every})
+        return Items[NodeOut](items=[_out(n, now, ctx.settings, viewer, states[n.name]) for n in every])
 
 
 def get(ctx: Ctx, name: str) -> NodeOut:
@@ -259,7 +292,7 @@ def get(ctx: Ctx, name: str) -> NodeOut:
         node = nodes.get(s, name)
         if node is None:
             raise NotFound.of("node", name)
-        return _out(node, db_now(s), ctx.settings, ctx.caller())
+        return _judged_out(s, node, ctx.settings, ctx.caller())
 
 
 def _merged(
@@ -307,7 +340,7 @@ def update(ctx: Ctx, name: str, body: NodeSettings | NodePatch) -> NodeOut:
         nodes.set_rules(s, node, labels=labels, taints=taints, dedicated_to=tenant, lending=lending)
         detail = {"labels": node.labels, "taints": node.taints, "dedicated_to": owner, "lending": lending}
         record(s, ctx, f"node:{name}", detail=detail)
-        return _out(node, db_now(s), ctx.settings, ctx.caller())
+        return _judged_out(s, node, ctx.settings, ctx.caller())
 
 
 def set_flags(ctx: Ctx, name: str, *, cordoned: bool, draining: bool) -> NodeOut:
@@ -320,7 +353,7 @@ def set_flags(ctx: Ctx, name: str, *, cordoned: bool, draining: bool) -> NodeOut
         node.cordoned, node.draining = cordoned, draining
         s.flush()
         record(s, ctx, f"node:{name}", detail={"cordoned": cordoned, "draining": draining})
-        return _out(node, db_now(s), ctx.settings, ctx.caller())
+        return _judged_out(s, node, ctx.settings, ctx.caller())
 
 
 def delete(ctx: Ctx, name: str) -> NodeOut:
@@ -330,7 +363,7 @@ def delete(ctx: Ctx, name: str) -> NodeOut:
         node = nodes.get(s, name)
         if node is None:
             raise NotFound.of("node", name)
-        out = _out(node, db_now(s), ctx.settings)
+        out = _judged_out(s, node, ctx.settings)
         nodes.delete(s, node)  # devices and the node's credentials go with it (ON DELETE CASCADE)
         peers.forget_observer(s, name)
         record(s, ctx, f"node:{name}")

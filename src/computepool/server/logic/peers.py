@@ -7,7 +7,8 @@ says, so a peer one node rejected and another trusts is visible as such.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 from computepool.discovery.announce import derive_key, fingerprint
 from computepool.server.context import Ctx
@@ -34,9 +35,10 @@ def discovery_key(ctx: Ctx) -> DiscoveryKeyOut:
     return DiscoveryKeyOut(key=key.hex(), fingerprint=fingerprint(key))
 
 
-def report(ctx: Ctx, name: str, body: NodePeersIn) -> PeersOut:
+def report(ctx: Ctx, name: str, body: NodePeersIn, sent_at: datetime | None = None) -> PeersOut:
     """Replace what node `name` reports. Only that node's own credential may: any other name is
-    answered like a missing node (a node learns nothing of the others' names this way)."""
+    answered like a missing node (a node learns nothing of the others' names this way). `sent_at`:
+    the node's clock when it sent the report (a query parameter, which older servers ignore)."""
     try:
         authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
     except Forbidden:
@@ -67,7 +69,11 @@ def report(ctx: Ctx, name: str, body: NodePeersIn) -> PeersOut:
         for p in body.peers
     ]
     with ctx.db.write() as s:
-        sql.replace(s, name, rows, db_now(s))
+        now = db_now(s)
+        shift = now - _utc(sent_at) if sent_at is not None else timedelta(0)
+        # on the control plane's clock, and never in the future
+        rows = [replace(r, last_seen=min(r.last_seen + shift, now)) for r in rows]
+        sql.replace(s, name, rows, now)
         return PeersOut(items=[_out(r) for r in sql.list_all(s, observer=name)])
 
 
@@ -78,7 +84,8 @@ def list_all(ctx: Ctx, observer: str | None = None) -> PeersOut:
 
 
 def _utc(t: datetime) -> datetime:
-    """A report's time without a zone is taken as UTC (agents send UTC)."""
+    """A report's time without a zone is taken as UTC (agents send UTC). It is the node's clock:
+    `report` moves it to the control plane's by `sent_at`."""
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -25,9 +26,18 @@ def discovery_key(ctx: Annotated[Ctx, Depends(requires(Action.DISCOVERY_KEY_GET)
     summary="A node replaces its report of the LAN peers its discovery found (its own credential)",
 )
 def report_peers(
-    name: str, body: NodePeersIn, ctx: Annotated[Ctx, Depends(requires(Action.NODE_PEERS_REPORT))]
+    name: str,
+    body: NodePeersIn,
+    ctx: Annotated[Ctx, Depends(requires(Action.NODE_PEERS_REPORT))],
+    sent_at: Annotated[
+        datetime | None,
+        Query(
+            description="The node's clock when it sent the report: each last_seen is moved by the "
+            "difference to the control plane's clock (a skewed node clock neither ages nor freshens a peer)."
+        ),
+    ] = None,
 ) -> PeersOut:
-    return peers.report(ctx, name, body)
+    return peers.report(ctx, name, body, sent_at)
 
 
 @router.get("/peers", summary="The LAN peers the nodes found, verified or rejected (with the reason)")

@@ -55,6 +55,7 @@ from computepool.server.scheduling.snapshot import (
     SnapshotCache,
     load_snapshot,
     node_state,
+    node_states,
 )
 from computepool.server.scheduling.world import Statement, World
 
@@ -89,6 +90,7 @@ __all__ = [
     "never_fits",
     "new_scheduler",
     "node_state",
+    "node_states",
     "over_limit",
     "pool_is_empty",
     "reclaimable",

@@ -110,7 +110,7 @@ def lost_brake(silent: int, total: int, share: float, min_nodes: int) -> bool:
     return silent >= min_nodes and silent > share * total
 
 
-def _node_states(
+def node_states(
     beats: list[datetime], now: datetime, since: datetime | None, settings: ServerSettings
 ) -> tuple[list[str], list[bool], int, bool]:
     """Each node's state, whether it is fresh, how many are silent, and whether the brake holds.
@@ -126,10 +126,12 @@ def _node_states(
     return states, [b >= fresh_after for b in beats], silent, braked
 
 
-def load_snapshot(s: Session, settings: ServerSettings, *, live: bool = True) -> Snapshot:
+def load_snapshot(
+    s: Session, settings: ServerSettings, *, live: bool = True, observed_since: datetime | None = None
+) -> Snapshot:
     """A whole snapshot read afresh (`live=False`: without allocations, what admission checks).
     The controller keeps a `SnapshotCache` instead, which reads only what changed."""
-    return SnapshotCache().load(s, settings, live=live)
+    return SnapshotCache().load(s, settings, live=live, observed_since=observed_since)
 
 
 def _live_of(r: Any) -> Live:
@@ -185,7 +187,7 @@ class SnapshotCache:
             )
         for gone in set(self._devices) - set(keys):
             del self._devices[gone]
-        states, fresh, silent, braked = _node_states([r[4] for r in node_rows], now, observed_since, settings)
+        states, fresh, silent, braked = node_states([r[4] for r in node_rows], now, observed_since, settings)
         nodes = [
             NodeSnap(
                 name=name,
@@ -215,15 +217,21 @@ class SnapshotCache:
             if (c := self._live.get(i)) is None or c.state != st or c.attempt != att
         ]
         if stale:
+            for i in stale:
+                self._live.pop(i, None)
             for r in store.live_rows(s, stale):
                 self._live[r.id] = _live_of(r)
         current: list[Live] = []
         keep: dict[int, Live] = {}
         for i, st, att, reason in heads:
             a = self._live.get(i)
-            if a is None or a.state != st or a.attempt != att:
-                continue  # changed again between the two reads: the next cycle sees it
-            a.reason = reason
+            if a is None:
+                continue  # ended between the two reads: what it held is free
+            if a.state == st and a.attempt == att:
+                a.reason = reason
+            # else it changed again between the two reads (on PostgreSQL each statement sees the
+            # latest commits: a job bound last cycle turns active as its agent reports): the row
+            # read second is the newer, and leaving it out would offer what it holds to others
             keep[i] = a
             current.append(a)
         self._live = keep
