@@ -191,22 +191,23 @@ def fgd_scores(
     cpu_free, left = view.cpu_free, view.gpu_free
     if req.fractional:
         f0, f1 = frag_after_share_grouped(cpu_free, left, acc, typ, req.cpu_milli, req.gpu_milli)
-        s = np.where(need.usable, sigmoid_score(f0[:, None], f1, temperature), -1.0)
-        top = s.max(axis=1)
         if fine_devices:
-            key = np.where(s == top[:, None], f0[:, None] - f1, -np.inf)
-            best = np.argmax(key, axis=1)
+            # the score is non-decreasing in F0 − F1, so the device with the largest exact change
+            # (the first on ties) also has the top whole-number score: score that one device only
+            best = np.argmax(np.where(need.usable, f0[:, None] - f1, -np.inf), axis=1)
+            top = sigmoid_score(f0, f1[np.arange(len(best)), best], temperature)
         else:
+            s = np.where(need.usable, sigmoid_score(f0[:, None], f1, temperature), -1.0)
+            top = s.max(axis=1)
             best = np.argmax(s, axis=1)
-        return top, np.left_shift(np.int64(1), best.astype(np.int64))
+        return top, np.left_shift(np.int64(1), best)
     pick = first_fit(view, req, need)
-    f0 = frag_amount_grouped(cpu_free, left, acc, typ)
-    left1 = left.copy()
+    # before and after as one stacked batch (2, B, …): the same per-row sums in half the steps
+    left01 = np.stack((left, left))
     if req.gpu_count:
-        taken = ((pick[:, None] >> np.arange(view.g, dtype=np.int64)) & 1).astype(bool)
-        left1[taken] = 0
-    f1 = frag_amount_grouped(cpu_free - req.cpu_milli, left1, acc, typ)
-    return sigmoid_score(f0, f1, whole_temperature), pick
+        left01[1][((pick[:, None] >> np.arange(view.g, dtype=np.int64)) & 1).astype(bool)] = 0
+    f01 = frag_amount_grouped(np.stack((cpu_free, cpu_free - req.cpu_milli)), left01, acc, typ)
+    return sigmoid_score(f01[0], f01[1], whole_temperature), pick
 
 
 class FGDScorer(_Static):
