@@ -10,7 +10,7 @@ import pytest
 from computepool.core import Device, InvalidInput, Node, Request
 from computepool.scheduler.fragmentation import TypicalPods
 from computepool.scheduler.placement import Scheduler
-from computepool.scheduler.policies import DefaultScorer, FGDScorer, gpu_share_left_tiebreak
+from computepool.scheduler.policies import DefaultScorer, FGDScorer, idle_gpu_tiebreak
 from computepool.scheduler.state import Change, ClusterState
 from computepool.sim.alibaba import Pod, load_nodes, load_pods
 from computepool.sim.fill import run_fill
@@ -50,9 +50,22 @@ def test_cpu_only_work_goes_where_the_gpus_are_in_use() -> None:
     assert fgd.placements[0].node == 0
     d = Scheduler(DefaultScorer()).place(state, cpu_only)
     assert d.ok and d.placements[0].node == 1
-    assert gpu_share_left_tiebreak(state.node_view()).tolist() == [0.0, 0.5]
+    assert idle_gpu_tiebreak(state.node_view()).tolist() == [0.5 / 3, 0.5]
     no_gpus = ClusterState.from_nodes([_node("cpu-only", 0)])
-    assert gpu_share_left_tiebreak(no_gpus.node_view()).tolist() == [0.5]  # CPU-only nodes first
+    assert idle_gpu_tiebreak(no_gpus.node_view()).tolist() == [0.5]  # CPU-only nodes first
+
+
+def test_cpu_only_work_goes_where_the_fewest_gpus_are_idle() -> None:
+    """Counted in devices, not as a share of the node's: one idle GPU of one is less to strand
+    than four idle of eight, although the first node has none of its GPUs in use."""
+    state = ClusterState.from_nodes([_node("eight", 8), _node("one", 1)])
+    held = {j: 1000 for j in range(4)}
+    state.apply(
+        Change(node=0, cpu_milli=2000, memory_mib=0, gpu_milli=held, gpu_memory_mib=dict(held), tag=4)
+    )
+    d = Scheduler(DefaultScorer()).place(state, Request(cpu_milli=4000))
+    assert d.ok and d.placements[0].node == 1
+    assert d.placements[0].score == 50 + 0.5 / 2  # tied on FGD's 50; the tie-break decides
 
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,9 @@ class ReferenceDefault(DefaultScorer):
             return top, np.left_shift(np.int64(1), best.astype(np.int64))
         pick = first_fit(view, req, need)
         tiebreak = np.zeros(len(view))
-        if req.gpu_count == 0:  # nodes with less of their GPU compute idle first (none: all in use)
+        if req.gpu_count == 0:  # nodes with less idle GPU compute first (none idle, or no GPU: 0.5)
             for b in range(len(view)):
-                cap, idle = int(view.gpu_cap[b].sum()), int(view.gpu_free[b].sum())
-                tiebreak[b] = 0.5 * (1.0 - (idle / cap if cap else 0.0))
+                tiebreak[b] = 0.5 / (1.0 + int(view.gpu_free[b].sum()) / 1000)
         left1 = view.gpu_free.copy()
         for b, mask in enumerate(pick.tolist()):
             for j in range(view.g):

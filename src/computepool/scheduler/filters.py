@@ -162,7 +162,7 @@ def feasible(
     if host_memory:
         ok &= view.mem_free >= req.memory_mib
     if req.gpu_count > 0:
-        ok &= need.usable.sum(axis=1) >= req.gpu_count
+        ok &= np.add.reduce(need.usable, axis=1) >= req.gpu_count
     return ok, need
 
 

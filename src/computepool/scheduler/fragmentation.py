@@ -18,6 +18,7 @@ from computepool.core.request import Request
 
 TypicalKey = tuple[int, int, int, frozenset[str] | None]
 _NEVER = np.iinfo(np.int64).max  # a device count no node has
+_sum = np.add.reduce  # `.sum(axis)` without its Python wrapper (these run per decision)
 
 
 def typical_key(req: Request) -> TypicalKey:
@@ -173,13 +174,13 @@ def frag_amount_grouped(
 
     The same integer fragments per typical, summed with the same weights: equal results.
     """
-    total = left.sum(axis=-1)
+    total = _sum(left, -1)
     if typ.size == 0:
         return np.zeros(total.shape)
     of, g_milli, count = typ.groups()
     usable = acc & (left[..., None] >= g_milli)
-    cnt = usable.sum(axis=-2)[..., of]
-    nonuse = (left[..., None] * ~usable).sum(axis=-2)[..., of]
+    cnt = _sum(usable, -2)[..., of]
+    nonuse = _sum(left[..., None] * ~usable, -2)[..., of]
     need = np.where(cpu_free[..., None] >= typ.cpu, count, _NEVER)  # a CPU misfit needs too many devices
     return np.where(cnt >= need, nonuse, total[..., None]) @ typ.weight
 
@@ -193,14 +194,14 @@ def frag_after_share_grouped(
     milli: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`frag_after_share` with `acc` per typical group (B, G, D): equal results, less work."""
-    total = left.sum(axis=-1)  # (B,)
+    total = _sum(left, -1)  # (B,)
     if typ.size == 0:
         return np.zeros(total.shape), np.zeros(left.shape)
     of, g_milli, count = typ.groups()
     usable0 = acc & (left[..., None] >= g_milli)  # (B, G, D)
-    cnt0 = usable0.sum(axis=1)  # (B, D)
+    cnt0 = _sum(usable0, 1)  # (B, D)
     lost0 = left[..., None] * ~usable0  # (B, G, D)
-    nonuse0 = lost0.sum(axis=1)  # (B, D)
+    nonuse0 = _sum(lost0, 1)  # (B, D)
     need0 = np.where(cpu_free[:, None] >= typ.cpu, count, _NEVER)  # (B, T)
     f0 = np.where(cnt0[:, of] >= need0, nonuse0[:, of], total[:, None]) @ typ.weight
 

@@ -185,16 +185,17 @@ class Scheduler:
         behind = base + len(log) - entry.synced
         if entry.node_score is None or entry.synced < base or behind > len(cls) // 4:
             missing = entry.stamp[cls] != state.node_stamp
-            if missing.any():
+            if np.logical_or.reduce(missing):
                 self._refresh(state, req, entry, cls[missing], state.node_stamp[missing])
             entry.node_score, entry.node_pick = entry.score[cls], entry.pick[cls]
         elif behind:
-            # only the nodes whose class changed since this kind was last placed
-            nodes = np.unique(np.array(log[entry.synced - base :], dtype=np.int64))
+            # only the nodes whose class changed since this kind was last placed (a node may repeat)
+            nodes = np.array(log[entry.synced - base :], dtype=np.int64)
             ids = cls[nodes]
-            missing = entry.stamp[ids] != state.node_stamp[nodes]
-            if missing.any():
-                self._refresh(state, req, entry, ids[missing], state.node_stamp[nodes[missing]])
+            stamps = state.node_stamp[nodes]
+            missing = entry.stamp[ids] != stamps
+            if np.logical_or.reduce(missing):
+                self._refresh(state, req, entry, ids[missing], stamps[missing])
             entry.node_score[nodes] = entry.score[ids]
             assert entry.node_pick is not None
             entry.node_pick[nodes] = entry.pick[ids]
@@ -206,10 +207,11 @@ class Scheduler:
         self, state: ClusterState, req: Request, entry: _KindCache, ids: np.ndarray, stamps: np.ndarray
     ) -> None:
         """Score the classes `ids` (repeats allowed) and remember the stamps they were scored at."""
-        uniq = np.unique(ids)
-        s, p = self._score_classes(state, uniq, req)
-        entry.score[uniq] = s
-        entry.pick[uniq] = p
+        ids, first = np.unique(ids, return_index=True)
+        stamps = stamps[first]
+        s, p = self._score_classes(state, ids, req)
+        entry.score[ids] = s
+        entry.pick[ids] = p
         entry.stamp[ids] = stamps
 
     def _score_classes(
@@ -219,10 +221,10 @@ class Scheduler:
         ok_mask, need = feasible(state, view, req, host_memory=False)  # checked per node
         score = np.full(len(classes), -np.inf)
         pick = np.zeros(len(classes), np.int64)
-        if ok_mask.all():  # the common case: no rows to take out
+        if np.logical_and.reduce(ok_mask):  # the common case: no rows to take out
             s, p = self.scorer.score(state, view, req, need)
             return s.astype(np.float64, copy=False), self.scorer.pick(view, req, need) if p is None else p
-        if ok_mask.any():
+        if np.logical_or.reduce(ok_mask):
             ok = np.flatnonzero(ok_mask)
             sub, sub_need = view.take(ok), _take_need(need, ok)
             s, p = self.scorer.score(state, sub, req, sub_need)
