@@ -198,7 +198,7 @@ class _Exec:
     def run(self) -> None:
         env = {"PATH": FIXED_PATH}  # podman's; the command gets the container's own
         if self.view.container:
-            argv = jobexec.container_exec_argv(self.view, self.s.command, self.s.tty)
+            argv = jobexec.container_exec_argv(self.view, self.s.command, self.s.tty, self.host)
         else:
             argv, env = jobexec.exec_argv(self.view, self.host, self.s.command, self.s.tty)
         log.info("relay session %d: exec in %s: %s", self.s.id, self.view.rec.key, jobexec.describe(argv))
