@@ -63,13 +63,41 @@ class Node:
         self.procs.append(self.agent)
         wait_for("the node", lambda: self.states() == ["ready"], 60, self.logs)
 
+    def add_agent(self) -> None:
+        """A second root agent on this machine (a gang of two nodes: its members keep the node's
+        network), with a data dir and name of its own."""
+        join = self.admin.post("/api/v1/join-tokens", json={}).json()["token"]
+        name = f"n{uuid.uuid4().hex[:6]}"
+        with (self.root / "agent2.log").open("ab") as out:
+            self.procs.append(
+                subprocess.Popen(
+                    cpool(
+                        "agent",
+                        "--server",
+                        self.url,
+                        "--join-token",
+                        join,
+                        "--data-dir",
+                        str(self.root / "agent2"),
+                        "--name",
+                        name,
+                        "--kill-grace-s",
+                        "1",
+                    ),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                )  # fmt: skip
+            )
+        wait_for("the second node", lambda: self.states() == ["ready", "ready"], 60, self.logs)
+
     def states(self) -> list[str]:
         return [n["state"] for n in self.admin.get("/api/v1/nodes").json()["items"]]
 
     def logs(self) -> str:
         return "\n".join(
             (self.root / f).read_text()[-4000:]
-            for f in ("server.log", "agent.log")
+            for f in ("server.log", "agent.log", "agent2.log")
             if (self.root / f).exists()
         )
 
@@ -113,9 +141,10 @@ class Node:
             stop(proc)
         kill_jobs_under(self.root)
         if shutil.which("podman"):
-            podman = Podman(self.agent_dir)
-            for key in podman.all_keys():
-                podman.remove(key)
+            for agent_dir in (d for d in (self.agent_dir, self.root / "agent2") if d.exists()):
+                podman = Podman(agent_dir)
+                for key in podman.all_keys():
+                    podman.remove(key)
         for tenant in self.tenants:
             remove_tenant_user(tenant)
 

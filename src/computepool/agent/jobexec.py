@@ -8,9 +8,13 @@ memory and process limits), loads the job's syscall filter (after nsenter, which
 filter refuses) and drops to the tenant's user with `setpriv` exactly as the job did: no
 capabilities, no supplementary groups, no_new_privs. Its environment is the job's (read from the
 job's first process of the tenant, carried past the root steps as one inert value, as the job's
-was), its directory the job's work dir. It gets no Landlock domain of its own: it would cut the
-shell off from signalling the job's own processes, and the job's PID and network namespaces
-already confine what a signal or an abstract socket could reach.
+was), its directory the job's work dir. In a job with a network of its own it gets no Landlock
+domain: it would cut the shell off from signalling (and tracing) the job's own processes, and the
+job's PID and network namespaces already confine what a signal or an abstract socket could reach.
+A job that keeps the node's network (a gang member, a replica) shares the node's abstract unix
+sockets, which its own Landlock scope keeps it from: there the exec'd command gets a domain of its
+own scoped for abstract sockets (not signals: its PID namespace holds those), made after nsenter
+(a domain cannot open another's namespaces); it then cannot trace the job's processes either.
 
 A forwarded connection is made by a short-lived thread of the agent that switches to the job's
 network namespace (setns is per thread), connects to 127.0.0.1:PORT there, and switches back: the
@@ -28,6 +32,7 @@ import pwd
 import shlex
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from computepool.agent import syscall_filter
+from computepool.agent import landlock, syscall_filter
 from computepool.agent.localstate import JobRecord
 from computepool.agent.sandbox import FIXED_PATH, HANDOVER, HostSupport, root_side_env
 
@@ -160,12 +165,25 @@ def exec_argv(
         source = Path(syscall_filter.__file__).read_text()
         argv = [host.filter_loader[0], "-I", "-c", source, "--", *argv]
     argv = [*session, *argv]
+    if host.scope_why_not == "" and _on_the_nodes_network(view.init_pid):
+        python = host.filter_loader[0] if host.filter_loader else sys.executable
+        argv = [python, "-I", "-c", Path(landlock.__file__).read_text(), "--", *argv]
     if view.init_pid is not None:
         argv = ["nsenter", f"--target={view.init_pid}", "--mount", "--uts", "--ipc", "--net", "--pid",
                 "--", *argv]  # fmt: skip
     cgroups = view.rec.extra.get("cgroup_paths") or view.rec.cgroup or ""
     argv = [*held_as_the_job(view.rec), "/bin/sh", "-c", _JOIN_CGROUPS, "cpool-exec-cgroup", cgroups, *argv]
     return argv, root_side_env(env)
+
+
+def _on_the_nodes_network(init_pid: int | None) -> bool:
+    """Whether the job's processes share the agent's network namespace (or it is gone: then as if)."""
+    if init_pid is None:
+        return True
+    try:
+        return _ns(init_pid, "net") == _ns("self", "net")
+    except OSError:
+        return True
 
 
 def held_as_the_job(rec: JobRecord) -> list[str]:
@@ -190,10 +208,22 @@ def _limit(value: int) -> str:
     return "unlimited" if value == psutil.RLIM_INFINITY else str(value)
 
 
-def container_exec_argv(view: JobView, command: Sequence[str], tty: bool) -> list[str]:
+def container_exec_argv(
+    view: JobView, command: Sequence[str], tty: bool, host: HostSupport | None = None
+) -> list[str]:
     """`podman exec` in a container job: its namespaces, cgroup, user, capabilities (none),
     seccomp profile and no_new_privs, its environment and working dir, as the container has them.
-    On a terminal podman makes the container's own pty and passes window sizes to it."""
+    On a terminal podman makes the container's own pty and passes window sizes to it.
+
+    A container on the host's network (a function's worker) runs in a Landlock domain scoped for
+    abstract sockets (launch.py), which `podman exec` cannot join: what it started would reach
+    every abstract socket of the node, and podman in a domain of its own cannot enter the
+    container (runc's setns needs to trace its process). So exec is refused there."""
+    if host is not None and host.scope_why_not == "" and _on_the_nodes_network(view.init_pid):
+        raise ExecRefused(
+            "the container uses the node's network (a function's worker): a command exec'd into it "
+            "would escape its Landlock scope, so exec is refused"
+        )
     args = ["exec", "--interactive", *(["--tty"] if tty else []), view.container, *command]
     argv = [*view.podman, *args]
     return ["setsid", "--ctty", "--wait", *argv] if tty else argv

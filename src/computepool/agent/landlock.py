@@ -23,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
+from collections.abc import Sequence
 
 SYS_CREATE_RULESET, SYS_RESTRICT_SELF = 444, 446  # the same numbers on every architecture
 CREATE_RULESET_VERSION = 1
@@ -64,11 +66,12 @@ def probe() -> str:
     return ""
 
 
-def restrict_scopes() -> None:
-    """Put this process (and all it will run) in a new domain scoped for abstract unix sockets and
-    signals. Sets no_new_privs first (Landlock needs it, or CAP_SYS_ADMIN). Raises OSError."""
+def restrict_scopes(scoped: int = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) -> None:
+    """Put this process (and all it will run) in a new domain with these scopes (by default for
+    abstract unix sockets and signals). Sets no_new_privs first (Landlock needs it, or
+    CAP_SYS_ADMIN). Raises OSError."""
     libc = _libc()
-    attr = _RulesetAttr(0, 0, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL)
+    attr = _RulesetAttr(0, 0, scoped)
     fd = int(libc.syscall(SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)), 0))
     if fd < 0:
         err = ctypes.get_errno()
@@ -82,3 +85,26 @@ def restrict_scopes() -> None:
             raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def main(argv: Sequence[str]) -> int:
+    """`python -I -c <this file> -- ARGV`: ARGV in a new domain scoped for abstract unix sockets
+    alone (jobexec.py: a command exec'd into a job that keeps the node's network). Never runs ARGV
+    unscoped."""
+    if len(argv) < 2 or argv[0] != "--":
+        print("usage: python -I -c <landlock.py> -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    try:
+        restrict_scopes(SCOPE_ABSTRACT_UNIX_SOCKET)
+    except OSError as e:
+        print(f"cpool: cannot scope the command: {e}", file=sys.stderr)
+        return 126
+    try:
+        os.execvp(argv[1], list(argv[1:]))
+    except OSError as e:
+        print(f"cpool: cannot run {argv[1]}: {e.strerror or e}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

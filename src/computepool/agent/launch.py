@@ -125,8 +125,7 @@ class Launcher:
             # and the wrapper and podman with a fixed environment: the job's own (LD_PRELOAD, PATH,
             # GLIBC_TUNABLES, …) reaches the container through its env file alone
             return Launch(argv, dict(ROOT_ENV), run_dir, None, how)
-        mps = spec.env.get("CUDA_MPS_PIPE_DIRECTORY", "")  # an MPS slice's daemon: reachable
-        keep = Path(mps) if mps.startswith("/") and os.path.isdir(mps) else None
+        keep = self._mps_pipes(spec.env.get("CUDA_MPS_PIPE_DIRECTORY", ""))  # an MPS slice's daemon
         hide = hidden_dir(work, self.data_dir)
         tmp = tmpfs_mib(spec.memory_mib)  # /tmp and /dev/shm: sized, and in the job's memory
         no_device, open_why = hidden_files(spec.device_uuids, spec.device_nodes, self.sandbox.dev)
@@ -157,6 +156,19 @@ class Launcher:
         cache = self.data_dir / "cache" / tenant
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         return cache
+
+    def _mps_pipes(self, named: str) -> Path | None:
+        """The pipe dir of an MPS daemon of this agent's (under its MPS root) that the job names,
+        which it keeps with the host's IPC namespace; None for any other path. Every job names
+        one (`<work>/no-mps` unless it holds an mps slice), and its code, unpacked into `<work>`
+        first, could hold a `no-mps/` dir: that put the job in the host's IPC namespace."""
+        if not named.startswith("/") or self.sandbox is None:
+            return None
+        root = self.sandbox.mps_root or self.data_dir / "mps"
+        path = Path(os.path.normpath(named))
+        if root not in path.parents or path.is_symlink() or not path.is_dir():
+            return None
+        return path
 
     def prepare(self, spec: JobSpec) -> None:
         """A container job's image on the node before the executor takes its lock (a pull may take

@@ -7,6 +7,9 @@ node) goes to a few worker threads, and the attempt waits, "preparing", until a 
 ready. The start itself stays on the loop thread, and finds its inputs in the caches.
 
 - One task per input: jobs that need the same blob or image share one fetch or pull.
+- The workers take tasks from the tenants in turn (the tenant of the attempt that first asked):
+  a task may take minutes (an archive of GiBs to unpack, a slow pull), and in one queue a tenant's
+  many attempts held every other tenant's starts on the node behind all of theirs.
 - Once its code blob is cached, an attempt gets one more task of its own (`unpack`, JobStarter's):
   its run and work dirs made, the archive checked and unpacked there as the tenant, a marker left
   in the run dir — a 2 GiB unpack is as slow as a fetch. The start then finds the code in place.
@@ -22,8 +25,8 @@ ready. The start itself stays on the loop thread, and finds its inputs in the ca
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -58,6 +61,36 @@ READY = Readiness(True)
 PREPARING = Readiness(False)
 
 
+class _TurnQueue:
+    """A queue whose items are taken from its tenants in turn (FIFO within a tenant)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[str, deque[_Task | None]] = {}
+        self._turns: deque[str] = deque()  # the tenants with items, in the order of their next turn
+
+    def put(self, tenant: str, item: _Task | None) -> None:
+        with self._cond:
+            if tenant not in self._items:
+                self._items[tenant] = deque()
+                self._turns.append(tenant)
+            self._items[tenant].append(item)
+            self._cond.notify()
+
+    def get(self) -> _Task | None:
+        with self._cond:
+            while not self._turns:
+                self._cond.wait()
+            tenant = self._turns.popleft()
+            items = self._items[tenant]
+            item = items.popleft()
+            if items:
+                self._turns.append(tenant)
+            else:
+                del self._items[tenant]
+            return item
+
+
 class Preparer:
     """Fetches blobs and pulls images for the attempts the loop is about to start, on daemon threads."""
 
@@ -78,7 +111,7 @@ class Preparer:
         self._workers = max(1, workers)
         self._unpack = unpack
         self._unpacking: set[str] = set()  # job keys whose unpack task was queued
-        self._queue: queue.Queue[_Task | None] = queue.Queue()
+        self._queue = _TurnQueue()
         self._tasks: dict[str, _Task] = {}  # by input, while queued or running
         self._waiting: dict[str, list[_Task]] = {}  # by job key: the tasks the attempt waits for
         self._lock = threading.Lock()
@@ -88,7 +121,7 @@ class Preparer:
         """Whether the attempt can start now (loop thread only); starts the tasks it still needs."""
         tasks = self._waiting.get(a.key)
         if tasks is None:
-            tasks = [self._task(name, run) for name, run in self._needs(a)]
+            tasks = [self._task(name, run, a.tenant) for name, run in self._needs(a)]
             if tasks:
                 log.info("%s preparing: %s", a.key, ", ".join(t.name for t in tasks))
             self._waiting[a.key] = tasks
@@ -116,7 +149,7 @@ class Preparer:
     def close(self) -> None:
         """Stop the idle workers; one busy with a fetch or pull ends with the process (daemon)."""
         for _ in self._threads:
-            self._queue.put(None)
+            self._queue.put("", None)
 
     # ---- what an attempt needs ----------------------------------------------------------------
 
@@ -148,12 +181,12 @@ class Preparer:
             if a.key in self._waiting:  # else withdrawn before its turn: nothing made on disk
                 unpack(a)
 
-        task = self._task(f"unpack {a.key}", run)
+        task = self._task(f"unpack {a.key}", run, a.tenant)
         self._waiting[a.key] = [task]
         log.info("%s preparing: %s", a.key, task.name)
         return True
 
-    def _task(self, name: str, run: Callable[[], None]) -> _Task:
+    def _task(self, name: str, run: Callable[[], None], tenant: str) -> _Task:
         with self._lock:
             task = self._tasks.get(name)
             if task is not None:
@@ -165,7 +198,7 @@ class Preparer:
                 )
                 self._threads.append(t)
                 t.start()
-        self._queue.put(task)
+        self._queue.put(tenant, task)
         return task
 
     def _work(self) -> None:

@@ -41,6 +41,10 @@ POLL_WAIT_S = 25.0
 CHUNK = 64 * 1024
 SANDBOX_WAIT_S = 10.0  # a job that has just started gets this long to make its namespaces
 DRAIN_S = 2.0  # output still read this long after the command ended (a background child holds it)
+# Sessions one tenant may have served on this node at once: each holds about six of the agent's
+# threads (and a process), which no job's limit counts; the control plane's cap is per job
+# (64), so a tenant with many small jobs could otherwise take the host's last free pids.
+MAX_SESSIONS_PER_TENANT = 64
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class Relays:
         self.api, self.credential, self.executor = api, credential, executor
         self.user_of, self.verify, self.stop = user_of, verify, stop
         self._since = 0
+        self._lock = threading.Lock()
+        self._serving: dict[str, int] = {}  # sessions being served, per tenant
 
     def run(self) -> None:
         failures = 0
@@ -115,6 +121,19 @@ class Relays:
                 ).start()
 
     def serve(self, s: Session) -> None:
+        with self._lock:
+            held = self._serving.get(s.tenant, 0)
+            self._serving[s.tenant] = held + 1
+        try:
+            self._serve(s, held)
+        finally:
+            with self._lock:
+                self._serving[s.tenant] -= 1
+                if not self._serving[s.tenant]:
+                    del self._serving[s.tenant]
+
+    def _serve(self, s: Session, held: int) -> None:
+        """`held`: how many of its tenant's sessions this node served when this one came."""
         headers = {"Authorization": f"Bearer {self.credential}", CLIENT_SECRET_HEADER: s.secret}
         try:
             ws = connect(
@@ -130,6 +149,11 @@ class Relays:
             return
         with ws:
             try:
+                if held >= MAX_SESSIONS_PER_TENANT:
+                    raise jobexec.ExecRefused(
+                        f"tenant {s.tenant} has {held} shells and connections open on this node, the most "
+                        f"a tenant may have ({MAX_SESSIONS_PER_TENANT}): close some first"
+                    )
                 view = self._view(s)
                 if s.kind == "forward":
                     sock = jobexec.connect_in_job(view, s.port)
@@ -198,7 +222,7 @@ class _Exec:
     def run(self) -> None:
         env = {"PATH": FIXED_PATH}  # podman's; the command gets the container's own
         if self.view.container:
-            argv = jobexec.container_exec_argv(self.view, self.s.command, self.s.tty)
+            argv = jobexec.container_exec_argv(self.view, self.s.command, self.s.tty, self.host)
         else:
             argv, env = jobexec.exec_argv(self.view, self.host, self.s.command, self.s.tty)
         log.info("relay session %d: exec in %s: %s", self.s.id, self.view.rec.key, jobexec.describe(argv))

@@ -240,15 +240,27 @@ def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
 
 def prepare_cache(root: Path, tenant: str, uid: int, gid: int) -> Path:
     """The tenant's cache dir `<root>/<tenant>` (pip environments and the like, kept between jobs):
-    the tenant's own (0700) under a root dir others may pass but not list (0711)."""
+    the tenant's own (0700) under a root dir others may pass but not list (0711), both root's.
+
+    A root another user owns, or a root-owned dir where the tenant's cache should be, is not
+    taken over (OSError): that is another pool's cache root nested in this one's, or this one's
+    in another's, and handing it over would give one pool's tenant the other's caches."""
     root.mkdir(parents=True, exist_ok=True)
-    os.chown(root, 0, 0)
+    if root.is_symlink() or root.lstat().st_uid != 0:
+        raise OSError(f"{root} is not root's: it is no cache root of the pool's (another pool's cache?)")
+    os.chown(root, 0, 0, follow_symlinks=False)
     os.chmod(root, 0o711)
     cache = root / tenant
-    cache.mkdir(mode=0o700, exist_ok=True)
+    try:
+        cache.mkdir(mode=0o700)
+        made = True
+    except FileExistsError:
+        made = False
     st = cache.lstat()
     if not cache.is_dir() or cache.is_symlink():
         raise OSError(f"{cache} is not a directory")
+    if not made and st.st_uid == 0 and uid != 0:
+        raise OSError(f"{cache} is root's, not a tenant's cache (another pool's cache root?): kept")
     if (st.st_uid, st.st_gid) != (uid, gid):
         os.chown(cache, uid, gid, follow_symlinks=False)
     os.chmod(cache, 0o700)

@@ -242,8 +242,9 @@ def register(app: typer.Typer) -> None:
         os.umask(0o077)  # whatever the agent writes is its own: credential, records, logs
         try:
             cache = Path("/var/cache/computepool")  # sandbox.DEFAULT_CACHE_ROOT (start-up time)
-            if user_prefix != "cpool-":
-                cache = cache / user_prefix.rstrip("-")
+            if user_prefix != "cpool-":  # a sibling: inside, it was the cache of the first pool's
+                # tenant named like the prefix, whose user got the second pool's tenants' caches
+                cache = cache.with_name(f"computepool-{user_prefix.rstrip('-')}")
             sandbox = SandboxConfig(
                 uid_range=parse_uid_range(uid_range),
                 user_prefix=check_prefix(user_prefix),
