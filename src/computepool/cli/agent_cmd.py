@@ -276,7 +276,9 @@ def register(app: typer.Typer) -> None:
                 raise fail(f"--server: expected an http:// or https:// URL, got {url!r}")
         if ca is not None and not ca.expanduser().is_file():
             raise fail(f"--ca: no such file {ca}")
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from computepool.core.logfmt import configure  # noqa: PLC0415
+
+        configure(log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         config = AgentConfig(
             server=",".join(dict.fromkeys(u.rstrip("/") for u in urls)),

@@ -78,13 +78,12 @@ def register(app: typer.Typer) -> None:
             if not database or not Path(database).expanduser().is_file():
                 raise fail(f"--db: no database at {database!r} (start `cpool server` on it first)")
 
-        import logging
-
         import uvicorn
 
+        from computepool.core.logfmt import configure  # noqa: PLC0415
         from computepool.server.gateway.app import create_gateway_app
 
-        logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        configure(log_level, "%(levelname)s %(name)s: %(message)s")
         uvicorn.run(
             create_gateway_app(db, token_cache_s, default_limit=(gateway_rpm, gateway_burst)),
             host=host,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import uvicorn
@@ -16,7 +15,9 @@ SHUTDOWN_GRACE_S = 2
 def serve(settings: ServerSettings) -> None:
     """HTTP, or HTTPS when a certificate and key are set (uvicorn's own TLS)."""
     os.umask(0o077)  # every file the server makes (database, keys, tokens) is readable by it alone
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from computepool.core.logfmt import configure  # noqa: PLC0415
+
+    configure(settings.log_level, "%(levelname)s %(name)s: %(message)s")
     uvicorn.run(
         create_app(settings),
         host=settings.host,
