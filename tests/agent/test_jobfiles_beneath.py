@@ -146,3 +146,16 @@ def test_a_tenant_packs_a_nested_path_through_a_dir_it_cannot_pass(root_dir: Pat
             pack_as(user, work, "a/b/secret", root_dir / "s.tgz")
     finally:
         remove_tenant_user(tenant, RANGE)
+
+
+def test_tar_runs_at_the_lowest_priority(tmp_path: Path) -> None:
+    """Packing runs outside every job's cgroup: at niceness 19 it takes only the CPU jobs leave idle
+    (a tenant asking for a huge sparse file again and again slows nobody's job)."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "a").write_text("x")
+    seen = tmp_path / "nice"
+    probe = f"--checkpoint-action=exec=cut -d' ' -f19 /proc/self/stat > {seen}"
+    with dir_fd(tmp_path / "work") as fd:
+        r = run_tar(None, fd, ["--checkpoint=1", probe, "-cf", "/dev/null", "."])
+    assert r.returncode == 0, r.stderr
+    assert seen.read_text().strip() == "19"
