@@ -135,11 +135,17 @@ def test_up_runs_jobs_shares_the_gpu_and_readopts_after_an_agent_crash(up: Up) -
     assert not any(alive(ch.pid) for ch in children)
 
     # running it again reuses the state: same database and token, the agent keeps its credential
-    again = subprocess.Popen(
-        cpool("up", "--simulate", "1xA100-80GB", "--data-dir", str(up.data), "--port", str(up.port)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(),
-    )  # fmt: skip
+    again_log = up.log.with_name("again.log")
+    with again_log.open("wb") as out:
+        again = subprocess.Popen(
+            cpool("up", "--simulate", "1xA100-80GB", "--data-dir", str(up.data), "--port", str(up.port)),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+        )  # fmt: skip
     try:
+        # its Ctrl-C handler is in place once it says so (a SIGINT before that, from a harness that
+        # ignores SIGINT, would be lost and the stop below would wait out its whole timeout)
+        said = again_log.read_text
+        wait_for("cpool up again", lambda: "ComputePool is up" in said(), 60, said)
         pool2 = Pool(pool.url, up.data)
         wait_for("the pool again", lambda: [n["state"] for n in pool2.nodes()] == ["ready"], 60, up.output)
         assert pool2.state(a) == "released"
