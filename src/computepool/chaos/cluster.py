@@ -201,6 +201,19 @@ class Cluster:
             part.start(self.env)
         self.wait("every node ready", lambda: len(self.ready_nodes()) == self.agents, 120)
 
+    def _remove_node_cgroups(self) -> None:
+        """The agents' own directories under the shared default base (`<controller>/computepool/
+        chaos<run>-<i>-<agent id>`, v1 and hybrid hosts): each run's would pile up on the host."""
+        if self.freezer.kind == "v2":
+            return  # below the run's own cgroup, removed with it
+        for i in range(self.agents):
+            for node_dir in CGROUP_ROOT.glob(f"*/computepool/chaos{self.run_id}-{i}-*"):
+                for d in sorted((q for q in node_dir.rglob("*") if q.is_dir()), key=lambda q: -len(q.parts)):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+                with contextlib.suppress(OSError):
+                    node_dir.rmdir()
+
     def close(self) -> None:
         for part in self.parts.values():
             part.kill()
@@ -210,6 +223,7 @@ class Cluster:
                 with contextlib.suppress(psutil.Error):
                     if str(self.root / f"agent-{i}") in " ".join(p.info["cmdline"] or []):
                         p.kill()
+        self._remove_node_cgroups()
         with contextlib.suppress(Exception):
             self.pg.stop("immediate")
         if self.blob_mount is not None:
