@@ -206,13 +206,21 @@ class Cluster:
         chaos<run>-<i>-<agent id>`, v1 and hybrid hosts): each run's would pile up on the host."""
         if self.freezer.kind == "v2":
             return  # below the run's own cgroup, removed with it
+        deadline = time.monotonic() + 15  # a killed job's last processes leave its cgroup just after
         for i in range(self.agents):
             for node_dir in CGROUP_ROOT.glob(f"*/computepool/chaos{self.run_id}-{i}-*"):
-                for d in sorted((q for q in node_dir.rglob("*") if q.is_dir()), key=lambda q: -len(q.parts)):
-                    with contextlib.suppress(OSError):
-                        d.rmdir()
-                with contextlib.suppress(OSError):
-                    node_dir.rmdir()
+                dirs = sorted((q for q in node_dir.rglob("*") if q.is_dir()), key=lambda q: -len(q.parts))
+                for d in [*dirs, node_dir]:
+                    while True:
+                        try:
+                            d.rmdir()
+                            break
+                        except FileNotFoundError:
+                            break
+                        except OSError:
+                            if time.monotonic() > deadline:
+                                break
+                            time.sleep(0.1)
 
     def close(self) -> None:
         for part in self.parts.values():
