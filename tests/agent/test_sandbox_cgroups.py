@@ -219,3 +219,107 @@ def test_a_root_agent_without_usable_cgroups_is_warned_and_one_with_them_is_not(
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
     (tmp_path / "cgroup.subtree_control").write_text("")
     assert cgroups.unheld_warning(tmp_path / "other", root=True) == ""
+
+
+def test_each_tenants_jobs_share_a_directory_capped_at_its_share_of_the_nodes_pids(tmp_path: Path) -> None:
+    """v2 and v1 fake trees: a tenant's jobs sit under `t-<digest>` with pids.max at the tenant's
+    share; a job asking more gets no more; the sweep finds a crash's leftovers there too."""
+    assert cgroups.tenant_pids_budget(24576) == 12288 and cgroups.tenant_pids_budget(300, 5000) == 300
+    acme, zeta = cgroups.tenant_group("acme"), cgroups.tenant_group("zeta/../x")
+    assert acme != zeta and acme.startswith("t-") and "/" not in zeta and cgroups.tenant_group("") == ""
+    root = tmp_path / "cg2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    v2 = CgroupV2(root / "computepool" / "node-a", pids_budget=300, tenant_pids=120)
+    assert v2.usable() == (True, "")
+    job = v2.create("a.1", 100, 64, pids_max=1000, group=acme)
+    assert job.path == root / "computepool" / "node-a" / acme / "a.1"
+    assert (job.path.parent / "pids.max").read_text() == "120" and (
+        job.path / "pids.max"
+    ).read_text() == "120"
+    assert set((job.path.parent / "cgroup.subtree_control").read_text().split()) == {
+        "+cpu",
+        "+memory",
+        "+pids",
+    }
+    (v2.base / zeta / "7.2").mkdir(parents=True)  # a crash's leftover, another tenant's
+    assert v2.sweep({"a.1"}) == ["7.2"] and job.path.is_dir() and (v2.base / zeta).is_dir()
+    v1_root = tmp_path / "cg1"
+    for c in ("cpu", "memory", "pids"):
+        (v1_root / c).mkdir(parents=True)
+        (v1_root / c / "cgroup.procs").write_text("")
+    v1 = CgroupV1(v1_root, "computepool/node-a", pids_budget=200)
+    assert v1.usable() == (True, "") and v1.tenant_pids == 100
+    job1 = v1.create("a.1", 100, 64, pids_max=50, group=acme)
+    assert job1.paths == tuple(
+        v1_root / c / "computepool" / "node-a" / acme / "a.1" for c in ("memory", "cpu", "pids")
+    )
+    assert (v1_root / "pids" / "computepool" / "node-a" / acme / "pids.max").read_text() == "100"
+    assert (job1.paths[2] / "pids.max").read_text() == "50"
+
+
+@pytest.fixture
+def two_tenant_executor() -> Iterator[tuple[Executor, str, str]]:
+    if not REAL_V1:
+        pytest.skip("needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    base = Path(f"/sys/fs/cgroup/computepool-test-{uuid.uuid4().hex[:8]}")
+    data = Path("/var/tmp") / f"cpool-cg-{uuid.uuid4().hex[:8]}"
+    data.mkdir()
+    a, b = f"ta{uuid.uuid4().hex[:8]}", f"tb{uuid.uuid4().hex[:8]}"
+    ex = Executor(data / "agent", cgroup_base=base, kill_grace_s=1, sandbox=SandboxConfig(tenant_pids_max=40))
+    yield ex, a, b
+    for rec in ex.running():
+        ex.kill(rec.key, "teardown", grace_s=0)
+    ex.state.close()
+    assert ex.cgroup_dir is not None
+    for c in ("memory", "cpu", "pids"):
+        top = Path("/sys/fs/cgroup") / c / base.name
+        below = (
+            sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+            if top.is_dir()
+            else []
+        )
+        cgroups.remove([*below, top])
+    shutil.rmtree(data, ignore_errors=True)
+    for t in (a, b):
+        remove_tenant_user(t)
+
+
+FORK_ALL = """
+import threading, time
+held = []
+try:
+    while len(held) < 1000:
+        t = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+        t.start()
+        held.append(t)
+except RuntimeError:
+    pass
+print(len(held), flush=True)
+time.sleep(60)
+"""
+
+
+def test_real_v1_one_tenant_using_its_whole_share_leaves_another_tenant_room(
+    two_tenant_executor: tuple[Executor, str, str],
+) -> None:
+    """Tenant A's two jobs together stop at A's share (40 threads) of the node; B still starts 20."""
+    ex, a, b = two_tenant_executor
+    first = ex.start(JobSpec("a1", 1, [PY, "-c", FORK_ALL], tenant=a))
+    second = ex.start(JobSpec("a2", 1, [PY, "-c", FORK_ALL], tenant=a))
+    outs = [Path(r.run_dir, "stdout.log") for r in (first, second)]
+    deadline = time.monotonic() + 60
+    while not all(o.read_text().strip() for o in outs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = [int(o.read_text()) for o in outs]
+    assert sum(held) < 40, held  # both jobs of A together, under A's share
+    group = Path(first.extra["cgroup_paths"].splitlines()[-1]).parent
+    assert group.name == cgroups.tenant_group(a) and (group / "pids.max").read_text().strip() == "40"
+    twenty = (
+        "import threading, time\nts = [threading.Thread(target=time.sleep, args=(0.2,)) for _ in range(20)]\n"
+    )
+    twenty += "[t.start() for t in ts]\n[t.join() for t in ts]\nprint('ok')"
+    other = ex.start(JobSpec("b1", 1, [PY, "-c", twenty], tenant=b))
+    done = ex.wait(other.key, 60)
+    assert done.state is JobState.SUCCEEDED, Path(other.run_dir, "stderr.log").read_text()

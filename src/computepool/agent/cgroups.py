@@ -6,10 +6,13 @@ mount (`/sys/fs/cgroup/cpu`, `/sys/fs/cgroup/memory`, `/sys/fs/cgroup/pids`, …
 directory per controller, all listed in `paths`. Both list the job's processes in `cgroup.procs`,
 so whatever only needs the members (the agent, the fence supervisor) reads that one path.
 
-Each agent keeps its jobs under a directory of its own below the base (`<base>/<node key>/<alloc>.<attempt>`,
+Each agent keeps its jobs under a directory of its own below the base (`<base>/<node key>/`,
 identity.py): allocation ids are the pool's, so two agents on one host (two pools, or two nodes of
 one pool) would otherwise put different jobs in one cgroup, and the first to end would kill the
-other. An agent only ever creates, empties or removes cgroups under its own directory.
+other. An agent only ever creates, empties or removes cgroups under its own directory. Below it,
+each tenant's jobs share a directory (`t-<digest of the tenant>/<alloc>.<attempt>`) whose pids.max
+is the tenant's share of the node (`tenant_pids_budget`): one tenant forking to the limit of every
+job it runs still leaves the other tenants' jobs room to start processes.
 
 Where neither is writable (`--cgroup-base none`, a container without delegation), `hold` falls
 back to RLIMIT_AS (per process: a job's children each get as much), CPU affinity and RLIMIT_NPROC
@@ -20,6 +23,7 @@ back to RLIMIT_AS (per process: a job's children each get as much), CPU affinity
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import re
@@ -46,8 +50,20 @@ def jobs_pids_budget(pid_max_path: Path = Path("/proc/sys/kernel/pid_max")) -> i
     return max(64, int(pid_max * JOBS_PID_SHARE))
 
 
+def tenant_pids_budget(jobs_budget: int, asked: int = 0) -> int:
+    """One tenant's processes and threads on the node, all its jobs together: `asked` where the
+    operator set it (never past the agent's budget), else half of the agent's jobs' budget."""
+    return min(asked, jobs_budget) if asked > 0 else max(64, jobs_budget // 2)
+
+
+def tenant_group(tenant: str) -> str:
+    """The directory a tenant's jobs share: a digest, so any tenant name makes a short, safe name."""
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:16] if tenant else ""
+
+
 V1_CONTROLLERS = ("memory", "cpu", "pids")  # the first present one names the job's cgroup
 _JOB_DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\.[0-9]+$")  # `<alloc>.<attempt>`
+_GROUP_DIR = re.compile(r"^t-[0-9a-f]{16}$")  # `tenant_group`
 
 
 @dataclass(frozen=True)
@@ -77,11 +93,13 @@ class CgroupV2:
 
     version = "v2"
 
-    def __init__(self, base: Path, pids_budget: int | None = None) -> None:
+    def __init__(self, base: Path, pids_budget: int | None = None, tenant_pids: int = 0) -> None:
         self.base = base
         self.pids_budget = pids_budget if pids_budget is not None else jobs_pids_budget()
+        self.tenant_pids = tenant_pids_budget(self.pids_budget, tenant_pids)
         self._checked: tuple[bool, str] | None = None
         self._pids = False
+        self._wanted: set[str] = set()
 
     def usable(self) -> tuple[bool, str]:
         if self._checked is None:
@@ -98,7 +116,7 @@ class CgroupV2:
             if missing:
                 return False, f"cgroup controllers {sorted(missing)} not available in {top}"
             wanted = {"cpu", "memory"} | ({"pids"} & have)
-            self._pids = "pids" in wanted
+            self._pids, self._wanted = "pids" in wanted, wanted
             below = [self.base, *self.base.parents][: len(self.base.relative_to(top).parts)]
             for level in (top, *reversed(below)):  # from the existing cgroup down to the base
                 level.mkdir(exist_ok=True, mode=0o700)
@@ -116,10 +134,29 @@ class CgroupV2:
         """Remove the empty job cgroups under this base that no job holds (left by a crash)."""
         return _sweep([self.base], keep)
 
+    def _group(self, group: str) -> Path:
+        """The tenant's directory (made, its controllers enabled and its pids capped) or the base."""
+        if not group:
+            return self.base
+        path = self.base / group
+        path.mkdir(exist_ok=True)
+        control = path / "cgroup.subtree_control"
+        if not self._wanted <= set(control.read_text().split() if control.exists() else ()):
+            control.write_text(" ".join(f"+{c}" for c in sorted(self._wanted)))
+        if self._pids:
+            (path / "pids.max").write_text(str(self.tenant_pids))
+        return path
+
     def create(
-        self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0, defer_cpu: bool = False
+        self,
+        name: str,
+        cpu_milli: int,
+        memory_mib: int,
+        pids_max: int = 0,
+        defer_cpu: bool = False,
+        group: str = "",
     ) -> JobCgroup:
-        path = self.base / name
+        path = self._group(group) / name
         path.mkdir(exist_ok=True)
         cpu_limit: tuple[Path, str] | None = None
         if cpu_milli > 0:
@@ -133,7 +170,8 @@ class CgroupV2:
                 if (path / name_).exists():  # no swapping past the limit; an OOM ends the whole job
                     (path / name_).write_text(value)
         if pids_max > 0 and self._pids:
-            (path / "pids.max").write_text(str(min(pids_max, self.pids_budget)))
+            cap = self.tenant_pids if group else self.pids_budget
+            (path / "pids.max").write_text(str(min(pids_max, cap)))
         return JobCgroup("v2", path, (path,), cpu_limit)
 
 
@@ -143,10 +181,11 @@ class CgroupV1:
 
     version = "v1"
 
-    def __init__(self, root: Path, base_name: str, pids_budget: int | None = None) -> None:
+    def __init__(self, root: Path, base_name: str, pids_budget: int | None = None, tenant_pids: int = 0) -> None:
         self.root = root
         self.base_name = base_name
         self.pids_budget = pids_budget if pids_budget is not None else jobs_pids_budget()
+        self.tenant_pids = tenant_pids_budget(self.pids_budget, tenant_pids)
         self._checked: tuple[bool, str] | None = None
         self.controllers: tuple[str, ...] = ()
 
@@ -174,9 +213,22 @@ class CgroupV1:
         return _sweep([self.root / c / self.base_name for c in V1_CONTROLLERS], keep)
 
     def create(
-        self, name: str, cpu_milli: int, memory_mib: int, pids_max: int = 0, defer_cpu: bool = False
+        self,
+        name: str,
+        cpu_milli: int,
+        memory_mib: int,
+        pids_max: int = 0,
+        defer_cpu: bool = False,
+        group: str = "",
     ) -> JobCgroup:
-        dirs = {c: self.root / c / self.base_name / name for c in self.controllers}
+        """`group`: the tenant's directory (`tenant_group`), its pids capped at `tenant_pids`."""
+        rel = f"{self.base_name}/{group}" if group else self.base_name
+        if group:
+            for c in self.controllers:
+                (self.root / c / rel).mkdir(exist_ok=True)
+            if "pids" in self.controllers:
+                (self.root / "pids" / rel / "pids.max").write_text(str(self.tenant_pids))
+        dirs = {c: self.root / c / rel / name for c in self.controllers}
         for d in dirs.values():
             d.mkdir(exist_ok=True)
         cpu_limit: tuple[Path, str] | None = None
@@ -193,7 +245,8 @@ class CgroupV1:
                 with contextlib.suppress(OSError):
                     (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_mib * MIB))
         if pids_max > 0 and "pids" in dirs:
-            (dirs["pids"] / "pids.max").write_text(str(min(pids_max, self.pids_budget)))
+            cap = self.tenant_pids if group else self.pids_budget
+            (dirs["pids"] / "pids.max").write_text(str(min(pids_max, cap)))
         ordered = tuple(dirs[c] for c in V1_CONTROLLERS if c in dirs)
         return JobCgroup("v1", ordered[0], ordered, cpu_limit)
 
@@ -206,16 +259,16 @@ def _quota_us(cpu_milli: int) -> int:
 Cgroups = CgroupV2 | CgroupV1
 
 
-def detect(base: Path) -> Cgroups:
+def detect(base: Path, tenant_pids: int = 0) -> Cgroups:
     """v2 when the nearest cgroup above `base` is on a v2 hierarchy; v1 when the nearest directory
     above it holds the v1 controllers' mounts (`<it>/memory`, `<it>/cpu`, ...); `base` may lie
-    several levels below either."""
+    several levels below either. `tenant_pids`: one tenant's share (`tenant_pids_budget`)."""
     for above in base.parents:
         if (above / "cgroup.controllers").is_file():
-            return CgroupV2(base)
+            return CgroupV2(base, tenant_pids=tenant_pids)
         if (above / "memory" / "memory.limit_in_bytes").is_file():
-            return CgroupV1(above, str(base.relative_to(above)))
-    return CgroupV2(base)  # says why it is unusable
+            return CgroupV1(above, str(base.relative_to(above)), tenant_pids=tenant_pids)
+    return CgroupV2(base, tenant_pids=tenant_pids)  # says why it is unusable
 
 
 def add(cg: JobCgroup, pid: int) -> None:
@@ -247,19 +300,25 @@ def oom_kills(path: Path) -> int:
 
 
 def _sweep(bases: list[Path], keep: set[str]) -> list[str]:
-    """rmdir the `<alloc>.<attempt>` directories under `bases` not in `keep`; one with processes stays
-    (the kernel refuses). Nothing outside `bases` is looked at."""
+    """rmdir the `<alloc>.<attempt>` directories under `bases` (and under their tenants' directories)
+    not in `keep`; one with processes stays (the kernel refuses). Nothing outside `bases` is looked at.
+    The tenants' directories stay: a job may be starting in one."""
     gone: set[str] = set()
     for base in bases:
         try:
-            children = [c for c in base.iterdir() if c.is_dir() and _JOB_DIR.match(c.name)]
+            groups = [c for c in base.iterdir() if c.is_dir() and _GROUP_DIR.match(c.name)]
         except OSError:
             continue
-        for child in children:
-            if child.name not in keep:
-                with contextlib.suppress(OSError):
-                    child.rmdir()
-                    gone.add(child.name)
+        for parent in (base, *groups):
+            try:
+                children = [c for c in parent.iterdir() if c.is_dir() and _JOB_DIR.match(c.name)]
+            except OSError:
+                continue
+            for child in children:
+                if child.name not in keep:
+                    with contextlib.suppress(OSError):
+                        child.rmdir()
+                        gone.add(child.name)
     return sorted(gone)
 
 
@@ -297,13 +356,15 @@ def hold(
     uses_gpu: bool,
     busy_cpus: list[int],
     defer_cpu: bool = False,
+    group: str = "",
 ) -> Held:
     """cgroups (v2 or v1) when they are writable, else rlimits and CPU affinity as a best effort.
 
     `pid` is the job's gated wrapper: whatever it starts inherits the limits. `busy_cpus` are the
     CPUs other jobs are pinned to, so that pinned jobs spread out instead of piling on CPU 0.
     `defer_cpu`: the CPU quota is left for the job's sandbox to write before the command runs
-    (`JobCgroup.cpu_limit`); the memory and pids limits hold from the start.
+    (`JobCgroup.cpu_limit`); the memory and pids limits hold from the start. `group`: the
+    tenant's directory (`tenant_group`), which caps its jobs' processes together.
     """
     if cpu_milli <= 0 and memory_mib <= 0 and pids_max <= 0:
         return Held("none")
@@ -311,7 +372,7 @@ def hold(
     if engine is not None:
         ok, why = engine.usable()
         if ok:
-            cg = engine.create(name, cpu_milli, memory_mib, pids_max, defer_cpu=defer_cpu)
+            cg = engine.create(name, cpu_milli, memory_mib, pids_max, defer_cpu=defer_cpu, group=group)
             try:
                 add(cg, pid)
             except OSError:

@@ -135,7 +135,8 @@ class Executor:
         self.data_dir = data_dir
         self.state = state if state is not None else LocalState(data_dir)
         self.cgroup_dir = cgroup_base / node_key(data_dir, node) if cgroup_base is not None else None
-        self.cgroups = cgroups.detect(self.cgroup_dir) if self.cgroup_dir is not None else None
+        tenant_pids = sandbox.tenant_pids_max if sandbox is not None else 0
+        self.cgroups = cgroups.detect(self.cgroup_dir, tenant_pids) if self.cgroup_dir is not None else None
         self.kill_grace_s = kill_grace_s
         self.launcher = Launcher(
             data_dir, self.state, sandbox, dict(base_env) if base_env is not None else default_env()
@@ -282,6 +283,7 @@ class Executor:
             uses_gpu=spec.uses_gpu,
             busy_cpus=[c for other in self._live.values() for c in other.cpus],
             defer_cpu=defer_cpu,
+            group=cgroups.tenant_group(spec.tenant),
         )
         live.rec.limits, live.rss_limit_mib, live.cpus = held.limits, held.rss_limit_mib, held.cpus
         if held.cgroup is None:

@@ -162,6 +162,7 @@ class SandboxConfig:
     single_tenant: bool = False
     namespaces: bool = True
     pids_max: int = DEFAULT_PIDS_MAX
+    tenant_pids_max: int = 0  # one tenant's jobs on the node together; 0: half the agent's jobs' budget
     cache_root: Path | None = None  # per-tenant caches (CPOOL_CACHE_DIR); `cpool agent`: DEFAULT_CACHE_ROOT
     # MPS daemons' pipes: the MPS server runs as the client's uid and must reach them, which the
     # agent's data dir (0700) forbids; `cpool agent`: DEFAULT_MPS_ROOT. None: DATA_DIR/mps.

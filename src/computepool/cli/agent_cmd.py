@@ -147,6 +147,15 @@ def register(app: typer.Typer) -> None:
                 "between them (all run as the agent's user). Without it such an agent serves one tenant.",
             ),
         ] = False,
+        tenant_pids: Annotated[
+            int,
+            typer.Option(
+                "--tenant-pids",
+                min=0,
+                help="Processes and threads one tenant's jobs on this node may hold together (a cgroup "
+                "above its jobs'); 0: half of what all jobs together may (3/4 of the host's pid_max).",
+            ),
+        ] = 0,
         uid_range: Annotated[
             str,
             typer.Option(
@@ -249,6 +258,7 @@ def register(app: typer.Typer) -> None:
                 uid_range=parse_uid_range(uid_range),
                 user_prefix=check_prefix(user_prefix),
                 single_tenant=single_tenant,
+                tenant_pids_max=tenant_pids,
                 cache_root=(cache_dir or cache).absolute(),
                 mps_root=mps_dir.absolute() if os.geteuid() == 0 else None,
             )
