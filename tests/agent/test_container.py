@@ -242,6 +242,47 @@ def test_memory_limit_kills_and_is_reported(podman: Podman, work: Path) -> None:
     assert not podman.out_of_memory(fits.key, done.returncode)
 
 
+def test_one_tenants_containers_together_stop_at_its_share_of_the_nodes_pids(
+    tmp_path: Path, image: str
+) -> None:
+    """Two containers of one tenant share its cgroup's pids.max (30): together they start fewer
+    threads than that, though each container's own limit is far higher."""
+    podman = Podman(tmp_path / "agent", node_name="test-node", tenant_pids=30)
+    code = (
+        "import threading, time, sys\nheld = []\n"
+        "try:\n    while len(held) < 500:\n"
+        "        t = threading.Thread(target=time.sleep, args=(30,), daemon=True)\n"
+        "        t.start(); held.append(t)\n"
+        "except RuntimeError:\n    pass\n"
+        "print(len(held), flush=True)\nopen(sys.argv[1], 'w').write(str(len(held)))\ntime.sleep(30)\n"
+    )
+    procs, outs = [], []
+    try:
+        for attempt in (1, 2):
+            d = tmp_path / f"run{attempt}" / "work"
+            d.mkdir(parents=True)
+            os.chown(d, UID, UID)
+            s = spec(["python3", "-c", code, "/work/held"], attempt=attempt, memory_mib=256)
+            argv = podman.run_argv(s, d, UID, UID)
+            assert any(a.startswith("--cgroup-parent=/computepool-containers/") for a in argv), argv
+            procs.append(
+                subprocess.Popen(argv, env={}, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            )
+            outs.append(d / "held")
+        deadline = time.monotonic() + 90
+        while not all(o.exists() and o.read_text() for o in outs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        held = [int(o.read_text()) for o in outs]
+        assert sum(held) < 30, held
+    finally:
+        for key in podman.all_keys():
+            podman.remove(key)
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/*/{podman.name('a7#1')}"))
+
+
 def test_sigterm_reaches_the_job_through_podman(podman: Podman, work: Path) -> None:
     """The executor stops a job by signalling its `podman run`: the workload must get the SIGTERM."""
     code = (

@@ -304,6 +304,7 @@ def test_container_removed_after_the_job_ends(node: Node, tenants: list[str]) ->
     name = Podman(node.agent_dir).name(f"{aid}#1")
     wait_for("the container to be removed", lambda: name not in _container_names(), 30)
     assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/{name}"))
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/*/{name}"))  # below its tenant's
 
 
 def test_bench_jobs_with_an_image_runs_containers(image: str) -> None:

@@ -181,7 +181,9 @@ class CgroupV1:
 
     version = "v1"
 
-    def __init__(self, root: Path, base_name: str, pids_budget: int | None = None, tenant_pids: int = 0) -> None:
+    def __init__(
+        self, root: Path, base_name: str, pids_budget: int | None = None, tenant_pids: int = 0
+    ) -> None:
         self.root = root
         self.base_name = base_name
         self.pids_budget = pids_budget if pids_budget is not None else jobs_pids_budget()

@@ -13,7 +13,9 @@ re-adoption after an agent restart work the same way for both. What differs is t
   slice's devices;
 - the memory limit sits on a parent cgroup the agent makes for the job (`--cgroup-parent`): it
   outlives the container, so after the end the agent can still tell whether the kernel killed
-  the job for memory (podman's own OOMKilled flag stays false on cgroup v1).
+  the job for memory (podman's own OOMKilled flag stays false on cgroup v1). Above it, each
+  tenant's containers share a directory whose pids.max is the tenant's share of the node, as its
+  process jobs do (cgroups.py).
 
 Containers are named and labelled per agent data dir, so several agents sharing one podman store
 (tests, a laptop) never take each other's containers for their own.
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from computepool.agent.cgroups import jobs_pids_budget, tenant_group, tenant_pids_budget
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 from computepool.agent.devfiles import NVIDIA_COMMON_NODES, nvidia_nodes
 from computepool.agent.identity import agent_id
@@ -84,8 +87,11 @@ class Podman:
         publish_host: str | None = "",
         cgroup_root: Path = CGROUP_ROOT,
         cdi_dirs: tuple[Path, ...] = CDI_DIRS,
+        tenant_pids: int = 0,
     ) -> None:
+        """`tenant_pids`: one tenant's containers' processes together (cgroups.tenant_pids_budget)."""
         self.data_dir = data_dir
+        self.tenant_pids = tenant_pids_budget(jobs_pids_budget(), tenant_pids)
         self.binary = binary
         self.node_name = node_name or os.uname().nodename
         self.pull = pull
@@ -291,7 +297,7 @@ class Podman:
             argv.append("--init")  # pid 1 that forwards SIGTERM: a bare pid 1 ignores it
         if spec.cpu_milli > 0:
             argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
-        argv += self._memory_args(key, spec.memory_mib)
+        argv += self._memory_args(key, spec.memory_mib, spec.tenant)
         tmp = tmpfs_mib(spec.memory_mib)
         if tmp:  # sized /tmp, /var/tmp and /dev/shm, as a process job has them: their pages are the
             # job's memory; else the image's world-writable dirs fill the node's disk (the overlay's)
@@ -337,48 +343,68 @@ class Podman:
     def _v2(self) -> bool:
         return (self.cgroup_root / "cgroup.controllers").exists()
 
-    def _parent_rel(self, key: str) -> str:
-        return f"{CGROUP_PARENT}/{self.name(key)}"
+    def _tenant_rel(self, tenant: str) -> str:
+        """The directory one tenant's containers of this agent share (its pids capped there)."""
+        return f"{CGROUP_PARENT}/{self.agent_id}-{tenant_group(tenant)}" if tenant else CGROUP_PARENT
 
-    def _memory_dir(self, key: str) -> Path:
-        rel = self._parent_rel(key)
+    def _parent_rel(self, key: str, tenant: str) -> str:
+        return f"{self._tenant_rel(tenant)}/{self.name(key)}"
+
+    def _parent_rels(self, key: str) -> list[str]:
+        """Where a job's parent may be when its tenant is not at hand (removal after a crash)."""
+        top = self.cgroup_root if self._v2() else self.cgroup_root / "memory"
+        name = self.name(key)
+        found = [str(p.relative_to(top)) for p in (top / CGROUP_PARENT).glob(f"{self.agent_id}-t-*/{name}")]
+        return [*found, f"{CGROUP_PARENT}/{name}"]
+
+    def _memory_dir(self, key: str, tenant: str = "") -> Path:
+        rel = self._parent_rel(key, tenant) if tenant else self._parent_rels(key)[0]
         return self.cgroup_root / rel if self._v2() else self.cgroup_root / "memory" / rel
 
-    def _memory_args(self, key: str, memory_mib: int) -> list[str]:
-        """Memory held by the job's parent cgroup; podman's own --memory only where that fails."""
-        if memory_mib <= 0:
+    def _memory_args(self, key: str, memory_mib: int, tenant: str = "") -> list[str]:
+        """The job's parent cgroup, below its tenant's (whose pids.max caps the tenant's containers
+        together), holding its memory; podman's own --memory and no parent only where that fails."""
+        if memory_mib <= 0 and not tenant:
             return []
         limit = memory_mib * MIB
+        rel, tenant_rel = self._parent_rel(key, tenant), self._tenant_rel(tenant)
         try:
             if self._v2():
-                top = self.cgroup_root / CGROUP_PARENT
-                top.mkdir(exist_ok=True)
+                root = self.cgroup_root
+                levels = [root / CGROUP_PARENT, root / tenant_rel, root / rel]
                 _enable(self.cgroup_root, ("cpu", "memory", "pids"))
-                _enable(top, ("cpu", "memory", "pids"))
-                path = top / self.name(key)
-                path.mkdir(exist_ok=True)
-                _enable(path, ("cpu", "memory", "pids"))
-                (path / "memory.max").write_text(str(limit))
-                with contextlib.suppress(OSError):
-                    (path / "memory.swap.max").write_text("0")
+                for level in dict.fromkeys(levels):  # the tenant's level is the top's without a tenant
+                    level.mkdir(exist_ok=True)
+                    _enable(level, ("cpu", "memory", "pids"))
+                if tenant:
+                    (self.cgroup_root / tenant_rel / "pids.max").write_text(str(self.tenant_pids))
+                path = self.cgroup_root / rel
+                if memory_mib > 0:
+                    (path / "memory.max").write_text(str(limit))
+                    with contextlib.suppress(OSError):
+                        (path / "memory.swap.max").write_text("0")
             else:
-                path = self._memory_dir(key)
+                if tenant and (self.cgroup_root / "pids").is_dir():  # podman makes the job's level below
+                    (self.cgroup_root / "pids" / tenant_rel).mkdir(parents=True, exist_ok=True)
+                    (self.cgroup_root / "pids" / tenant_rel / "pids.max").write_text(str(self.tenant_pids))
+                path = self.cgroup_root / "memory" / rel
                 path.mkdir(parents=True, exist_ok=True)
-                (path / "memory.limit_in_bytes").write_text(str(limit))
-                with contextlib.suppress(OSError):  # absent without swap accounting
-                    (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+                if memory_mib > 0:
+                    (path / "memory.limit_in_bytes").write_text(str(limit))
+                    with contextlib.suppress(OSError):  # absent without swap accounting
+                        (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
         except OSError:
-            return [f"--memory={limit}", f"--memory-swap={limit}"]
-        return [f"--cgroup-parent=/{self._parent_rel(key)}"]
+            return [f"--memory={limit}", f"--memory-swap={limit}"] if memory_mib > 0 else []
+        return [f"--cgroup-parent=/{rel}"]
 
-    def out_of_memory(self, key: str, exit_code: int | None) -> bool:
+    def out_of_memory(self, key: str, exit_code: int | None, tenant: str = "") -> bool:
         """Did the kernel kill the job for memory? Ask before `remove(key)` takes the cgroup away.
 
         cgroup v2 counts OOM kills up the tree, so the parent's memory.events says it. cgroup v1
         counts them only in the container's own cgroup, which runc deletes at exit: there the
         answer is "killed by SIGKILL (137, or -9) after its peak use reached the limit".
         """
-        path = self._memory_dir(key)
+        path = self._memory_dir(key, tenant)
         try:
             if self._v2():
                 for line in (path / "memory.events").read_text().splitlines():
@@ -395,8 +421,13 @@ class Podman:
         return peak >= limit - MIB
 
     def _remove_cgroups(self, key: str) -> None:
-        rel = self._parent_rel(key)
-        dirs = [self.cgroup_root / rel] if self._v2() else list(self.cgroup_root.glob(f"*/{rel}"))
+        """The job's parent in every controller; its tenant's directory stays (another may start in it)."""
+        rels = self._parent_rels(key)
+        dirs = (
+            [self.cgroup_root / rel for rel in rels]
+            if self._v2()
+            else [d for rel in rels for d in self.cgroup_root.glob(f"*/{rel}")]
+        )
         for d in dirs:
             for sub in sorted(d.glob("**/"), key=lambda p: len(p.parts), reverse=True):
                 for _ in range(50):  # the kernel needs a moment after the last process left

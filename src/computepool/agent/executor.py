@@ -400,7 +400,8 @@ class Executor:
         oom = cgroups.oom_kills(Path(rec.cgroup)) if rec.cgroup else 0
         if not oom and rec.extra.get("container"):  # asked before removal takes its cgroup away
             with contextlib.suppress(Exception):
-                oom = int(self._container_engine().out_of_memory(rec.extra["container"], rc))
+                engine, tenant = self._container_engine(), rec.extra.get("tenant", "")
+                oom = int(engine.out_of_memory(rec.extra["container"], rc, tenant))
         self._drop_cgroup(rec)
         self._remove_container(rec)
         if rec.stop_reason:

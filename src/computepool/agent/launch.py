@@ -213,7 +213,8 @@ class Launcher:
         if self._podman is None:
             from computepool.agent.container import Podman  # noqa: PLC0415 - optional until used
 
-            self._podman = Podman(self.data_dir)
+            asked = self.sandbox.tenant_pids_max if self.sandbox is not None else 0
+            self._podman = Podman(self.data_dir, tenant_pids=asked)
         self._podman.publish_host = self.publish_host
         return self._podman
 
