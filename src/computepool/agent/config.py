@@ -64,3 +64,5 @@ class AgentConfig:
     discovery: DiscoveryOptions | None = None  # None: no LAN discovery
     # host ports a container job may publish (on the node's address; a replica's own port aside)
     publish_ports: tuple[int, int] = DEFAULT_PUBLISH_PORTS
+    # root's own loopback services the host firewall refuses to tenants too (hostwall.py)
+    protect_ports: tuple[int, ...] = ()

@@ -44,6 +44,8 @@ from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, Agent
 from computepool.agent.devices import NodeInventory, SimulatedBackend
 from computepool.agent.disk_guard import DiskGuard, DiskJob
 from computepool.agent.executor import Executor
+from computepool.agent.hostwall import HostWall, local_ports
+from computepool.agent.identity import agent_id
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
 from computepool.agent.join import tenant_pythons
@@ -152,6 +154,13 @@ class Agent:
         self._outage: dict[str, bool] = {}
         self.contact = fencing.Contact(config.data_dir, config.kill_grace_s, config.fence_s)
         self._supervisors: dict[str, subprocess.Popen[bytes]] = {}
+        # a root agent's firewall for its tenants' sockets on the node's own network (hostwall.py)
+        self.hostwall: HostWall | None = None
+        if os.geteuid() == 0 and not config.sandbox.single_tenant:
+            self.hostwall = HostWall(
+                agent_id(config.data_dir), config.sandbox.uid_range, lambda: local_ports(api.servers.urls),
+                config.protect_ports,
+            )  # fmt: skip
         verify = server_verify(api.server, config.data_dir, config.ca, None)  # as the API client's
         self.relays = Relays(api, cred.credential, self.executor, self._file_user, verify, self._stop)
 
@@ -177,6 +186,17 @@ class Agent:
             t.start()
         if self.watchdog is not None:
             self.watchdog.start()
+        if self.hostwall is not None:
+            why = self.hostwall.install()
+            if why:
+                log.warning(
+                    "no host firewall for jobs on the node's network (replicas, gang members, function "
+                    "workers): %s; they can reach the metadata address and the node's loopback services",
+                    why,
+                )
+                self.hostwall = None
+            else:
+                self.hostwall.start()
         self.listeners.start()
         self.port_guard.start()
         self.disk_guard.start()
@@ -193,6 +213,8 @@ class Agent:
                 self.watchdog.close()
             self.listeners.close()
             self.port_guard.close()
+            if self.hostwall is not None:
+                self.hostwall.close()
             self.disk_guard.close()
             for t in threads:
                 t.join(timeout=1.0)

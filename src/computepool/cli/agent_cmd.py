@@ -238,6 +238,14 @@ def register(app: typer.Typer) -> None:
                 "only (as the server's --publish-ports; never below 1024).",
             ),
         ] = "20000-28999",  # config.DEFAULT_PUBLISH_PORTS
+        protect_ports: Annotated[
+            str,
+            typer.Option(
+                "--protect-ports",
+                help="P1,P2,...: ports of root's own services on this node's loopback that the tenants' "
+                "jobs on the node's network may not reach either (a system user's are refused already).",
+            ),
+        ] = "",
     ) -> None:
         """Join the pool (once) and run the workloads the control plane assigns to this machine."""
         import os
@@ -277,6 +285,9 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--publish-ports: expected FIRST-LAST, e.g. 20000-28999, got {publish_ports!r}")
         if not 1024 <= int(pub_lo) <= int(pub_hi) <= 65535:
             raise fail(f"--publish-ports: expected 1024 <= FIRST <= LAST <= 65535, got {publish_ports!r}")
+        protected = [p.strip() for p in protect_ports.split(",") if p.strip()]
+        if not all(p.isdigit() and 1 <= int(p) <= 65535 for p in protected):
+            raise fail(f"--protect-ports: expected ports 1-65535 separated by commas, got {protect_ports!r}")
         discovery_options = _discovery(discovery, discovery_address, discovery_port, peer, no_discovery_mdns)
         if log_level.lower() not in LOG_LEVELS:
             raise fail(f"--log-level: unknown level {log_level!r}")
@@ -307,6 +318,7 @@ def register(app: typer.Typer) -> None:
             code_max_bytes=int(code_max_gib * (1 << 30)),
             discovery=discovery_options,
             publish_ports=(int(pub_lo), int(pub_hi)),
+            protect_ports=tuple(int(p) for p in protected),
         )
         from computepool.core.dirlock import DataDirBusy, lock_data_dir
 

@@ -1,0 +1,116 @@
+"""Jobs on the node's network against the node's loopback services and the metadata address.
+
+Service replicas, gang members and the function workers of a control plane on the node's
+loopback keep the node's network. Before the host firewall (agent/hostwall.py), such a job of any
+tenant reached a system user's database listening on 127.0.0.1, another tenant's notebook there,
+and the cloud's metadata address. These run the firewall in a network namespace of the test's
+own (its nftables tables are that namespace's: nothing of the host is touched), with processes
+of tenant uids, and through a real root agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from computepool.agent.identity import agent_id
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="nftables and tenant uids need root"),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="nftables (nft) not installed"),
+]
+
+PROBE = Path(__file__).with_name("wall_probe.py")
+
+
+def test_tenants_on_the_nodes_network_reach_neither_system_services_nor_others_listeners() -> None:
+    lo = random.randrange(64000, 64800, 100)  # uids no other test's tenants use
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, str(PROBE), str(lo)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    everything = {k: "reached" for k in got["before"]}
+    assert got["before"] == everything  # without the table every tenant reaches all of it
+    assert got["install"] == "" and not got["stale left"]
+    assert got["A"] == {
+        "metadata": "refused",
+        "root": "reached",  # root's own services (a control plane) authenticate
+        "root protected": "refused",
+        "system": "refused",
+        "system v6": "refused",
+        "tenant A's": "reached",  # its own listener
+        "dns": "reached",
+    }
+    assert got["B"] == {**got["A"], "tenant A's": "refused"}  # another tenant's listener
+    assert got["root"] == everything  # the pool and the node's own users are not held
+    assert got["later"] == {"new system": "refused", "control plane": "reached"}
+    assert not got["table left"] and got["after"] == {"system": "reached"}
+
+
+# A function's worker of a control plane on the node's loopback keeps the node's network.
+DIAL = r"""
+import json, os, socket, sys, urllib.request
+out = {"healthz": urllib.request.urlopen(os.environ["CPOOL_SERVER"] + "/healthz", timeout=10).status}
+s = socket.socket()
+s.settimeout(5)
+try:
+    s.connect(("127.0.0.1", int(sys.argv[1])))
+    out["system service"] = s.recv(64).decode()
+except OSError as e:
+    out["system service"] = f"refused: {e.strerror}"
+print(json.dumps(out), flush=True)
+"""
+NOBODY = 65534  # a system user's service: a database listening on the node's loopback alone
+LISTEN = (
+    "import socket, time\ns = socket.create_server(('127.0.0.1', 0))\nprint(s.getsockname()[1], flush=True)\n"
+)
+LISTEN += "while True:\n    c = s.accept()[0]\n    c.sendall(b'DB-SECRET')\n    c.close()\n"
+
+
+def test_a_root_agents_worker_on_the_nodes_network_does_not_reach_a_system_users_service() -> None:
+    from e2e_helpers import JOB_PYTHON, wait_for
+    from job_node import job_node
+
+    service = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", JOB_PYTHON, "-c", LISTEN],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert service.stdout is not None
+        port = int(service.stdout.readline())
+        with job_node() as node:
+            table = f"cpool_{agent_id(node.agent_dir)}_{node.agent.pid}"
+
+            def installed() -> bool:
+                out = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True)
+                return table in out.stdout
+
+            wait_for("the agent's firewall table", installed, 30, node.logs)
+            _, b = node.member("fw")
+            request = {"command": [JOB_PYTHON, "-c", DIAL, str(port)], "cpu_milli": 100}
+            r = b.post("/api/v1/functions", json={"name": "dial", "request": request})
+            assert r.status_code == 201, r.text
+            calls = b.post(f"/api/v1/functions/{r.json()['id']}/calls", json={"calls": [{"args": "eA=="}]})
+            assert calls.status_code == 200, calls.text
+
+            def said() -> dict[str, object] | None:
+                for item in b.get("/api/v1/allocations").json()["items"]:
+                    out = str(b.get(f"/api/v1/allocations/{item['id']}/logs").json()["stdout"]["data"])
+                    if out.startswith("{"):
+                        return dict(json.loads(out.splitlines()[-1]))
+                return None
+
+            got = wait_for("the worker's dial", said, 90, node.logs)
+            assert got == {"healthz": 200, "system service": "refused: No route to host"}, got
+    finally:
+        service.kill()
+        service.wait()
