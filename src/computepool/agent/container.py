@@ -9,8 +9,8 @@ re-adoption after an agent restart work the same way for both. What differs is t
 - the job's variables reach podman in a root-only env file in the run dir (`--env-file`), not on
   its command line, which every user of the node can read;
 - the container runs as the tenant's uid with no capabilities, `no-new-privileges`, no network
-  unless the job publishes ports, only the job directory mounted (at /work), and only the
-  slice's devices;
+  unless the job publishes ports (then its tenant's own isolated network: container_net.py),
+  only the job directory mounted (at /work), and only the slice's devices;
 - the memory limit sits on a parent cgroup the agent makes for the job (`--cgroup-parent`): it
   outlives the container, so after the end the agent can still tell whether the kernel killed
   the job for memory (podman's own OOMKilled flag stays false on cgroup v1). Above it, each
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from computepool.agent.cgroups import jobs_pids_budget, tenant_group, tenant_pids_budget
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
+from computepool.agent.container_net import NetworkError, TenantNetworks
 from computepool.agent.devfiles import NVIDIA_COMMON_NODES, nvidia_nodes
 from computepool.agent.identity import agent_id
 from computepool.agent.sandbox import tmpfs_mib
@@ -105,6 +106,7 @@ class Podman:
         self.agent_id = agent_id(data_dir)  # the same digits as its job cgroups' directory
         self.conf_path = data_dir / CONF_FILE
         self._available: tuple[bool, str] | None = None
+        self.networks = TenantNetworks(self._podman)  # a tenant's own, for containers given ports
         self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -308,6 +310,10 @@ class Podman:
             argv.append("--interactive")  # the run's stdin (the wrapper's) reaches the command
         if spec.ports:
             host = self._publish_prefix()
+            try:
+                argv.append(f"--network={self.networks.ensure(uid)}")
+            except (NetworkError, OSError, subprocess.TimeoutExpired) as e:
+                raise ContainerError(str(e)) from None
             argv += [f"--publish={host}{p}:{p}" for p in spec.ports]
         elif spec.container_host_network:
             # a function's worker calls the control plane back at the agent's own URL (CPOOL_SERVER),

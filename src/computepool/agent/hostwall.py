@@ -8,7 +8,8 @@ can tell their packets apart by the sending socket's owner: a root agent install
 table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those uids alone,
 
 - refuses every connection to the instance metadata addresses (169.254.0.0/16, 100.100.100.200,
-  fd00:ec2::254), which answer with the machine's cloud credentials;
+  fd00:ec2::254), which answer with the machine's cloud credentials; its forward chain does
+  the same for the tenants' container networks (container_net.py);
 - refuses new TCP connections and UDP flows to the node's loopback (127.0.0.0/8, ::1) on a port
   where a system user's service listens there (a database, a cache: any uid but root's and the
   tenants'), or where another tenant's process does (a Jupyter or debug port it thought private).
@@ -195,6 +196,11 @@ table inet {t} {{
   set refused {{ type inet_proto . inet_service; }}
   set tenant_ports {{ type inet_proto . inet_service; }}
   set owned {{ type uid . inet_proto . inet_service; }}
+  set containers4 {{ type ipv4_addr; flags interval; }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    ip saddr @containers4 ip daddr @metadata4 {refuse}
+  }}
   chain out {{
     type filter hook output priority filter; policy accept;
     meta skuid != {uids} accept
@@ -232,6 +238,14 @@ table inet {t} {{
                 lines.append(f"add element inet {self.table} {name} {{ {_elements(items)} }}")
         self._run_nft("\n".join(lines) + "\n")
         self._plan = new
+
+    def add_container_subnets(self, subnets: list[str]) -> None:
+        """Tenants' container networks (container_net.py): the metadata addresses are refused to
+        what they forward too. Called from the thread that starts a container, before it runs."""
+        try:
+            self._run_nft(f"add element inet {self.table} containers4 {{ {', '.join(subnets)} }}\n")
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("host firewall: could not add container networks %s: %s", subnets, e)
 
     def sweep(self) -> list[str]:
         """Delete the tables of agents no longer running on this host (a killed agent's)."""

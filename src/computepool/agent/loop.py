@@ -197,6 +197,11 @@ class Agent:
                 self.hostwall = None
             else:
                 self.hostwall.start()
+                engine = self.executor.launcher.container_engine()
+                engine.networks.on_subnets = self.hostwall.add_container_subnets
+                if engine.conf_path.exists():  # podman was used here: its tenants' networks already
+                    with contextlib.suppress(Exception):
+                        engine.networks.announce_existing()
         self.listeners.start()
         self.port_guard.start()
         self.disk_guard.start()
