@@ -283,6 +283,18 @@ def test_one_tenants_containers_together_stop_at_its_share_of_the_nodes_pids(
     assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/*/{podman.name('a7#1')}"))
 
 
+def test_the_writable_layer_holds_what_the_container_wrote_into_its_image(podman: Podman, work: Path) -> None:
+    """The disk guard counts it as the job's (a container filling /opt fills the node's disk)."""
+    s = spec(py("open('/opt/filled.bin', 'wb').write(b'x' * 4096)"), attempt=7)
+    argv = podman.run_argv(s, work, 0, 0)  # uid 0 inside: the image's /opt is root's
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, check=False, cwd=work)
+    assert done.returncode == 0, done.stderr
+    layer = podman.writable_layer(s.key)
+    assert layer is not None and (layer / "opt" / "filled.bin").stat().st_size == 4096
+    podman.remove(s.key)
+    assert podman.writable_layer(s.key) is None
+
+
 def test_sigterm_reaches_the_job_through_podman(podman: Podman, work: Path) -> None:
     """The executor stops a job by signalling its `podman run`: the workload must get the SIGTERM."""
     code = (

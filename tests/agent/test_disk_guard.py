@@ -119,3 +119,21 @@ def test_a_real_job_filling_the_disk_is_stopped(disk: Path) -> None:
             ex.kill(r.key, "test teardown", grace_s=0)
         ex.close()
         ex.state.close()
+
+
+def test_a_containers_writes_into_its_image_count_as_its_own(disk: Path) -> None:
+    """A container filling its image's own dirs (its writable layer) is the one stopped, not the
+    job whose run dir is bigger; a layer on another filesystem does not count."""
+    runs = disk / "runs"
+    process_job = attempt(runs, "7", 1, 8, NOW)
+    container_job = attempt(runs, "8", 1, 1, NOW)
+    layer = disk / "storage" / "overlay" / "abc" / "diff"  # where podman keeps what it wrote
+    (layer / "opt").mkdir(parents=True)
+    (layer / "opt" / "fill.bin").write_bytes(b"x" * (16 * MIB))
+    running = [DiskJob(job_key("7", 1), process_job), DiskJob(job_key("8", 1), container_job, layer=layer)]
+    stopped: list[tuple[str, str]] = []
+    g = guard(runs, {j.key for j in running}, running, stopped)
+    assert g.check_once() == [f"stopped {job_key('8', 1)}"]
+    assert "took 17 MiB" in stopped[0][1] and "its container's own files" in stopped[0][1]
+    elsewhere = DiskJob(job_key("8", 1), container_job, layer=Path("/proc/self"))  # another device
+    assert g._usage_of(elsewhere) == g._usage_of(DiskJob(job_key("8", 1), container_job))

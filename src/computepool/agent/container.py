@@ -506,6 +506,14 @@ class Podman:
             self.remove(key)
         return gone
 
+    def writable_layer(self, key: str) -> Path | None:
+        """The directory holding what the job's container wrote into its image's own files
+        (overlay's upper dir), for the disk guard; None where podman names none."""
+        fmt = "{{.GraphDriver.Data.UpperDir}}"
+        done = self._podman(["container", "inspect", "--format", fmt, self.name(key)], timeout=30)
+        path = done.stdout.strip()
+        return Path(path) if done.returncode == 0 and path.startswith("/") else None
+
     def remove(self, key: str) -> None:
         """Kill and remove the job's container and its cgroup; quiet and idempotent."""
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):

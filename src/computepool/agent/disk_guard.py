@@ -54,6 +54,9 @@ class DiskJob:
     path: Path
     cache: Path | None = None
     started: float = 0.0
+    # a container's writable layer (podman's overlay upper dir): what it wrote into its image's own
+    # directories, on the node's disk when podman's storage shares it
+    layer: Path | None = None
 
 
 def free_space(path: Path) -> tuple[int, int]:
@@ -236,7 +239,8 @@ class DiskGuard:
         what = "nearly full" if low else "out of inodes"
         reason = (
             f"the node's disk is {what} ({free}); this job's files "
-            f"(with what it wrote to its tenant's cache) took {took}, the most of any job's on the node"
+            f"(with what it wrote to its tenant's cache and its container's own files) took {took}, the "
+            "most of any job's on the node"
         )
         log.warning("stopping %s: %s", key, reason)
         self._stopped.add(key)
@@ -245,17 +249,19 @@ class DiskGuard:
         return done
 
     def _usage_of(self, job: DiskJob) -> tuple[int, int]:
-        """(bytes, files) of the job's own, and of what changed in its tenant's cache since its start
-        where that cache shares the disk (a tenant's writes outside its job's dir fill it as well)."""
+        """(bytes, files) of the job's own, of what changed in its tenant's cache since its start and
+        of its container's writable layer, where those share the disk (a tenant's writes outside its
+        job's dir fill it as well)."""
         own = tree_usage(job.path)
-        if job.cache is None:
+        if job.cache is None and job.layer is None:
             return own
         try:
             dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
         except OSError:
             return own
-        cached = tree_usage(job.cache, since=job.started, dev=dev)
-        return own[0] + cached[0], own[1] + cached[1]
+        cached = tree_usage(job.cache, since=job.started, dev=dev) if job.cache is not None else (0, 0)
+        layer = tree_usage(job.layer, dev=dev) if job.layer is not None else (0, 0)
+        return own[0] + cached[0] + layer[0], own[1] + cached[1] + layer[1]
 
     # ---- the thread ------------------------------------------------------------------------
 

@@ -599,12 +599,19 @@ class Agent:
         return desired | {r.key for r in self.state.open_jobs()}
 
     def _disk_jobs(self) -> list[DiskJob]:
+        """Asked only while the disk is low: a container's layer costs a `podman inspect`."""
         cache = self.executor.launcher.cache_of
-        return [
-            DiskJob(r.key, Path(r.run_dir), cache(r.extra.get("tenant", "")), r.started_at)
-            for r in self.executor.running()
-            if not r.stop_reason
-        ]
+        jobs = []
+        for r in self.executor.running():
+            if r.stop_reason:
+                continue
+            layer = None
+            if r.extra.get("container"):
+                with contextlib.suppress(Exception):
+                    layer = self.executor.launcher.container_engine().writable_layer(r.extra["container"])
+            tenant_cache = cache(r.extra.get("tenant", ""))
+            jobs.append(DiskJob(r.key, Path(r.run_dir), tenant_cache, r.started_at, layer))
+        return jobs
 
     def _stop_squatter(self, key: str, reason: str) -> None:
         self.executor.stop(key, reason)
