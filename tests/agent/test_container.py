@@ -283,6 +283,23 @@ def test_one_tenants_containers_together_stop_at_its_share_of_the_nodes_pids(
     assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/*/{podman.name('a7#1')}"))
 
 
+def test_no_job_can_list_the_containers_cgroups(podman: Podman, work: Path) -> None:
+    """The containers' parent cgroups (allocation ids, tenants' digests, memory use) are root's."""
+    done = run(podman, spec(py("print('hi')"), memory_mib=64, attempt=8), work)
+    assert done.returncode == 0, done.stderr
+    tops = list(Path("/sys/fs/cgroup").glob("*/computepool-containers")) or [
+        Path("/sys/fs/cgroup/computepool-containers")
+    ]
+    assert tops and all((t.stat().st_mode & 0o777) == 0o700 for t in tops), [
+        oct(t.stat().st_mode) for t in tops
+    ]
+    look = subprocess.run(
+        ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "ls", str(tops[0])],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert look.returncode != 0 and "Permission denied" in look.stderr, look
+
+
 def test_the_writable_layer_holds_what_the_container_wrote_into_its_image(podman: Podman, work: Path) -> None:
     """The disk guard counts it as the job's (a container filling /opt fills the node's disk)."""
     s = spec(py("open('/opt/filled.bin', 'wb').write(b'x' * 4096)"), attempt=7)

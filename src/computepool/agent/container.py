@@ -107,6 +107,7 @@ class Podman:
         self.conf_path = data_dir / CONF_FILE
         self._available: tuple[bool, str] | None = None
         self.networks = TenantNetworks(self._podman)  # a tenant's own, for containers given ports
+        self._top_closed = False
         self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -367,6 +368,21 @@ class Podman:
         rel = self._parent_rel(key, tenant) if tenant else self._parent_rels(key)[0]
         return self.cgroup_root / rel if self._v2() else self.cgroup_root / "memory" / rel
 
+    def _close_top(self) -> None:
+        """`computepool-containers` is root's alone (0700) in every hierarchy: runc made it 0755,
+        and any job of the node could list the containers' cgroups, with their allocation ids and
+        tenants' digests, and read their memory and process counts. A container sees its own
+        cgroup through a mount of it, never through this path."""
+        if self._top_closed:
+            return
+        tops = [self.cgroup_root] if self._v2() else [d for d in self.cgroup_root.iterdir() if d.is_dir()]
+        for hierarchy in tops:
+            if (hierarchy / "cgroup.procs").exists():
+                top = hierarchy / CGROUP_PARENT
+                top.mkdir(exist_ok=True)
+                os.chmod(top, 0o700)
+        self._top_closed = True
+
     def _memory_args(self, key: str, memory_mib: int, tenant: str = "") -> list[str]:
         """The job's parent cgroup, below its tenant's (whose pids.max caps the tenant's containers
         together), holding its memory; podman's own --memory and no parent only where that fails."""
@@ -375,6 +391,7 @@ class Podman:
         limit = memory_mib * MIB
         rel, tenant_rel = self._parent_rel(key, tenant), self._tenant_rel(tenant)
         try:
+            self._close_top()
             if self._v2():
                 root = self.cgroup_root
                 levels = [root / CGROUP_PARENT, root / tenant_rel, root / rel]
