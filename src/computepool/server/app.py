@@ -57,6 +57,7 @@ from computepool.server.scheduling import Controller
 from computepool.server.settings import ServerSettings
 from computepool.store.db import Database
 from computepool.store.migrate import upgrade
+from computepool.wire.common import build_all
 
 API_PREFIX = "/api/v1"
 
@@ -251,6 +252,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(settings: ServerSettings) -> FastAPI:
     """Build the app. Migrations and the first admin happen at startup (lifespan), not here."""
+    build_all()
     app = FastAPI(
         title="ComputePool control plane",
         version=_version(),

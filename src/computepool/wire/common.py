@@ -31,11 +31,23 @@ Id = Annotated[int, Field(strict=True, ge=1, le=MAX_ID, description="A stored ob
 class In(BaseModel):
     """Base of request bodies: unknown fields are an error, not silently dropped."""
 
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+    # models are built at their first use, not at import: a CLI command builds the few it sends
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False, defer_build=True)
 
 
 class Out(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
+
+
+def build_all() -> None:
+    """Build every wire model now (the server, at start: its first requests pay nothing, and the
+    API document is made from built models); a client builds only those it uses, when it uses them."""
+    todo: list[type[BaseModel]] = [In, Out]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        cls.model_config["defer_build"] = False  # what FastAPI makes from them is built at once too
+        cls.model_rebuild()
 
 
 class Items(Out, Generic[T]):
