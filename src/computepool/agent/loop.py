@@ -297,6 +297,7 @@ class Agent:
                 address = pythons = None
                 self._learn_address(answer.get("address"))
                 self.port_guard.set_ranges(parse_ranges(answer.get("reserved_ports")))
+                self.logs.learn_cap(answer.get("log_max_mib"))
                 interval = float(answer.get("heartbeat_interval_s") or interval)
                 self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
