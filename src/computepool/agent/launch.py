@@ -55,6 +55,10 @@ class Launch:
     # the sandbox's init (root, in the job's namespaces) writes the CPU quota just before the command:
     # the pool's launcher steps ahead of it run unthrottled (a 0.1-CPU job's start took 10x longer)
     writes_cpu_limit: bool = False
+    # whether the agent may look the command up before the start: not as root for a tenant's job
+    # (root finds files the tenant cannot: a file in another tenant's 0700 work dir started the
+    # sandbox, a missing one failed at once), whose sandbox says 127 itself
+    agent_looks_up: bool = True
 
 
 class Launcher:
@@ -137,7 +141,10 @@ class Launcher:
             applied.append(open_why)
         if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
             init = self.host.namespaces and self.host.unshare is not None
-            return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""), init)
+            return Launch(
+                argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""), init,
+                agent_looks_up=False,
+            )  # fmt: skip
         return Launch(argv, env, work, None, ", ".join(applied))
 
     def cache_of(self, tenant: str) -> Path | None:
