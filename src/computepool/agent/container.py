@@ -440,6 +440,16 @@ class Podman:
         """Job keys of this agent's containers that are running now."""
         return self._keys(all_states=False)
 
+    def writable_layer(self, key: str) -> Path | None:
+        """The job's container's writable layer on the node (what it changed or added to its image's
+        files: a world-writable dir of the image fills the node's disk there), or None."""
+        try:
+            done = self._podman(["inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", self.name(key)], 30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        path = done.stdout.strip()
+        return Path(path) if done.returncode == 0 and path.startswith("/") else None
+
     def all_keys(self) -> set[str]:
         """Job keys of all this agent's containers, running or ended but not removed yet."""
         return self._keys(all_states=True)

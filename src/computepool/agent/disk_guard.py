@@ -31,6 +31,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from computepool.agent.executor import Executor
 
 log = logging.getLogger("computepool.agent")
 
@@ -54,6 +58,22 @@ class DiskJob:
     path: Path
     cache: Path | None = None
     started: float = 0.0
+    layer: Path | None = None  # a container's writable layer: all of it is the job's
+
+
+def running_jobs(executor: Executor) -> list[DiskJob]:
+    """The executor's running jobs (but those being stopped) as the guard weighs them."""
+    launcher = executor.launcher
+    out: list[DiskJob] = []
+    for r in executor.running():
+        if r.stop_reason:
+            continue
+        key = r.extra.get("container")
+        layer = launcher.container_engine().writable_layer(key) if key else None
+        out.append(
+            DiskJob(r.key, Path(r.run_dir), launcher.cache_of(r.extra.get("tenant", "")), r.started_at, layer)
+        )
+    return out
 
 
 def free_space(path: Path) -> tuple[int, int]:
@@ -245,17 +265,19 @@ class DiskGuard:
         return done
 
     def _usage_of(self, job: DiskJob) -> tuple[int, int]:
-        """(bytes, files) of the job's own, and of what changed in its tenant's cache since its start
-        where that cache shares the disk (a tenant's writes outside its job's dir fill it as well)."""
+        """(bytes, files) of the job's own, of its container's writable layer, and of what changed in
+        its tenant's cache since its start, where those share the disk (a tenant's writes outside its
+        job's dir fill it as well)."""
         own = tree_usage(job.path)
-        if job.cache is None:
+        if job.cache is None and job.layer is None:
             return own
         try:
             dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
         except OSError:
             return own
-        cached = tree_usage(job.cache, since=job.started, dev=dev)
-        return own[0] + cached[0], own[1] + cached[1]
+        cached = tree_usage(job.cache, since=job.started, dev=dev) if job.cache is not None else (0, 0)
+        layer = tree_usage(job.layer, dev=dev) if job.layer is not None else (0, 0)
+        return own[0] + cached[0] + layer[0], own[1] + cached[1] + layer[1]
 
     # ---- the thread ------------------------------------------------------------------------
 

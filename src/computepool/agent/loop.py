@@ -42,7 +42,7 @@ from computepool.agent.assignment import Assignment, refusal, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend
-from computepool.agent.disk_guard import DiskGuard, DiskJob
+from computepool.agent.disk_guard import DiskGuard, DiskJob, running_jobs
 from computepool.agent.executor import Executor
 from computepool.agent.isolation import MemoryWatchdog
 from computepool.agent.jobstart import JobStarter
@@ -573,12 +573,7 @@ class Agent:
         return desired | {r.key for r in self.state.open_jobs()}
 
     def _disk_jobs(self) -> list[DiskJob]:
-        cache = self.executor.launcher.cache_of
-        return [
-            DiskJob(r.key, Path(r.run_dir), cache(r.extra.get("tenant", "")), r.started_at)
-            for r in self.executor.running()
-            if not r.stop_reason
-        ]
+        return running_jobs(self.executor)
 
     def _stop_squatter(self, key: str, reason: str) -> None:
         self.executor.stop(key, reason)
