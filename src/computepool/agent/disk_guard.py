@@ -153,8 +153,11 @@ class DiskGuard:
         min_free_inodes: int = MIN_FREE_INODES,
         every_s: float = GUARD_EVERY_S,
         clock: Callable[[], float] = time.time,
+        cache_root: Path | None = None,
     ) -> None:
+        """`cache_root`: where the tenants' caches are (one dir each), when on a disk of the node."""
         self.runs, self.key, self.protected, self.jobs, self.stop_job = runs, key, protected, jobs, stop
+        self.cache_root = cache_root
         self.keep_s, self.min_free_bytes, self.min_free_share = keep_s, min_free_bytes, min_free_share
         self.min_free_inodes = min_free_inodes
         self.every_s, self.clock = every_s, clock
@@ -243,16 +246,20 @@ class DiskGuard:
         if not running:
             return done
         usage = {j.key: self._usage_of(j) for j in running}
-        if low:  # bytes: the job that took the most of them
-            size, key = max((u[0], k) for k, u in usage.items())
-            took = _mib(size)
-            if size < MIB:  # not the jobs' doing: nothing of theirs to stop for it
-                return done
-        else:  # inodes: the job that made the most files
-            size, key = max((u[1], k) for k, u in usage.items())
-            took = f"{size} files"
-            if size < 1000:
-                return done
+        unclaimed = self._unclaimed(running)
+        which = 0 if low else 1  # bytes, else files (inodes)
+        size, key = max((u[which], k) for k, u in usage.items())
+        took = _mib(size) if low else f"{size} files"
+        if size < (MIB if low else 1000):  # not the jobs' doing: nothing of theirs to stop for it
+            return done
+        orphan, cache = max(((u[which], str(c)) for c, u in unclaimed.items()), default=(0, ""))
+        if orphan > size:  # filled by no running job: stopping another would free nothing of it
+            log.warning(
+                "the node's disk is low (%s): %s of it was written lately to the cache %s by no job "
+                "that runs (more than any running job wrote); no job is stopped for it",
+                free, _mib(orphan) if low else f"{orphan} files", cache,
+            )  # fmt: skip
+            return done
         what = "nearly full" if low else "out of inodes"
         reason = (
             f"the node's disk is {what} ({free}); this job's files "
@@ -263,6 +270,31 @@ class DiskGuard:
         self.stop_job(key, reason)
         done.append(f"stopped {key}")
         return done
+
+    def _unclaimed(self, running: list[DiskJob]) -> dict[Path, tuple[int, int]]:
+        """Per tenant cache on this disk, (bytes, files) written to it in the last `keep_s` before
+        the first of the running jobs that use it started (the whole window where none does): what
+        a job that ended, or was stopped, left there, which no running job answers for."""
+        if self.cache_root is None:
+            return {}
+        try:
+            dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
+            caches = [Path(e.path) for e in os.scandir(self.cache_root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return {}
+        since = self.clock() - self.keep_s
+        first: dict[Path, float] = {}
+        for j in running:
+            if j.cache is not None:
+                first[j.cache] = min(first.get(j.cache, j.started), j.started)
+        out: dict[Path, tuple[int, int]] = {}
+        for c in caches:
+            window = tree_usage(c, since=since, dev=dev)
+            if c in first:  # what its running jobs wrote since they started is theirs
+                theirs = tree_usage(c, since=max(since, first[c]), dev=dev)
+                window = (window[0] - theirs[0], window[1] - theirs[1])
+            out[c] = window
+        return out
 
     def _usage_of(self, job: DiskJob) -> tuple[int, int]:
         """(bytes, files) of the job's own, of its container's writable layer, and of what changed in

@@ -149,9 +149,14 @@ class Launcher:
 
     def cache_of(self, tenant: str) -> Path | None:
         """Where `_cache_dir` keeps `tenant`'s cache (None: nowhere), without making it."""
-        if not tenant or self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
+        root = self.caches_root()
+        return root / tenant if tenant and root is not None else None
+
+    def caches_root(self) -> Path | None:
+        """The dir holding every tenant's cache (None: tenants have none)."""
+        if self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
             return None
-        return self.sandbox.cache_root / tenant if self.host.root else self.data_dir / "cache" / tenant
+        return self.sandbox.cache_root if self.host.root else self.data_dir / "cache"
 
     def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:
         """The tenant's cache (CPOOL_CACHE_DIR), kept between jobs: under `--cache-dir` for a root

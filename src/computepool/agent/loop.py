@@ -133,7 +133,7 @@ class Agent:
         self.port_guard = PortGuard(self._guarded_jobs, self._stop_squatter)  # the pool's port ranges
         self.disk_guard = DiskGuard(  # finished attempts' files, and a job that fills the disk
             self.executor.data_dir / "runs", job_key, self._kept_attempts, self._disk_jobs,
-            self._stop_squatter,
+            self._stop_squatter, cache_root=self.executor.launcher.caches_root(),
         )  # fmt: skip
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
         self.preparing = Preparer(
