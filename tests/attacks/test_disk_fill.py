@@ -137,3 +137,28 @@ def test_a_cache_filled_by_a_job_no_longer_running_stops_no_one_else(disk: Path)
         assert g.low()[0]
         assert g.check_once() == [], stopped
     assert [k for k, _ in stopped] == [job_key("2", 1)], stopped
+
+
+def test_the_files_of_a_job_just_stopped_for_them_stop_no_one_else(disk: Path) -> None:
+    """The guard stops B's job for filling its dir; the dir stays a minute (or until its end is
+    acknowledged) and the disk with it low: the guard stopped A's 4 MiB job next, and another
+    every pass of that minute. A run dir no running job holds now holds the guard back as well."""
+    runs = disk / "runs"
+    started = time.time()
+    _write(runs / "1" / "1" / "work" / "model.bin", 4)  # A
+    _write(runs / "2" / "1" / "work" / "fill.bin", 30)  # B fills its own dir
+    jobs = [
+        DiskJob(job_key("1", 1), runs / "1" / "1", None, started),
+        DiskJob(job_key("2", 1), runs / "2" / "1"),
+    ]
+    stopped: list[tuple[str, str]] = []
+    g = DiskGuard(
+        runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+        min_free_bytes=16 * MIB, min_free_share=0.5,
+    )  # fmt: skip
+    assert g.check_once() == [f"stopped {job_key('2', 1)}"]
+    del jobs[1]  # ended: its dir is kept (its end not yet acknowledged, then MIN_KEEP_S)
+    for _ in range(3):
+        assert g.low()[0]
+        assert g.check_once() == [], stopped
+    assert [k for k, _ in stopped] == [job_key("2", 1)], stopped

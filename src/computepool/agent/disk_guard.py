@@ -11,6 +11,9 @@ kubelet does with dead containers and under disk pressure:
   than `MIN_KEEP_S` goes, oldest first, until it is not.
 - While the disk stays low with nothing finished left to remove, the running job whose own files
   take the most is stopped, its reason naming the sizes; its dir goes once its end is acknowledged.
+  Unless files no running job answers for take more (a run dir kept a while after its job ended
+  or was stopped, what a tenant's cache got lately from jobs gone): stopping another job would
+  free none of them, so none is stopped for them (the agent's log says so).
 
 The disk is low when less than `min(min_free_bytes, min_free_share × its size)` is free to
 unprivileged writers (`statvfs.f_bavail`), or fewer than `min(min_free_inodes, min_free_share × its
@@ -125,6 +128,13 @@ def tree_usage(path: Path, since: float | None = None, dev: int | None = None) -
             if stat.S_ISDIR(st.st_mode):
                 todo.append(Path(e.path))
     return total, count
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
 
 
 def _mib(n: int) -> str:
@@ -255,8 +265,8 @@ class DiskGuard:
         orphan, cache = max(((u[which], str(c)) for c, u in unclaimed.items()), default=(0, ""))
         if orphan > size:  # filled by no running job: stopping another would free nothing of it
             log.warning(
-                "the node's disk is low (%s): %s of it was written lately to the cache %s by no job "
-                "that runs (more than any running job wrote); no job is stopped for it",
+                "the node's disk is low (%s): %s of it is in %s, left by no job that runs (more "
+                "than any running job wrote); no job is stopped for it",
                 free, _mib(orphan) if low else f"{orphan} files", cache,
             )  # fmt: skip
             return done
@@ -272,22 +282,29 @@ class DiskGuard:
         return done
 
     def _unclaimed(self, running: list[DiskJob]) -> dict[Path, tuple[int, int]]:
-        """Per tenant cache on this disk, (bytes, files) written to it in the last `keep_s` before
-        the first of the running jobs that use it started (the whole window where none does): what
-        a job that ended, or was stopped, left there, which no running job answers for."""
+        """(bytes, files) on this disk that no running job answers for, where a job that ended, or
+        was stopped, left them: each run dir kept that is no running job's (its end not yet
+        acknowledged, or younger than MIN_KEEP_S), and per tenant cache what was written to it in
+        the last `keep_s` before the first of the running jobs that use it started (the whole
+        window where none does)."""
+        out: dict[Path, tuple[int, int]] = {}
+        mine = {j.path for j in running}
+        for attempts in _subdirs(self.runs):
+            for d in _subdirs(attempts):
+                if d not in mine:
+                    out[d] = tree_usage(d)
         if self.cache_root is None:
-            return {}
+            return out
         try:
             dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
-            caches = [Path(e.path) for e in os.scandir(self.cache_root) if e.is_dir(follow_symlinks=False)]
         except OSError:
-            return {}
+            return out
+        caches = _subdirs(self.cache_root)
         since = self.clock() - self.keep_s
         first: dict[Path, float] = {}
         for j in running:
             if j.cache is not None:
                 first[j.cache] = min(first.get(j.cache, j.started), j.started)
-        out: dict[Path, tuple[int, int]] = {}
         for c in caches:
             window = tree_usage(c, since=since, dev=dev)
             if c in first:  # what its running jobs wrote since they started is theirs
