@@ -243,7 +243,9 @@ def test_exit_codes_missing_commands_and_no_tenant(sandboxed: Executor, tenants:
     rec = sandboxed.start(JobSpec("rc", 1, ["sh", "-c", "exit 7"], tenant=tenants[0]))
     assert sandboxed.wait(rec.key, 10).reason == "exit code 7"
     nf = sandboxed.start(JobSpec("nf", 1, ["no-such-command-xyz"], tenant=tenants[0]))
-    assert (nf.state, nf.reason) == (JobState.FAILED, "command not found: no-such-command-xyz")
+    nf = sandboxed.wait(nf.key, 10)  # looked up as the tenant, in the sandbox: never by root
+    missing = "command not found: no-such-command-xyz"
+    assert (nf.state, nf.exit_code, nf.reason) == (JobState.FAILED, 127, missing)
     anon = sandboxed.start(JobSpec("anon", 1, ["true"]))
     assert (anon.state, anon.reason) == (
         JobState.FAILED,

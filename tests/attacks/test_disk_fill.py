@@ -65,7 +65,7 @@ def test_a_tenant_filling_its_cache_is_the_one_stopped(disk: Path) -> None:
     assert g.low()[0]
     assert g.check_once() == [f"stopped {job_key('2', 1)}"]
     [(key, reason)] = stopped
-    assert key == job_key("2", 1) and "its tenant's cache) took 24 MiB" in reason, reason
+    assert key == job_key("2", 1) and "its container's own files) took 24 MiB" in reason, reason
 
 
 def test_a_cache_on_another_disk_is_not_counted(disk: Path, tmp_path: Path) -> None:
@@ -107,3 +107,58 @@ def test_a_job_taking_every_inode_is_stopped(disk: Path) -> None:
     assert g.check_once() == [f"stopped {job_key('2', 1)}"]
     [(key, reason)] = stopped
     assert "the node's disk is out of inodes" in reason and "took 260" in reason, reason
+
+
+def test_a_cache_filled_by_a_job_no_longer_running_stops_no_one_else(disk: Path) -> None:
+    """B's job fills B's cache and is stopped for it (or ends before the guard looks): what it wrote
+    stays, the disk stays low, and the guard stopped the next biggest running job, A's 4 MiB, then
+    the next, every job of every tenant in turn. Recent cache writes no running job answers for
+    (the whole last hour's of a tenant none of whose jobs runs, or those before its running jobs
+    started) now hold the guard back: it stops no job smaller than them."""
+    runs, caches = disk / "runs", disk / "cache"
+    a_started = time.time()
+    _write(runs / "1" / "1" / "work" / "model.bin", 4)  # A's running job: its own files
+    b_started = time.time()
+    _write(caches / "b" / "fill.bin", 30)  # B's running job fills the disk through its cache
+    jobs = [
+        DiskJob(job_key("1", 1), runs / "1" / "1", caches / "a", a_started),
+        DiskJob(job_key("2", 1), runs / "2" / "1", caches / "b", b_started),
+    ]
+    stopped: list[tuple[str, str]] = []
+    g = DiskGuard(
+        runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+        min_free_bytes=16 * MIB, min_free_share=0.5, cache_root=caches,
+    )  # fmt: skip
+    assert g.check_once() == [f"stopped {job_key('2', 1)}"]  # B's, for its cache
+    del jobs[1]  # stopped: its cache keeps what it wrote, the disk stays low
+    time.sleep(0.05)
+    jobs.append(DiskJob(job_key("3", 1), runs / "3" / "1", caches / "b", time.time()))  # B's next job
+    for _ in range(3):
+        assert g.low()[0]
+        assert g.check_once() == [], stopped
+    assert [k for k, _ in stopped] == [job_key("2", 1)], stopped
+
+
+def test_the_files_of_a_job_just_stopped_for_them_stop_no_one_else(disk: Path) -> None:
+    """The guard stops B's job for filling its dir; the dir stays a minute (or until its end is
+    acknowledged) and the disk with it low: the guard stopped A's 4 MiB job next, and another
+    every pass of that minute. A run dir no running job holds now holds the guard back as well."""
+    runs = disk / "runs"
+    started = time.time()
+    _write(runs / "1" / "1" / "work" / "model.bin", 4)  # A
+    _write(runs / "2" / "1" / "work" / "fill.bin", 30)  # B fills its own dir
+    jobs = [
+        DiskJob(job_key("1", 1), runs / "1" / "1", None, started),
+        DiskJob(job_key("2", 1), runs / "2" / "1"),
+    ]
+    stopped: list[tuple[str, str]] = []
+    g = DiskGuard(
+        runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+        min_free_bytes=16 * MIB, min_free_share=0.5,
+    )  # fmt: skip
+    assert g.check_once() == [f"stopped {job_key('2', 1)}"]
+    del jobs[1]  # ended: its dir is kept (its end not yet acknowledged, then MIN_KEEP_S)
+    for _ in range(3):
+        assert g.low()[0]
+        assert g.check_once() == [], stopped
+    assert [k for k, _ in stopped] == [job_key("2", 1)], stopped

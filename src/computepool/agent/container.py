@@ -494,6 +494,16 @@ class Podman:
         """Job keys of this agent's containers that are running now."""
         return self._keys(all_states=False)
 
+    def writable_layer(self, key: str) -> Path | None:
+        """The job's container's writable layer on the node (what it changed or added to its image's
+        files: a world-writable dir of the image fills the node's disk there), or None."""
+        try:
+            done = self._podman(["inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", self.name(key)], 30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        path = done.stdout.strip()
+        return Path(path) if done.returncode == 0 and path.startswith("/") else None
+
     def all_keys(self) -> set[str]:
         """Job keys of all this agent's containers, running or ended but not removed yet."""
         return self._keys(all_states=True)
@@ -522,14 +532,6 @@ class Podman:
         for key in gone:
             self.remove(key)
         return gone
-
-    def writable_layer(self, key: str) -> Path | None:
-        """The directory holding what the job's container wrote into its image's own files
-        (overlay's upper dir), for the disk guard; None where podman names none."""
-        fmt = "{{.GraphDriver.Data.UpperDir}}"
-        done = self._podman(["container", "inspect", "--format", fmt, self.name(key)], timeout=30)
-        path = done.stdout.strip()
-        return Path(path) if done.returncode == 0 and path.startswith("/") else None
 
     def remove(self, key: str) -> None:
         """Kill and remove the job's container and its cgroup; quiet and idempotent."""

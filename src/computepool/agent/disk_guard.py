@@ -11,6 +11,9 @@ kubelet does with dead containers and under disk pressure:
   than `MIN_KEEP_S` goes, oldest first, until it is not.
 - While the disk stays low with nothing finished left to remove, the running job whose own files
   take the most is stopped, its reason naming the sizes; its dir goes once its end is acknowledged.
+  Unless files no running job answers for take more (a run dir kept a while after its job ended
+  or was stopped, what a tenant's cache got lately from jobs gone): stopping another job would
+  free none of them, so none is stopped for them (the agent's log says so).
 
 The disk is low when less than `min(min_free_bytes, min_free_share × its size)` is free to
 unprivileged writers (`statvfs.f_bavail`), or fewer than `min(min_free_inodes, min_free_share × its
@@ -31,6 +34,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from computepool.agent.executor import Executor
 
 log = logging.getLogger("computepool.agent")
 
@@ -54,9 +61,22 @@ class DiskJob:
     path: Path
     cache: Path | None = None
     started: float = 0.0
-    # a container's writable layer (podman's overlay upper dir): what it wrote into its image's own
-    # directories, on the node's disk when podman's storage shares it
-    layer: Path | None = None
+    layer: Path | None = None  # a container's writable layer: all of it is the job's
+
+
+def running_jobs(executor: Executor) -> list[DiskJob]:
+    """The executor's running jobs (but those being stopped) as the guard weighs them."""
+    launcher = executor.launcher
+    out: list[DiskJob] = []
+    for r in executor.running():
+        if r.stop_reason:
+            continue
+        key = r.extra.get("container")
+        layer = launcher.container_engine().writable_layer(key) if key else None
+        out.append(
+            DiskJob(r.key, Path(r.run_dir), launcher.cache_of(r.extra.get("tenant", "")), r.started_at, layer)
+        )
+    return out
 
 
 def free_space(path: Path) -> tuple[int, int]:
@@ -110,6 +130,13 @@ def tree_usage(path: Path, since: float | None = None, dev: int | None = None) -
     return total, count
 
 
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
 def _mib(n: int) -> str:
     return f"{n / MIB:.0f} MiB"
 
@@ -136,8 +163,11 @@ class DiskGuard:
         min_free_inodes: int = MIN_FREE_INODES,
         every_s: float = GUARD_EVERY_S,
         clock: Callable[[], float] = time.time,
+        cache_root: Path | None = None,
     ) -> None:
+        """`cache_root`: where the tenants' caches are (one dir each), when on a disk of the node."""
         self.runs, self.key, self.protected, self.jobs, self.stop_job = runs, key, protected, jobs, stop
+        self.cache_root = cache_root
         self.keep_s, self.min_free_bytes, self.min_free_share = keep_s, min_free_bytes, min_free_share
         self.min_free_inodes = min_free_inodes
         self.every_s, self.clock = every_s, clock
@@ -226,16 +256,20 @@ class DiskGuard:
         if not running:
             return done
         usage = {j.key: self._usage_of(j) for j in running}
-        if low:  # bytes: the job that took the most of them
-            size, key = max((u[0], k) for k, u in usage.items())
-            took = _mib(size)
-            if size < MIB:  # not the jobs' doing: nothing of theirs to stop for it
-                return done
-        else:  # inodes: the job that made the most files
-            size, key = max((u[1], k) for k, u in usage.items())
-            took = f"{size} files"
-            if size < 1000:
-                return done
+        unclaimed = self._unclaimed(running)
+        which = 0 if low else 1  # bytes, else files (inodes)
+        size, key = max((u[which], k) for k, u in usage.items())
+        took = _mib(size) if low else f"{size} files"
+        if size < (MIB if low else 1000):  # not the jobs' doing: nothing of theirs to stop for it
+            return done
+        orphan, cache = max(((u[which], str(c)) for c, u in unclaimed.items()), default=(0, ""))
+        if orphan > size:  # filled by no running job: stopping another would free nothing of it
+            log.warning(
+                "the node's disk is low (%s): %s of it is in %s, left by no job that runs (more "
+                "than any running job wrote); no job is stopped for it",
+                free, _mib(orphan) if low else f"{orphan} files", cache,
+            )  # fmt: skip
+            return done
         what = "nearly full" if low else "out of inodes"
         reason = (
             f"the node's disk is {what} ({free}); this job's files "
@@ -248,9 +282,41 @@ class DiskGuard:
         done.append(f"stopped {key}")
         return done
 
+    def _unclaimed(self, running: list[DiskJob]) -> dict[Path, tuple[int, int]]:
+        """(bytes, files) on this disk that no running job answers for, where a job that ended, or
+        was stopped, left them: each run dir kept that is no running job's (its end not yet
+        acknowledged, or younger than MIN_KEEP_S), and per tenant cache what was written to it in
+        the last `keep_s` before the first of the running jobs that use it started (the whole
+        window where none does)."""
+        out: dict[Path, tuple[int, int]] = {}
+        mine = {j.path for j in running}
+        for attempts in _subdirs(self.runs):
+            for d in _subdirs(attempts):
+                if d not in mine:
+                    out[d] = tree_usage(d)
+        if self.cache_root is None:
+            return out
+        try:
+            dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
+        except OSError:
+            return out
+        caches = _subdirs(self.cache_root)
+        since = self.clock() - self.keep_s
+        first: dict[Path, float] = {}
+        for j in running:
+            if j.cache is not None:
+                first[j.cache] = min(first.get(j.cache, j.started), j.started)
+        for c in caches:
+            window = tree_usage(c, since=since, dev=dev)
+            if c in first:  # what its running jobs wrote since they started is theirs
+                theirs = tree_usage(c, since=max(since, first[c]), dev=dev)
+                window = (window[0] - theirs[0], window[1] - theirs[1])
+            out[c] = window
+        return out
+
     def _usage_of(self, job: DiskJob) -> tuple[int, int]:
-        """(bytes, files) of the job's own, of what changed in its tenant's cache since its start and
-        of its container's writable layer, where those share the disk (a tenant's writes outside its
+        """(bytes, files) of the job's own, of its container's writable layer, and of what changed in
+        its tenant's cache since its start, where those share the disk (a tenant's writes outside its
         job's dir fill it as well)."""
         own = tree_usage(job.path)
         if job.cache is None and job.layer is None:

@@ -216,7 +216,7 @@ class Executor:
         if isinstance(launch, str):
             return self._fail(rec, launch, None)
         path = launch.path if launch.path is not None else launch.env.get("PATH", "")
-        if not spec.image and which(spec.command[0], path) is None:
+        if not spec.image and launch.agent_looks_up and which(spec.command[0], path) is None:
             return self._fail(rec, f"command not found: {spec.command[0]}", 127)
         user = launch.user
         as_user = user is not None and os.geteuid() == 0

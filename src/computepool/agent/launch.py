@@ -55,6 +55,10 @@ class Launch:
     # the sandbox's init (root, in the job's namespaces) writes the CPU quota just before the command:
     # the pool's launcher steps ahead of it run unthrottled (a 0.1-CPU job's start took 10x longer)
     writes_cpu_limit: bool = False
+    # whether the agent may look the command up before the start: not as root for a tenant's job
+    # (root finds files the tenant cannot: a file in another tenant's 0700 work dir started the
+    # sandbox, a missing one failed at once), whose sandbox says 127 itself
+    agent_looks_up: bool = True
 
 
 class Launcher:
@@ -137,14 +141,22 @@ class Launcher:
             applied.append(open_why)
         if hands_over(self.host):  # root runs the first steps: none of the job's variables reach them
             init = self.host.namespaces and self.host.unshare is not None
-            return Launch(argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""), init)
+            return Launch(
+                argv, root_side_env(env), work, None, ", ".join(applied), env.get("PATH", ""), init,
+                agent_looks_up=False,
+            )  # fmt: skip
         return Launch(argv, env, work, None, ", ".join(applied))
 
     def cache_of(self, tenant: str) -> Path | None:
         """Where `_cache_dir` keeps `tenant`'s cache (None: nowhere), without making it."""
-        if not tenant or self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
+        root = self.caches_root()
+        return root / tenant if tenant and root is not None else None
+
+    def caches_root(self) -> Path | None:
+        """The dir holding every tenant's cache (None: tenants have none)."""
+        if self.sandbox is None or self.sandbox.cache_root is None or self.host is None:
             return None
-        return self.sandbox.cache_root / tenant if self.host.root else self.data_dir / "cache" / tenant
+        return self.sandbox.cache_root if self.host.root else self.data_dir / "cache"
 
     def _cache_dir(self, tenant: str, user: pwd.struct_passwd) -> Path | None:
         """The tenant's cache (CPOOL_CACHE_DIR), kept between jobs: under `--cache-dir` for a root

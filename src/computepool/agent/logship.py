@@ -2,6 +2,11 @@
 
 Where shipping stands is saved in the run dir (LOG_OFFSETS_FILE), so a restarted agent neither
 loses nor doubles output; a job's end is reported only once its output is all sent.
+
+The job holds descriptors to its log files, so their size is its to choose: `ftruncate` makes a
+1 TiB file of nothing at once. The control plane keeps the last `log_max_mib` of each attempt's
+stream (it says so in each heartbeat answer), so a stream's unsent part past that is skipped here,
+one line saying how much, rather than shipped to be dropped there.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ log = logging.getLogger("computepool.agent")
 
 LOG_OFFSETS_FILE = "log-offsets.json"
 STREAMS = (("stdout", STDOUT_LOG), ("stderr", STDERR_LOG))
+_LINE_ROOM = 256  # the line saying what was skipped is shorter
 
 
 @dataclass
@@ -85,6 +91,12 @@ class LogShipper:
         self.chunk_bytes = chunk_bytes
         self.refused = refused
         self.tails: dict[str, _LogTail] = {}
+        self.cap_bytes: int | None = None  # what the control plane keeps of a stream (None: not said)
+
+    def learn_cap(self, log_max_mib: Any) -> None:
+        """The control plane's `log_max_mib`, from a heartbeat answer (one without it changes nothing)."""
+        if isinstance(log_max_mib, int) and log_max_mib > 0:
+            self.cap_bytes = log_max_mib << 20
 
     def track(self, rec: JobRecord) -> None:
         if rec.key not in self.tails:
@@ -130,6 +142,7 @@ class LogShipper:
                 pos = tail.read_pos[stream]
                 try:
                     with open(path, "rb") as f:
+                        pos = self._skip_past_cap(tail, stream, os.fstat(f.fileno()).st_size)
                         f.seek(pos)
                         raw = f.read(self.chunk_bytes)
                         at_eof = not f.read(1)
@@ -147,3 +160,17 @@ class LogShipper:
             else:
                 complete = False
         return complete
+
+    def _skip_past_cap(self, tail: _LogTail, stream: str, size: int) -> int:
+        """Where to read on: past all but the last `cap_bytes` of the unsent part, which the control
+        plane would drop (a line sent in their place says how many bytes went)."""
+        pos = tail.read_pos[stream]
+        if self.cap_bytes is None or size - pos <= self.cap_bytes:
+            return pos
+        skipped = size - (self.cap_bytes - _LINE_ROOM) - pos  # the line and what follows fit the cap
+        line = f"[cpool: {skipped} bytes of this attempt's {stream} dropped on the node: over the log cap]\n"
+        self.api.logs(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], line)
+        tail.read_pos[stream] = pos + skipped
+        tail.sent[stream] += len(line.encode())
+        tail.save()
+        return tail.read_pos[stream]

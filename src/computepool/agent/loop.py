@@ -42,7 +42,7 @@ from computepool.agent.assignment import Assignment, refusal, saved_assignment
 from computepool.agent.blobs import BlobCache, FileAnswerer, tenant_user
 from computepool.agent.config import EXIT_CREDENTIAL_REFUSED, AgentConfig, AgentFatal
 from computepool.agent.devices import NodeInventory, SimulatedBackend
-from computepool.agent.disk_guard import DiskGuard, DiskJob
+from computepool.agent.disk_guard import DiskGuard, DiskJob, running_jobs
 from computepool.agent.executor import Executor
 from computepool.agent.hostwall import HostWall, local_ports
 from computepool.agent.identity import agent_id
@@ -135,7 +135,7 @@ class Agent:
         self.port_guard = PortGuard(self._guarded_jobs, self._stop_squatter)  # the pool's port ranges
         self.disk_guard = DiskGuard(  # finished attempts' files, and a job that fills the disk
             self.executor.data_dir / "runs", job_key, self._kept_attempts, self._disk_jobs,
-            self._stop_squatter,
+            self._stop_squatter, cache_root=self.executor.launcher.caches_root(),
         )  # fmt: skip
         # fetches and pulls run off this loop; an attempt waits "preparing" until its inputs are here
         self.preparing = Preparer(
@@ -324,6 +324,7 @@ class Agent:
                 address = pythons = None
                 self._learn_address(answer.get("address"))
                 self.port_guard.set_ranges(parse_ranges(answer.get("reserved_ports")))
+                self.logs.learn_cap(answer.get("log_max_mib"))
                 interval = float(answer.get("heartbeat_interval_s") or interval)
                 self._contact(sent, answer)
                 self._note_outage("heartbeat", None)
@@ -599,19 +600,7 @@ class Agent:
         return desired | {r.key for r in self.state.open_jobs()}
 
     def _disk_jobs(self) -> list[DiskJob]:
-        """Asked only while the disk is low: a container's layer costs a `podman inspect`."""
-        cache = self.executor.launcher.cache_of
-        jobs = []
-        for r in self.executor.running():
-            if r.stop_reason:
-                continue
-            layer = None
-            if r.extra.get("container"):
-                with contextlib.suppress(Exception):
-                    layer = self.executor.launcher.container_engine().writable_layer(r.extra["container"])
-            tenant_cache = cache(r.extra.get("tenant", ""))
-            jobs.append(DiskJob(r.key, Path(r.run_dir), tenant_cache, r.started_at, layer))
-        return jobs
+        return running_jobs(self.executor)
 
     def _stop_squatter(self, key: str, reason: str) -> None:
         self.executor.stop(key, reason)

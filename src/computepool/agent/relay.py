@@ -218,6 +218,7 @@ class _Exec:
     def __init__(self, ws: ClientConnection, s: Session, view: jobexec.JobView, host: Any) -> None:
         self.ws, self.s, self.view, self.host = ws, s, view, host
         self.out = _Sender(ws)
+        self._ended = threading.Event()  # the command's first process exited (not yet reaped)
 
     def run(self) -> None:
         env = {"PATH": FIXED_PATH}  # podman's; the command gets the container's own
@@ -254,12 +255,14 @@ class _Exec:
             readers = [_pump_out(proc.stdout.fileno(), STDOUT, self.out),
                        _pump_out(proc.stderr.fileno(), STDERR, self.out)]  # fmt: skip
         threading.Thread(target=self._input, args=(proc, master), daemon=True).start()
-        rc = proc.wait()
+        rc = _wait_unreaped(proc.pid)
+        self._ended.set()
         for t in readers:
             t.join(DRAIN_S)
         code = 128 - rc if rc < 0 else rc
         self.out.send(json.dumps({"exit": code}))
-        _kill_group(proc.pid)
+        _kill_group(proc.pid)  # unreaped till now: the number is still this session's group's
+        proc.wait()
         if master >= 0:
             with contextlib.suppress(OSError):
                 os.close(master)
@@ -286,7 +289,7 @@ class _Exec:
                     proc.stdin.close()
         except (ConnectionClosed, OSError, ValueError, TypeError, KeyError):
             pass
-        if proc.poll() is None:  # the user left before it ended: a hangup, as a terminal closing
+        if not self._ended.is_set():  # the user left before it ended: a hangup, as a terminal closing
             _end_tree(proc)
 
 
@@ -350,16 +353,41 @@ def _write_all(fd: int, data: bytes) -> None:
 def _end_tree(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None:
     """SIGHUP to the command and all it started (its own sessions too), SIGKILL to what is left."""
     try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        leader = psutil.Process(proc.pid)
+        tree = [leader, *leader.children(recursive=True)]
     except psutil.Error:
         return
     for p in tree:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGHUP)
-    _gone, alive = psutil.wait_procs(tree, timeout=grace_s)
+    # not the first process: waiting for a child reaps it, which only the session's end may do
+    _gone, alive = psutil.wait_procs(tree[1:], timeout=grace_s)
+    if _running(proc.pid):
+        alive.append(leader)
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
+
+
+def _wait_unreaped(pid: int) -> int:
+    """The child's exit status (-N: killed by signal N), leaving it a zombie: while it is one, no
+    other process can have its number, nor a process group of that number (Popen.poll reaps)."""
+    while True:
+        try:
+            got = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except InterruptedError:
+            continue
+        if got is None:
+            continue
+        return -got.si_status if got.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else got.si_status
+
+
+def _running(pid: int) -> bool:
+    """Whether the child has not exited yet (it stays unreaped either way)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
 
 
 def _kill_group(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:

@@ -231,6 +231,10 @@ class HeartbeatOut(Out):
         default_factory=list,
         description="The pool's port ranges: a job on the node may listen there only on a port it was given.",
     )
+    log_max_mib: int | None = Field(
+        default=None,
+        description="Output the pool keeps of an attempt's stream: the node skips what is unsent past it.",
+    )
     servers: list[str] = Field(
         default_factory=list,
         description="The control plane's live replicas (their advertised URLs): agents move among them.",

@@ -256,6 +256,7 @@ def heartbeat(ctx: Ctx, name: str, body: Heartbeat, peer: str | None = None) -> 
         lost_after_s=ctx.settings.lost_after_s,
         address=address,
         reserved_ports=reserved_ports(ctx.settings),
+        log_max_mib=ctx.settings.log_max_mib,
     )
 
 
