@@ -11,11 +11,8 @@ re-adoption after an agent restart work the same way for both. What differs is t
 - the container runs as the tenant's uid with no capabilities, `no-new-privileges`, no network
   unless the job publishes ports (then its tenant's own isolated network: container_net.py),
   only the job directory mounted (at /work), and only the slice's devices;
-- the memory limit sits on a parent cgroup the agent makes for the job (`--cgroup-parent`): it
-  outlives the container, so after the end the agent can still tell whether the kernel killed
-  the job for memory (podman's own OOMKilled flag stays false on cgroup v1). Above it, each
-  tenant's containers share a directory whose pids.max is the tenant's share of the node, as its
-  process jobs do (cgroups.py).
+- the memory limit sits on a parent cgroup the agent makes for the job, below one its tenant's
+  containers share, whose pids.max is the tenant's share of the node (container_cgroups.py).
 
 Containers are named and labelled per agent data dir, so several agents sharing one podman store
 (tests, a laptop) never take each other's containers for their own.
@@ -34,7 +31,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from computepool.agent.cgroups import jobs_pids_budget, tenant_group, tenant_pids_budget
+from computepool.agent.cgroups import jobs_pids_budget, tenant_pids_budget
+from computepool.agent.container_cgroups import ContainerCgroups
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 from computepool.agent.container_net import NetworkError, TenantNetworks
 from computepool.agent.devfiles import NVIDIA_COMMON_NODES, nvidia_nodes
@@ -49,9 +47,7 @@ if TYPE_CHECKING:
 CONF_FILE = "containers.conf"
 LABEL = "computepool"
 WORKDIR = "/work"
-MIB = 1024 * 1024
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CGROUP_PARENT = "computepool-containers"
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 _INIT_PATHS = ("/usr/libexec/podman/catatonit", "/usr/bin/catatonit", "/usr/libexec/catatonit/catatonit")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -92,7 +88,6 @@ class Podman:
     ) -> None:
         """`tenant_pids`: one tenant's containers' processes together (cgroups.tenant_pids_budget)."""
         self.data_dir = data_dir
-        self.tenant_pids = tenant_pids_budget(jobs_pids_budget(), tenant_pids)
         self.binary = binary
         self.node_name = node_name or os.uname().nodename
         self.pull = pull
@@ -104,10 +99,12 @@ class Podman:
         self.cgroup_root = cgroup_root
         self.cdi_dirs = cdi_dirs
         self.agent_id = agent_id(data_dir)  # the same digits as its job cgroups' directory
+        self.cgroups = ContainerCgroups(
+            cgroup_root, self.agent_id, tenant_pids_budget(jobs_pids_budget(), tenant_pids)
+        )
         self.conf_path = data_dir / CONF_FILE
         self._available: tuple[bool, str] | None = None
         self.networks = TenantNetworks(self._podman)  # a tenant's own, for containers given ports
-        self._top_closed = False
         self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -300,7 +297,7 @@ class Podman:
             argv.append("--init")  # pid 1 that forwards SIGTERM: a bare pid 1 ignores it
         if spec.cpu_milli > 0:
             argv.append(f"--cpus={spec.cpu_milli / 1000:g}")
-        argv += self._memory_args(key, spec.memory_mib, spec.tenant)
+        argv += self.cgroups.parent_args(self.name(key), spec.memory_mib, spec.tenant)
         tmp = tmpfs_mib(spec.memory_mib)
         if tmp:  # sized /tmp, /var/tmp and /dev/shm, as a process job has them: their pages are the
             # job's memory; else the image's world-writable dirs fill the node's disk (the overlay's)
@@ -345,122 +342,14 @@ class Podman:
     def _init_path(self) -> str:
         return next((p for p in _INIT_PATHS if os.path.exists(p)), "")
 
-    # ---- memory: a parent cgroup the agent owns --------------------------------------------
-
-    def _v2(self) -> bool:
-        return (self.cgroup_root / "cgroup.controllers").exists()
-
-    def _tenant_rel(self, tenant: str) -> str:
-        """The directory one tenant's containers of this agent share (its pids capped there)."""
-        return f"{CGROUP_PARENT}/{self.agent_id}-{tenant_group(tenant)}" if tenant else CGROUP_PARENT
-
-    def _parent_rel(self, key: str, tenant: str) -> str:
-        return f"{self._tenant_rel(tenant)}/{self.name(key)}"
-
-    def _parent_rels(self, key: str) -> list[str]:
-        """Where a job's parent may be when its tenant is not at hand (removal after a crash)."""
-        top = self.cgroup_root if self._v2() else self.cgroup_root / "memory"
-        name = self.name(key)
-        found = [str(p.relative_to(top)) for p in (top / CGROUP_PARENT).glob(f"{self.agent_id}-t-*/{name}")]
-        return [*found, f"{CGROUP_PARENT}/{name}"]
+    # ---- memory and processes: parent cgroups the agent owns (container_cgroups.py) -------
 
     def _memory_dir(self, key: str, tenant: str = "") -> Path:
-        rel = self._parent_rel(key, tenant) if tenant else self._parent_rels(key)[0]
-        return self.cgroup_root / rel if self._v2() else self.cgroup_root / "memory" / rel
-
-    def _close_top(self) -> None:
-        """`computepool-containers` is root's alone (0700) in every hierarchy: runc made it 0755,
-        and any job of the node could list the containers' cgroups, with their allocation ids and
-        tenants' digests, and read their memory and process counts. A container sees its own
-        cgroup through a mount of it, never through this path."""
-        if self._top_closed:
-            return
-        tops = [self.cgroup_root] if self._v2() else [d for d in self.cgroup_root.iterdir() if d.is_dir()]
-        for hierarchy in tops:
-            if (hierarchy / "cgroup.procs").exists():
-                top = hierarchy / CGROUP_PARENT
-                top.mkdir(exist_ok=True)
-                os.chmod(top, 0o700)
-        self._top_closed = True
-
-    def _memory_args(self, key: str, memory_mib: int, tenant: str = "") -> list[str]:
-        """The job's parent cgroup, below its tenant's (whose pids.max caps the tenant's containers
-        together), holding its memory; podman's own --memory and no parent only where that fails."""
-        if memory_mib <= 0 and not tenant:
-            return []
-        limit = memory_mib * MIB
-        rel, tenant_rel = self._parent_rel(key, tenant), self._tenant_rel(tenant)
-        try:
-            self._close_top()
-            if self._v2():
-                root = self.cgroup_root
-                levels = [root / CGROUP_PARENT, root / tenant_rel, root / rel]
-                _enable(self.cgroup_root, ("cpu", "memory", "pids"))
-                for level in dict.fromkeys(levels):  # the tenant's level is the top's without a tenant
-                    level.mkdir(exist_ok=True)
-                    _enable(level, ("cpu", "memory", "pids"))
-                if tenant:
-                    (self.cgroup_root / tenant_rel / "pids.max").write_text(str(self.tenant_pids))
-                path = self.cgroup_root / rel
-                if memory_mib > 0:
-                    (path / "memory.max").write_text(str(limit))
-                    with contextlib.suppress(OSError):
-                        (path / "memory.swap.max").write_text("0")
-            else:
-                if tenant and (self.cgroup_root / "pids").is_dir():  # podman makes the job's level below
-                    (self.cgroup_root / "pids" / tenant_rel).mkdir(parents=True, exist_ok=True)
-                    (self.cgroup_root / "pids" / tenant_rel / "pids.max").write_text(str(self.tenant_pids))
-                path = self.cgroup_root / "memory" / rel
-                path.mkdir(parents=True, exist_ok=True)
-                if memory_mib > 0:
-                    (path / "memory.limit_in_bytes").write_text(str(limit))
-                    with contextlib.suppress(OSError):  # absent without swap accounting
-                        (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
-        except OSError:
-            return [f"--memory={limit}", f"--memory-swap={limit}"] if memory_mib > 0 else []
-        return [f"--cgroup-parent=/{rel}"]
+        return self.cgroups.memory_dir(self.name(key), tenant)
 
     def out_of_memory(self, key: str, exit_code: int | None, tenant: str = "") -> bool:
-        """Did the kernel kill the job for memory? Ask before `remove(key)` takes the cgroup away.
-
-        cgroup v2 counts OOM kills up the tree, so the parent's memory.events says it. cgroup v1
-        counts them only in the container's own cgroup, which runc deletes at exit: there the
-        answer is "killed by SIGKILL (137, or -9) after its peak use reached the limit".
-        """
-        path = self._memory_dir(key, tenant)
-        try:
-            if self._v2():
-                for line in (path / "memory.events").read_text().splitlines():
-                    name, _, value = line.partition(" ")
-                    if name == "oom_kill":
-                        return int(value) > 0
-                return False
-            if exit_code not in (137, -9):
-                return False
-            peak = int((path / "memory.max_usage_in_bytes").read_text())
-            limit = int((path / "memory.limit_in_bytes").read_text())
-        except (OSError, ValueError):
-            return False
-        return peak >= limit - MIB
-
-    def _remove_cgroups(self, key: str) -> None:
-        """The job's parent in every controller; its tenant's directory stays (another may start in it)."""
-        rels = self._parent_rels(key)
-        dirs = (
-            [self.cgroup_root / rel for rel in rels]
-            if self._v2()
-            else [d for rel in rels for d in self.cgroup_root.glob(f"*/{rel}")]
-        )
-        for d in dirs:
-            for sub in sorted(d.glob("**/"), key=lambda p: len(p.parts), reverse=True):
-                for _ in range(50):  # the kernel needs a moment after the last process left
-                    try:
-                        sub.rmdir()
-                        break
-                    except FileNotFoundError:
-                        break
-                    except OSError:
-                        time.sleep(0.02)
+        """Did the kernel kill the job for memory? Ask before `remove(key)` takes the cgroup away."""
+        return self.cgroups.out_of_memory(self.name(key), exit_code, tenant)
 
     # ---- devices ----------------------------------------------------------------------------
 
@@ -537,7 +426,7 @@ class Podman:
         """Kill and remove the job's container and its cgroup; quiet and idempotent."""
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             self._podman(["rm", "--force", "--ignore", "--time=0", self.name(key)], timeout=60)
-        self._remove_cgroups(key)
+        self.cgroups.remove(self.name(key))
 
     @staticmethod
     def explain(rc: int) -> str:
@@ -547,13 +436,6 @@ class Podman:
             126: "the command in the image cannot be run",
             127: "the command was not found in the image",
         }.get(rc, "")
-
-
-def _enable(path: Path, controllers: tuple[str, ...]) -> None:
-    have = set((path / "cgroup.subtree_control").read_text().split())
-    missing = [c for c in controllers if c not in have]
-    if missing:
-        (path / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
 
 
 def _inside(value: str, run_dir: Path) -> str:
