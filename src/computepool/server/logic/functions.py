@@ -23,7 +23,7 @@ from computepool.server.hub import Hub
 from computepool.server.logic import allocations, function_workers
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic.audit import record
-from computepool.server.logic.function_handoff import Handoff, Waiter
+from computepool.server.logic.function_handoff import Handoff, Waiter, Watch
 from computepool.server.policy import Target, authorize
 from computepool.store import functions as store
 from computepool.store.db import db_now
@@ -170,10 +170,17 @@ def delete(ctx: Ctx, fid: int, hub: Hub) -> FunctionOut:
     return _out(fn, 0, 0)
 
 
-def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None = None) -> CallIds:
+def submit(
+    ctx: Ctx,
+    fid: int,
+    body: CallsIn,
+    hub: Hub,
+    handoff: Handoff | None = None,
+    watch: Watch | None = None,
+) -> CallIds:
     """Queue the calls in one transaction, handing the oldest waiting ones to the workers parked on
     this replica (claimed for them in the same transaction); start workers when none is idle and
-    fewer than max live."""
+    fewer than max live. `watch`: a submission of one call that waits for its outcome here."""
     given: dict[Waiter, list[tuple[int, str]]] = {}
     taken: list[Waiter] = []
     committed = False
@@ -185,6 +192,8 @@ def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None 
             if ids:  # this submission sent again: its calls are stored, and on their way
                 return CallIds(ids=ids)
             ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now, body.key)
+            if watch is not None and handoff is not None and len(ids) == 1:
+                handoff.watch(ids[0], watch)
             left = len(ids)
             taken = handoff.take(fid, len(ids)) if handoff is not None else []
             if taken:
@@ -237,6 +246,11 @@ def news(ctx: Ctx, fid: int, ids: Sequence[int]) -> ResultsOut:
         read = dict.fromkeys(ids, (0, 0))
         rows = store.results(s, fid, list(ids), with_news=True, budget=RESULTS_BUDGET_CHARS, read=read)
     return ResultsOut(calls=_relevant(rows, {}, {}))
+
+
+def outcome(row: store.CallRow) -> list[CallOut]:
+    """A call's news as a submission's answer carries it: none while it runs and printed nothing."""
+    return _relevant([row], {}, {})
 
 
 def _relevant(

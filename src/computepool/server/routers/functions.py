@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import time
 from typing import Annotated, Any
@@ -16,7 +15,7 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.logic import function_workers, functions
-from computepool.server.logic.function_handoff import Handoff, Waiter
+from computepool.server.logic.function_handoff import Handoff, Waiter, Watch
 from computepool.server.policy import Action
 from computepool.server.routers.polling import RECHECK_S, long_poll
 from computepool.wire.common import Items
@@ -46,12 +45,14 @@ LARGE_BODY_BYTES = 96 << 20
 SETTLE_S = 0.02  # a results poll over several calls, once woken, gathers for this long
 
 
-def get_hub(request: Request) -> Hub:
+# Dependencies are coroutines: FastAPI runs a plain function's in the thread pool, a thread hop
+# each on every call's path.
+async def get_hub(request: Request) -> Hub:
     hub: Hub = request.app.state.hub
     return hub
 
 
-def get_handoff(request: Request) -> Handoff:
+async def get_handoff(request: Request) -> Handoff:
     handoff: Handoff = request.app.state.handoff
     return handoff
 
@@ -104,12 +105,28 @@ async def submit(
         return await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
     deadline = time.monotonic() + body.wait_s
     topic = topics.fn_results(fid)
+    loop = asyncio.get_running_loop()
+    # one call (`.remote()`): the hand-in that ends it on this replica gives us its row
+    watch = Watch(loop, loop.create_future()) if len(body.calls) == 1 else None
     ev = hub.subscribe(topic)  # before the calls exist: no result can come before the wait
     try:
-        out = await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), max(0.0, min(deadline - time.monotonic(), RECHECK_S)))
+        out = await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff, watch)
+        if watch is None or watch.call:  # else sent again: its calls may have ended, read at once
+            futures: list[asyncio.Future[Any]] = [asyncio.ensure_future(ev.wait())]
+            if watch is not None:
+                futures.append(watch.future)
+            try:
+                left = max(0.0, min(deadline - time.monotonic(), RECHECK_S))
+                await asyncio.wait(futures, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                futures[0].cancel()
+            if watch is not None and watch.future.done():
+                calls = functions.outcome(watch.future.result())
+                if calls:
+                    return out.model_copy(update={"calls": calls})
     finally:
+        if watch is not None:
+            handoff.unwatch(watch)
         hub.unsubscribe(topic, ev)
     news = await long_poll(
         hub,
@@ -192,7 +209,9 @@ async def _claim(
     topic = topics.fn_calls(fid)
     ev = hub.subscribe(topic)  # before the first read: a call queued after it still wakes this poll
     try:
-        out = await run_in_threadpool(function_workers.claim_calls, ctx, done, max_calls, hub, holding or [])
+        out = await run_in_threadpool(
+            function_workers.claim_calls, ctx, done, max_calls, hub, holding or [], handoff
+        )
         if out.calls or out.stop or wait_s <= 0 or max_calls == 0:
             return out
         deadline = time.monotonic() + wait_s
