@@ -176,7 +176,10 @@ def _hand_in_and_claim(
         max_calls = min(max_calls, 1)  # one call per worker
     k = max_calls
     if k > 1:
-        k = share(store.pending_count(s, fid), head.max_workers, max_calls)
+        pending = store.pending_count(s, fid)
+        if pending == 0:
+            return [], False, 0
+        k = share(pending, head.max_workers, max_calls)
     return store.claim_many(s, fid, worker, k, now), False, 0
 
 
