@@ -128,6 +128,11 @@ class Handoff:
             if self._watches.get(watch.call) is watch:
                 del self._watches[watch.call]
 
+    def watching(self) -> int:
+        """Submissions waiting here for their call's outcome."""
+        with self._lock:
+            return len(self._watches)
+
     def watched(self, calls: list[int]) -> list[Watch]:
         """The watches of any of these calls (the hand-in then reads their rows for them)."""
         if not self._watches:
