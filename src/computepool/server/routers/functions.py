@@ -45,16 +45,11 @@ LARGE_BODY_BYTES = 96 << 20
 SETTLE_S = 0.02  # a results poll over several calls, once woken, gathers for this long
 
 
-# Dependencies are coroutines: FastAPI runs a plain function's in the thread pool, a thread hop
-# each on every call's path.
-async def get_hub(request: Request) -> Hub:
-    hub: Hub = request.app.state.hub
-    return hub
-
-
-async def get_handoff(request: Request) -> Handoff:
-    handoff: Handoff = request.app.state.handoff
-    return handoff
+def _parts(request: Request) -> tuple[Hub, Handoff]:
+    """The app's hub and handoff, read here rather than as dependencies: FastAPI resolves each
+    dependency on every request, and these routes are on every call's path."""
+    state = request.app.state
+    return state.hub, state.handoff
 
 
 @router.post(
@@ -85,9 +80,9 @@ def get_function(fid: int, ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_
 def delete_function(
     fid: int,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_DELETE))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> FunctionOut:
-    return functions.delete(ctx, fid, hub)
+    return functions.delete(ctx, fid, _parts(request)[0])
 
 
 @router.post(
@@ -98,9 +93,9 @@ async def submit(
     fid: int,
     body: CallsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_CALL))],
-    hub: Annotated[Hub, Depends(get_hub)],
-    handoff: Annotated[Handoff, Depends(get_handoff)],
+    request: Request,
 ) -> CallIds:
+    hub, handoff = _parts(request)
     if body.wait_s <= 0:
         return await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
     deadline = time.monotonic() + body.wait_s
@@ -147,10 +142,10 @@ async def results(
     fid: int,
     body: ResultsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_RESULTS))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> ResultsOut:
     return await long_poll(
-        hub,
+        _parts(request)[0],
         topics.fn_results(fid),
         body.wait_s,
         lambda: functions.results(ctx, fid, body),
@@ -164,20 +159,19 @@ def cancel_call(
     fid: int,
     cid: int,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_CALL_CANCEL))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> CallOut:
-    return functions.cancel_call(ctx, fid, cid, hub)
+    return functions.cancel_call(ctx, fid, cid, _parts(request)[0])
 
 
 @router.post("/worker/next", summary="A worker hands in its result and takes the next call (long-poll)")
 async def worker_next(
     body: NextIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
-    hub: Annotated[Hub, Depends(get_hub)],
-    handoff: Annotated[Handoff, Depends(get_handoff)],
+    request: Request,
 ) -> NextOut:
     done = [body.done] if body.done is not None else []
-    out = await _claim(ctx, hub, handoff, done, 1, body.wait_s)
+    out = await _claim(ctx, *_parts(request), done, 1, body.wait_s)
     return NextOut(call=out.calls[0] if out.calls else None, stop=out.stop)
 
 
@@ -188,10 +182,9 @@ async def worker_next(
 async def worker_calls(
     body: ClaimIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
-    hub: Annotated[Hub, Depends(get_hub)],
-    handoff: Annotated[Handoff, Depends(get_handoff)],
+    request: Request,
 ) -> ClaimOut:
-    return await _claim(ctx, hub, handoff, body.done, body.max_calls, body.wait_s, body.holding)
+    return await _claim(ctx, *_parts(request), body.done, body.max_calls, body.wait_s, body.holding)
 
 
 async def _claim(
@@ -248,6 +241,6 @@ async def _claim(
 def worker_output(
     body: OutputIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_OUTPUT))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> OutputOut:
-    return function_workers.output(ctx, body, hub)
+    return function_workers.output(ctx, body, _parts(request)[0])
