@@ -101,3 +101,34 @@ def test_a_call_ended_on_another_replica_answers_the_submission_by_its_re_check(
     [c] = out["caller"]["calls"]
     assert c["state"] == "done" and base64.b64decode(c["result"]) == b"FAR"
     assert a.app.state.handoff.watching() == 0
+
+
+def test_the_one_worker_of_a_function_is_handed_what_it_asks_for_and_the_rest_waits(api: Api) -> None:
+    manual(api)
+    node = join(api, "n1", ["3.11"], devices=0)
+    fid = register(api, max_workers=1)["id"]
+    first = api.ok("POST", f"{F}/{fid}/calls", json={"calls": [{"args": b64(b"0")}]})["ids"]
+    cycle(api)
+    [token] = worker_tokens(api, "n1", node).values()
+    assert [c["id"] for c in claim(api, token, max_calls=4).json()["calls"]] == first
+    handoff = api.app.state.handoff
+    for asks, sent, handed in ((4, 2, 2), (1, 3, 1)):
+        out: dict[str, Any] = {}
+
+        def park(asks: int = asks, out: dict[str, Any] = out) -> None:
+            out["worker"] = claim(api, token, max_calls=asks, wait_s=30).json()
+
+        parked = threading.Thread(target=park)
+        parked.start()
+        assert wait_until(lambda: handoff.parked(fid) == 1)
+        body = {"calls": [{"args": b64(b"%d" % i)} for i in range(sent)]}
+        ids = api.ok("POST", f"{F}/{fid}/calls", json=body)["ids"]
+        parked.join(20)
+        assert [c["id"] for c in out["worker"]["calls"]] == ids[:handed]
+        state = api.ok("GET", f"{F}/{fid}")
+        assert (state["calls_pending"], state["workers_live"]) == (sent - handed, 1)
+        assert claim(api, token, [ok(i, b"r") for i in ids[:handed]], max_calls=0).status_code == 200
+        if sent > handed:  # what was left over waits for the worker's next claim
+            rest = claim(api, token, max_calls=8).json()["calls"]
+            assert [c["id"] for c in rest] == ids[handed:]
+            assert claim(api, token, [ok(c["id"], b"r") for c in rest], max_calls=0).status_code == 200

@@ -196,13 +196,19 @@ def submit(
                 handoff.watch(ids[0], watch)
             left = len(ids)
             taken = handoff.take(fid, len(ids)) if handoff is not None else []
-            if taken:
-                left = store.pending_count(s, fid)
+            # a worker's share of the waiting calls needs their count, but the one worker a
+            # function may have takes all it asks for: None, and whether calls are left over
+            # shows in whether it got them all
+            pending = store.pending_count(s, fid) if taken and fn.max_workers > 1 else None
             for w in taken:
                 if left > 0:
-                    got = _hand_over(s, fn, w, left, now)
+                    got, asked = _hand_over(s, fn, w, pending, now)
                     given[w] = got
-                    left -= len(got)
+                    if pending is not None:
+                        pending -= len(got)
+                        left = pending
+                    elif len(got) < asked:
+                        left = 0
             started = function_workers.ensure_workers(s, fn, now) if left > 0 else 0
         committed = True
     finally:
@@ -216,14 +222,20 @@ def submit(
 
 
 def _hand_over(
-    s: Session, fn: store.FunctionRow, w: Waiter, pending: int, now: datetime
-) -> list[tuple[int, str]]:
-    """Claim the parked worker's share of the waiting calls for it, if its allocation still holds."""
+    s: Session, fn: store.FunctionRow, w: Waiter, pending: int | None, now: datetime
+) -> tuple[list[tuple[int, str]], int]:
+    """Claim the parked worker's share of the waiting calls for it (`pending`: how many wait, None:
+    as many as it takes), if its allocation still holds; (the calls, how many it asked for)."""
     head = store.worker_head(s, w.worker)
     if head is None or head.state not in HOLDING or head.deleted:
-        return []
-    k = 1 if head.keep_warm_s == 0 else function_workers.share(pending, fn.max_workers, w.max_calls)
-    return store.claim_many(s, fn.id, w.worker, k, now)
+        return [], 0
+    if head.keep_warm_s == 0:
+        k = 1
+    elif pending is None:
+        k = w.max_calls
+    else:
+        k = function_workers.share(pending, fn.max_workers, w.max_calls)
+    return store.claim_many(s, fn.id, w.worker, k, now), k
 
 
 def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
