@@ -60,6 +60,8 @@ _FN_COLS = (
     _F.c.deleted_at.is_not(None),
 )
 _FN = select(*_FN_COLS).join(_T, _T.c.id == _F.c.tenant_id)
+_FN_BY_ID = _FN.where(_F.c.id == bindparam("fid"))
+_FN_BY_ID_LOCKED = _FN_BY_ID.with_for_update(of=_F)
 
 
 def _fn(row: Any) -> FunctionRow:
@@ -67,10 +69,7 @@ def _fn(row: Any) -> FunctionRow:
 
 
 def get_function(s: Session, fid: int, *, lock: bool = False) -> FunctionRow | None:
-    stmt = _FN.where(_F.c.id == fid)
-    if lock:
-        stmt = stmt.with_for_update(of=_F)
-    row = s.connection().execute(stmt).one_or_none()
+    row = s.connection().execute(_FN_BY_ID_LOCKED if lock else _FN_BY_ID, {"fid": fid}).one_or_none()
     return None if row is None else _fn(row)
 
 
@@ -332,15 +331,22 @@ def insert_calls(
     return [int(i) for (i,) in s.connection().execute(_INSERT_CALL, rows)]
 
 
+# statements of every call's path are built once (building and keying one costs more than running it)
+_BY_KEY = (
+    select(_C.c.id)
+    .where(_C.c.function_id == bindparam("fid"), _C.c.submit_key == bindparam("key"))
+    .order_by(_C.c.id)
+)
+_PENDING = select(func.count()).where(_C.c.function_id == bindparam("fid"), _C.c.state == "pending")
+
+
 def calls_of_submission(s: Session, fid: int, key: str) -> list[int]:
     """The calls a submission with this key stored, in their order (none: not seen, or forgotten)."""
-    stmt = select(_C.c.id).where(_C.c.function_id == fid, _C.c.submit_key == key).order_by(_C.c.id)
-    return [int(i) for (i,) in s.connection().execute(stmt)]
+    return [int(i) for (i,) in s.connection().execute(_BY_KEY, {"fid": fid, "key": key})]
 
 
 def pending_count(s: Session, fid: int) -> int:
-    stmt = select(func.count()).where(_C.c.function_id == fid, _C.c.state == "pending")
-    return int(s.connection().execute(stmt).scalar_one())
+    return int(s.connection().execute(_PENDING, {"fid": fid}).scalar_one())
 
 
 _NEXT = (
@@ -378,6 +384,14 @@ _NEXT_MANY = (
 )
 
 
+_CLAIM_MANY = (
+    _C.update()
+    .where(_C.c.id.in_(bindparam("ids", expanding=True)), _C.c.state == "pending")
+    .values(state="running", worker_allocation_id=bindparam("worker"), claimed_at=bindparam("now"))
+    .returning(_C.c.id, _C.c.args)
+)
+
+
 def claim_many(s: Session, fid: int, worker: int, k: int, now: datetime) -> list[tuple[int, str]]:
     """Up to `k` of the oldest pending calls of the function, now running on `worker`, in id order:
     one select and one update however many (rows another transaction took meanwhile are skipped)."""
@@ -388,12 +402,7 @@ def claim_many(s: Session, fid: int, worker: int, k: int, now: datetime) -> list
     ids = [int(i) for (i,) in conn.execute(_NEXT_MANY, {"fid": fid, "k": k})]
     if not ids:
         return []
-    taken = conn.execute(
-        _C.update()
-        .where(_C.c.id.in_(ids), _C.c.state == "pending")
-        .values(state="running", worker_allocation_id=worker, claimed_at=now)
-        .returning(_C.c.id, _C.c.args)
-    ).all()
+    taken = conn.execute(_CLAIM_MANY, {"ids": ids, "worker": worker, "now": now}).all()
     return sorted((int(i), str(a)) for i, a in taken)
 
 
@@ -562,6 +571,11 @@ _CALL_COLS = (
 )  # fmt: skip
 
 
+_ROWS = select(*_CALL_COLS).where(
+    _C.c.function_id == bindparam("fid"), _C.c.id.in_(bindparam("ids", expanding=True))
+)
+
+
 def results(
     s: Session,
     fid: int,
@@ -578,6 +592,8 @@ def results(
     (`read`: id → stdout and stderr characters the caller has) fit in it, at least one: a thousand
     64 MiB results are never read at once; the caller asks again for the rest.
     """
+    if not with_news and budget is None:
+        return [CallRow(*r) for r in s.connection().execute(_ROWS, {"fid": fid, "ids": list(ids)})]
     cond = and_(_C.c.function_id == fid, _C.c.id.in_(list(ids)))
     if with_news:
         printed = (func.length(_C.c.output) > 0) | (func.length(_C.c.stderr) > 0)

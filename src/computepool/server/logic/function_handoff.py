@@ -11,6 +11,13 @@ they find calls within the long-poll's re-check, as before.
 The protocol between a submission (a worker thread) and a parked poll (the event loop): `take`
 marks a waiter taken under the lock, so a poll that `withdraw`s after that learns it must wait for
 its answer; the taker always answers, with the calls or an empty list (the transaction failed).
+
+The other way round, a `.remote()` waiting in its submission for its call's outcome is a `Watch`:
+the hand-in that records the outcome reads the call's row in its own transaction and, once that
+committed, gives it to the watch, so the caller's answer needs no transaction of its own. It is
+only a shortcut: the caller still wakes on the results topic and reads the database when the
+watch says nothing (output printed, the call cancelled or failed by the sweep, a worker on
+another replica).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import asyncio
 import contextlib
 import threading
 from dataclasses import dataclass, field
+
+from computepool.store.functions import CallRow
 
 
 @dataclass(eq=False)
@@ -42,12 +51,33 @@ class Waiter:
             self.loop.call_soon_threadsafe(settle)
 
 
+@dataclass(eq=False)
+class Watch:
+    """A submission of one call waiting on this replica for that call's outcome."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[CallRow]
+    call: int = 0  # set by the submission, before its transaction commits
+
+    def answer(self, row: CallRow) -> None:
+        """From any thread, after the transaction that ended the call committed."""
+
+        def settle() -> None:
+            if not self.future.done():
+                self.future.set_result(row)
+
+        with contextlib.suppress(RuntimeError):  # the loop is shutting down: the caller is gone too
+            self.loop.call_soon_threadsafe(settle)
+
+
 class Handoff:
-    """Per function, the workers parked in this replica's long-polls, oldest first."""
+    """Per function, the workers parked in this replica's long-polls, oldest first; per call, the
+    submission waiting here for its outcome."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parked: dict[int, list[Waiter]] = {}
+        self._watches: dict[int, Watch] = {}
 
     def park(self, fid: int, waiter: Waiter) -> None:
         with self._lock:
@@ -86,3 +116,26 @@ class Handoff:
     def parked(self, fid: int) -> int:
         with self._lock:
             return len(self._parked.get(fid, ()))
+
+    def watch(self, call: int, watch: Watch) -> None:
+        """The submission of `call` waits here for its outcome (called before it commits)."""
+        with self._lock:
+            watch.call = call
+            self._watches[call] = watch
+
+    def unwatch(self, watch: Watch) -> None:
+        with self._lock:
+            if self._watches.get(watch.call) is watch:
+                del self._watches[watch.call]
+
+    def watching(self) -> int:
+        """Submissions waiting here for their call's outcome."""
+        with self._lock:
+            return len(self._watches)
+
+    def watched(self, calls: list[int]) -> list[Watch]:
+        """The watches of any of these calls (the hand-in then reads their rows for them)."""
+        if not self._watches:
+            return []
+        with self._lock:
+            return [w for c in calls if (w := self._watches.get(c)) is not None]

@@ -32,6 +32,7 @@ from computepool.server.credentials import new_secret
 from computepool.server.errors import Conflict, Forbidden, Invalid
 from computepool.server.hub import Hub
 from computepool.server.logic import blobs as blob_service
+from computepool.server.logic.function_handoff import Handoff, Watch
 from computepool.server.loops import Periodic
 from computepool.server.policy import Target, authorize
 from computepool.store import allocations as alloc_store
@@ -175,7 +176,10 @@ def _hand_in_and_claim(
         max_calls = min(max_calls, 1)  # one call per worker
     k = max_calls
     if k > 1:
-        k = share(store.pending_count(s, fid), head.max_workers, max_calls)
+        pending = store.pending_count(s, fid)
+        if pending == 0:
+            return [], False, 0
+        k = share(pending, head.max_workers, max_calls)
     return store.claim_many(s, fid, worker, k, now), False, 0
 
 
@@ -187,18 +191,33 @@ def next_call(ctx: Ctx, done: Done | None, hub: Hub) -> NextOut:
 
 
 def claim_calls(
-    ctx: Ctx, done: Sequence[Done], max_calls: int, hub: Hub, holding: Sequence[int] = ()
+    ctx: Ctx,
+    done: Sequence[Done],
+    max_calls: int,
+    hub: Hub,
+    holding: Sequence[int] = (),
+    handoff: Handoff | None = None,
 ) -> ClaimOut:
     """Record the results handed in, in one transaction, then claim up to `max_calls` (their share
     of the calls waiting): a worker serving many short calls makes one request per batch. Of the
-    calls it still `holding`, those cancelled meanwhile are named to drop."""
+    calls it still `holding`, those cancelled meanwhile are named to drop. The submissions waiting
+    on this replica for calls handed in get their rows, read in this transaction, once it commits."""
     drop: list[int] = []
+    watches: list[Watch] = []
+    rows: list[store.CallRow] = []
     with ctx.db.write() as s:
         worker, fid, head = _check(ctx, s)
         got, stop, started = _hand_in_and_claim(s, worker, fid, head, done, max_calls, db_now(s))
         if holding:
             kept = set(store.held_by(s, worker, holding))
             drop = [i for i in holding if i not in kept]
+        watches = handoff.watched([d.id for d in done]) if handoff is not None and done else []
+        if watches:
+            rows = store.results(s, fid, [w.call for w in watches])
+    by_id = {r.id: r for r in rows}
+    for w in watches:
+        if w.call in by_id:
+            w.answer(by_id[w.call])
     if done:
         hub.notify(topics.fn_results(fid))
     if started:

@@ -23,7 +23,7 @@ from computepool.server.hub import Hub
 from computepool.server.logic import allocations, function_workers
 from computepool.server.logic import blobs as blob_service
 from computepool.server.logic.audit import record
-from computepool.server.logic.function_handoff import Handoff, Waiter
+from computepool.server.logic.function_handoff import Handoff, Waiter, Watch
 from computepool.server.policy import Target, authorize
 from computepool.store import functions as store
 from computepool.store.db import db_now
@@ -170,10 +170,17 @@ def delete(ctx: Ctx, fid: int, hub: Hub) -> FunctionOut:
     return _out(fn, 0, 0)
 
 
-def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None = None) -> CallIds:
+def submit(
+    ctx: Ctx,
+    fid: int,
+    body: CallsIn,
+    hub: Hub,
+    handoff: Handoff | None = None,
+    watch: Watch | None = None,
+) -> CallIds:
     """Queue the calls in one transaction, handing the oldest waiting ones to the workers parked on
     this replica (claimed for them in the same transaction); start workers when none is idle and
-    fewer than max live."""
+    fewer than max live. `watch`: a submission of one call that waits for its outcome here."""
     given: dict[Waiter, list[tuple[int, str]]] = {}
     taken: list[Waiter] = []
     committed = False
@@ -185,15 +192,23 @@ def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None 
             if ids:  # this submission sent again: its calls are stored, and on their way
                 return CallIds(ids=ids)
             ids = store.insert_calls(s, fid, fn.tenant_id, [c.args for c in body.calls], now, body.key)
+            if watch is not None and handoff is not None and len(ids) == 1:
+                handoff.watch(ids[0], watch)
             left = len(ids)
             taken = handoff.take(fid, len(ids)) if handoff is not None else []
-            if taken:
-                left = store.pending_count(s, fid)
+            # a worker's share of the waiting calls needs their count, but the one worker a
+            # function may have takes all it asks for: None, and whether calls are left over
+            # shows in whether it got them all
+            pending = store.pending_count(s, fid) if taken and fn.max_workers > 1 else None
             for w in taken:
                 if left > 0:
-                    got = _hand_over(s, fn, w, left, now)
+                    got, asked = _hand_over(s, fn, w, pending, now)
                     given[w] = got
-                    left -= len(got)
+                    if pending is not None:
+                        pending -= len(got)
+                        left = pending
+                    elif len(got) < asked:
+                        left = 0
             started = function_workers.ensure_workers(s, fn, now) if left > 0 else 0
         committed = True
     finally:
@@ -207,14 +222,20 @@ def submit(ctx: Ctx, fid: int, body: CallsIn, hub: Hub, handoff: Handoff | None 
 
 
 def _hand_over(
-    s: Session, fn: store.FunctionRow, w: Waiter, pending: int, now: datetime
-) -> list[tuple[int, str]]:
-    """Claim the parked worker's share of the waiting calls for it, if its allocation still holds."""
+    s: Session, fn: store.FunctionRow, w: Waiter, pending: int | None, now: datetime
+) -> tuple[list[tuple[int, str]], int]:
+    """Claim the parked worker's share of the waiting calls for it (`pending`: how many wait, None:
+    as many as it takes), if its allocation still holds; (the calls, how many it asked for)."""
     head = store.worker_head(s, w.worker)
     if head is None or head.state not in HOLDING or head.deleted:
-        return []
-    k = 1 if head.keep_warm_s == 0 else function_workers.share(pending, fn.max_workers, w.max_calls)
-    return store.claim_many(s, fn.id, w.worker, k, now)
+        return [], 0
+    if head.keep_warm_s == 0:
+        k = 1
+    elif pending is None:
+        k = w.max_calls
+    else:
+        k = function_workers.share(pending, fn.max_workers, w.max_calls)
+    return store.claim_many(s, fn.id, w.worker, k, now), k
 
 
 def results(ctx: Ctx, fid: int, body: ResultsIn) -> ResultsOut:
@@ -237,6 +258,11 @@ def news(ctx: Ctx, fid: int, ids: Sequence[int]) -> ResultsOut:
         read = dict.fromkeys(ids, (0, 0))
         rows = store.results(s, fid, list(ids), with_news=True, budget=RESULTS_BUDGET_CHARS, read=read)
     return ResultsOut(calls=_relevant(rows, {}, {}))
+
+
+def outcome(row: store.CallRow) -> list[CallOut]:
+    """A call's news as a submission's answer carries it: none while it runs and printed nothing."""
+    return _relevant([row], {}, {})
 
 
 def _relevant(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import time
 from typing import Annotated, Any
@@ -16,7 +15,7 @@ from computepool.server.context import Ctx
 from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.logic import function_workers, functions
-from computepool.server.logic.function_handoff import Handoff, Waiter
+from computepool.server.logic.function_handoff import Handoff, Waiter, Watch
 from computepool.server.policy import Action
 from computepool.server.routers.polling import RECHECK_S, long_poll
 from computepool.wire.common import Items
@@ -46,14 +45,11 @@ LARGE_BODY_BYTES = 96 << 20
 SETTLE_S = 0.02  # a results poll over several calls, once woken, gathers for this long
 
 
-def get_hub(request: Request) -> Hub:
-    hub: Hub = request.app.state.hub
-    return hub
-
-
-def get_handoff(request: Request) -> Handoff:
-    handoff: Handoff = request.app.state.handoff
-    return handoff
+def _parts(request: Request) -> tuple[Hub, Handoff]:
+    """The app's hub and handoff, read here rather than as dependencies: FastAPI resolves each
+    dependency on every request, and these routes are on every call's path."""
+    state = request.app.state
+    return state.hub, state.handoff
 
 
 @router.post(
@@ -84,9 +80,9 @@ def get_function(fid: int, ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_
 def delete_function(
     fid: int,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_DELETE))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> FunctionOut:
-    return functions.delete(ctx, fid, hub)
+    return functions.delete(ctx, fid, _parts(request)[0])
 
 
 @router.post(
@@ -97,19 +93,35 @@ async def submit(
     fid: int,
     body: CallsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_CALL))],
-    hub: Annotated[Hub, Depends(get_hub)],
-    handoff: Annotated[Handoff, Depends(get_handoff)],
+    request: Request,
 ) -> CallIds:
+    hub, handoff = _parts(request)
     if body.wait_s <= 0:
         return await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
     deadline = time.monotonic() + body.wait_s
     topic = topics.fn_results(fid)
+    loop = asyncio.get_running_loop()
+    # one call (`.remote()`): the hand-in that ends it on this replica gives us its row
+    watch = Watch(loop, loop.create_future()) if len(body.calls) == 1 else None
     ev = hub.subscribe(topic)  # before the calls exist: no result can come before the wait
     try:
-        out = await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), max(0.0, min(deadline - time.monotonic(), RECHECK_S)))
+        out = await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff, watch)
+        if watch is None or watch.call:  # else sent again: its calls may have ended, read at once
+            futures: list[asyncio.Future[Any]] = [asyncio.ensure_future(ev.wait())]
+            if watch is not None:
+                futures.append(watch.future)
+            try:
+                left = max(0.0, min(deadline - time.monotonic(), RECHECK_S))
+                await asyncio.wait(futures, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                futures[0].cancel()
+            if watch is not None and watch.future.done():
+                calls = functions.outcome(watch.future.result())
+                if calls:
+                    return out.model_copy(update={"calls": calls})
     finally:
+        if watch is not None:
+            handoff.unwatch(watch)
         hub.unsubscribe(topic, ev)
     news = await long_poll(
         hub,
@@ -130,10 +142,10 @@ async def results(
     fid: int,
     body: ResultsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_RESULTS))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> ResultsOut:
     return await long_poll(
-        hub,
+        _parts(request)[0],
         topics.fn_results(fid),
         body.wait_s,
         lambda: functions.results(ctx, fid, body),
@@ -147,20 +159,19 @@ def cancel_call(
     fid: int,
     cid: int,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_CALL_CANCEL))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> CallOut:
-    return functions.cancel_call(ctx, fid, cid, hub)
+    return functions.cancel_call(ctx, fid, cid, _parts(request)[0])
 
 
 @router.post("/worker/next", summary="A worker hands in its result and takes the next call (long-poll)")
 async def worker_next(
     body: NextIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
-    hub: Annotated[Hub, Depends(get_hub)],
-    handoff: Annotated[Handoff, Depends(get_handoff)],
+    request: Request,
 ) -> NextOut:
     done = [body.done] if body.done is not None else []
-    out = await _claim(ctx, hub, handoff, done, 1, body.wait_s)
+    out = await _claim(ctx, *_parts(request), done, 1, body.wait_s)
     return NextOut(call=out.calls[0] if out.calls else None, stop=out.stop)
 
 
@@ -171,10 +182,9 @@ async def worker_next(
 async def worker_calls(
     body: ClaimIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
-    hub: Annotated[Hub, Depends(get_hub)],
-    handoff: Annotated[Handoff, Depends(get_handoff)],
+    request: Request,
 ) -> ClaimOut:
-    return await _claim(ctx, hub, handoff, body.done, body.max_calls, body.wait_s, body.holding)
+    return await _claim(ctx, *_parts(request), body.done, body.max_calls, body.wait_s, body.holding)
 
 
 async def _claim(
@@ -192,7 +202,9 @@ async def _claim(
     topic = topics.fn_calls(fid)
     ev = hub.subscribe(topic)  # before the first read: a call queued after it still wakes this poll
     try:
-        out = await run_in_threadpool(function_workers.claim_calls, ctx, done, max_calls, hub, holding or [])
+        out = await run_in_threadpool(
+            function_workers.claim_calls, ctx, done, max_calls, hub, holding or [], handoff
+        )
         if out.calls or out.stop or wait_s <= 0 or max_calls == 0:
             return out
         deadline = time.monotonic() + wait_s
@@ -229,6 +241,6 @@ async def _claim(
 def worker_output(
     body: OutputIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_OUTPUT))],
-    hub: Annotated[Hub, Depends(get_hub)],
+    request: Request,
 ) -> OutputOut:
-    return function_workers.output(ctx, body, hub)
+    return function_workers.output(ctx, body, _parts(request)[0])
