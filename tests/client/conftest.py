@@ -20,7 +20,8 @@ from computepool.cli import main as cli_main
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
-    with start_server(tmp_path_factory.mktemp("pool")) as s:
+    # nodes joined by tests send no heartbeat: they stay ready however slow a busy machine is
+    with start_server(tmp_path_factory.mktemp("pool"), "--suspect-s", "86400", "--lost-s", "172800") as s:
         yield s
 
 

@@ -49,12 +49,12 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def start_server(root: Path) -> Iterator[PoolServer]:
-    """`cpool server` on a free loopback port; stopped with SIGTERM at the end."""
+def start_server(root: Path, *options: str) -> Iterator[PoolServer]:
+    """`cpool server [OPTIONS]` on a free loopback port; stopped with SIGTERM at the end."""
     data_dir, log = root / "data", root / "server.log"
     url = f"http://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "computepool.cli.main", "server", "--data-dir", str(data_dir)]
-    cmd += ["--port", url.rsplit(":", 1)[1], "--log-level", "warning"]
+    cmd += ["--port", url.rsplit(":", 1)[1], "--log-level", "warning", *options]
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
     try:

@@ -16,8 +16,11 @@ pytestmark = needs_allocations
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolServer]:
-    """A pool of its own with two 2-GPU nodes (ready for the default 20 s without heartbeats)."""
-    with start_server(tmp_path_factory.mktemp("allocpool")) as s, PoolClient(s.url, s.token) as admin:
+    """A pool of its own with two 2-GPU nodes that send no heartbeat: they stay ready however long
+    the module takes on a busy machine (with the default 20 s they went suspect, and an `alloc`
+    waiting for them waited for ever)."""
+    quiet = ("--suspect-s", "86400", "--lost-s", "172800")
+    with start_server(tmp_path_factory.mktemp("allocpool"), *quiet) as s, PoolClient(s.url, s.token) as admin:
         jt = admin.create_join_token(single_use=False)["token"]
         for name in ("g1", "g2"):
             devices = [
@@ -119,7 +122,10 @@ def test_bench_joins_simulated_nodes_when_the_pool_is_empty(cli: Cli, tmp_path: 
 
 
 def test_bench_with_a_member_token_uses_the_pools_nodes(cli: Cli, tmp_path: Path) -> None:
-    with start_server(tmp_path) as s, PoolClient(s.url, s.token) as admin:
+    with (
+        start_server(tmp_path, "--suspect-s", "86400", "--lost-s", "172800") as s,
+        PoolClient(s.url, s.token) as admin,
+    ):
         jt = admin.create_join_token(single_use=False)["token"]
         dev = {"index": 0, "vendor": "nvidia", "model": "A100", "memory_mib": 40960, "uuid": "GPU-m0"}
         admin.join_node(jt, "m1", cpu_milli=32000, memory_mib=131072, devices=[dev])
