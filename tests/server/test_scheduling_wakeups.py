@@ -88,6 +88,23 @@ def test_a_node_that_goes_quiet_is_a_change(api: Api) -> None:
     assert not seen.skipped and get(api, waiting["id"])["state"] == "pending"
 
 
+def test_a_start_is_no_wake_up_but_an_end_is(api: Api) -> None:
+    from test_allocations_agent import report
+
+    manual(api)
+    n1 = join(api, "n1", devices=1)
+    job = alloc(api, gpus=0, cpu_milli=100, memory_mib=64, command=["true"])
+    assert cycle(api).result.bound == [job["id"]]
+    hub = api.app.state.hub
+    wakes = hub.wakes
+    report(api, "n1", n1, {"allocation_id": job["id"], "attempt": 1, "state": "running"})
+    assert get(api, job["id"])["state"] == "active"
+    assert hub.wakes == wakes  # nothing the scheduler decides tells bound from active
+    report(api, "n1", n1, {"allocation_id": job["id"], "attempt": 1, "state": "exited", "exit_code": 0})
+    assert get(api, job["id"])["state"] == "released"
+    assert hub.wakes > wakes  # its capacity is free
+
+
 def _loop_with(step: Any, settle_s: float) -> tuple[Loops, Periodic, asyncio.Event]:
     wake = asyncio.Event()
     p = Periodic("test", 3600.0, step, wake=lambda: wake, settle=lambda: settle_s)

@@ -73,9 +73,10 @@ STARTUP_DB_WAIT_S = 30.0
 CHECKPOINT_EVERY_S = 1.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 log = logging.getLogger("computepool.server")
-# frequent telemetry and function traffic; never changes a scheduling decision (new workers wake it)
+# frequent telemetry and function traffic; never changes a scheduling decision (new workers wake it;
+# agents' reports wake it themselves when a job ends or moves)
 _NO_WAKE = (
-    "/heartbeat", "/logs", "/worker/next", "/worker/output", "/results", "/calls",
+    "/heartbeat", "/logs", "/reports", "/worker/next", "/worker/output", "/results", "/calls",
     "/completions", "/embeddings",  # the gateway's inference traffic
 )  # fmt: skip
 

@@ -24,7 +24,7 @@ from computepool.server.alerts.rules import Facts, Finding, Rule
 from computepool.server.hub import Hub
 from computepool.server.leadership import Leadership
 from computepool.server.loops import Periodic
-from computepool.server.scheduling.snapshot import load_snapshot
+from computepool.server.scheduling.snapshot import SnapshotCache
 from computepool.server.settings import ServerSettings
 from computepool.store import alerts as store
 from computepool.store.alerts import RuleSetting
@@ -87,6 +87,7 @@ class AlertEngine:
         self._last_event = 0
         self._pruned_at: datetime | None = None
         self._lock = threading.Lock()
+        self._snapshots = SnapshotCache()  # each pass reads only the live work that changed
 
     # --- one pass -----------------------------------------------------------------------------------
 
@@ -170,7 +171,7 @@ class AlertEngine:
                 devices=store.devices(s),
                 held=store.held(s),
                 ends=[e for e in self._ends if e.at <= at],
-                snapshot=load_snapshot(s, self.settings) if wants_snapshot else None,
+                snapshot=self._snapshots.load(s, self.settings) if wants_snapshot else None,
                 term=term,
                 term_before=self._term_seen[2],
                 term_changed=self._term_seen[3],

@@ -11,6 +11,7 @@ import hashlib
 import json
 from typing import Any
 
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from computepool.server import topics
@@ -25,8 +26,9 @@ from computepool.server.logic.report_times import reported_start
 from computepool.server.policy import Target, authorize
 from computepool.store import allocations as store
 from computepool.store import lease, logs
-from computepool.store import nodes as node_store
+from computepool.store import scheduling as sql
 from computepool.store.db import db_now
+from computepool.store.models import Allocation, Node
 from computepool.wire.allocation_out import (
     Assignment,
     Assignments,
@@ -38,10 +40,15 @@ from computepool.wire.allocation_out import (
     StaleOut,
 )
 
+_NODE_T = Node.__table__
+_NODE_EXISTS = select(_NODE_T.c.id).where(_NODE_T.c.name == bindparam("name"))
+
 
 def _node(s: Session, ctx: Ctx, name: str) -> None:
+    """The caller may act for node `name`, and it exists (its id alone: every report and
+    assignments read asks, and the whole node with its devices is two ORM queries)."""
     authorize(ctx.caller(), ctx.action, Target("node", name, node=name))
-    if node_store.get(s, name) is None:
+    if s.connection().execute(_NODE_EXISTS, {"name": name}).first() is None:
         raise NotFound.of("node", name)
 
 
@@ -92,11 +99,13 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
     changes: list[dict[str, Any]] = []
     resolved: list[dict[str, Any]] = []  # allowed-registry images: the id the node ran
     touched: set[str] = set()
+    moved = False  # a change the scheduler may decide differently on (all but plain starts)
     with ctx.db.write() as s:
         _node(s, ctx, name)
         now = db_now(s)
+        rows = sql.lock_allocations(s, sorted({r.allocation_id for r in body.reports}))  # one query
         for r in body.reports:
-            a = store.get(s, r.allocation_id, for_update=True)
+            a = rows.get(r.allocation_id)
             why = None
             if a is None or a.command is None or name not in a.nodes:
                 why = f"allocation {r.allocation_id} is not assigned to node {name}"
@@ -109,6 +118,7 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
                 continue
             accepted.append(a.id)
             before = a.state
+            digest = a.request.get("image_digest")
             if gangs.is_gang(a):  # members of several nodes: the gang moves as a whole (gangs.py)
                 members = list(a.nodes)  # a requeue clears them; all must hear of it
                 gangs.apply_report(s, a, name, r, now)
@@ -146,15 +156,31 @@ def report(ctx: Ctx, name: str, body: Reports, hub: Hub) -> ReportsOut:
                 else:
                     store.transition(s, a, "failed", lost, now)
             if a.state != before:
-                touched.update(a.nodes)
+                if not _plain_start(a, before, digest):
+                    touched.update(a.nodes)
+                    moved = True
                 changes.append({"allocation": a.id, "from": before, "to": a.state})
         if changes or resolved:
             detail = {"changes": changes} | ({"images": resolved} if resolved else {})
             record(s, ctx, f"node:{name}", detail=detail)
     if changes:
         hub.notify(*topics.nodes(touched), *topics.ended(c["allocation"] for c in changes))
+    if moved:
         hub.wake_scheduler()
     return ReportsOut(accepted=accepted, stale=stale)
+
+
+def _plain_start(a: Allocation, before: str, digest: str | None) -> bool:
+    """A one-node job's bound → active: what its node is assigned stays the same (no state is in
+    an assignment; the image digest is, when this report resolved it), and no scheduling decision
+    tells bound from active on a node that reports, so neither the node's long-poll nor the
+    scheduler is woken for it (its state's waiters are)."""
+    return (
+        before == "bound"
+        and a.state == "active"
+        and not gangs.is_gang(a)
+        and a.request.get("image_digest") == digest
+    )
 
 
 def append_log(ctx: Ctx, alloc_id: int, body: LogChunk, hub: Hub) -> LogAppended:

@@ -178,15 +178,21 @@ def _serve_pending(
     cycle = _Cycle(snap, world, sched, running, plan)
     cycle.reservation = backfill.plan(snap, world, sched, running, held.keys() | plan.ends.keys())
     first: dict[Kind, Request] = {}
-    while heap:
-        _, t = heapq.heappop(heap)
+    t: str | None = None
+    while t is not None or heap:
+        if t is None:
+            _, t = heapq.heappop(heap)
         a = queues[t][ptr[t]]
         ptr[t] += 1
         keep_off = cycle.keep_off(a)
-        first.setdefault(_kind(world, a.core, keep_off), a.core)
-        _serve_one(cycle, a, keep_off)
-        if ptr[t] < len(queues[t]):
-            heapq.heappush(heap, (rank(t), t))
+        kind = _kind(world, a.core, keep_off)
+        first.setdefault(kind, a.core)
+        _serve_one(cycle, a, kind, keep_off)
+        if ptr[t] >= len(queues[t]):
+            t = None
+        elif heap:
+            t = heapq.heappushpop(heap, (rank(t), t))[1]
+        # else the only tenant left: it comes next whatever its rank (a long queue pays no ranking)
     # Why the rest waits, explained once per kind against the pool as the cycle leaves it.
     for kind, ids in cycle.waiting.items():
         text = _why_waiting(cycle, first[kind], ids, restricted=kind[-1])
@@ -197,18 +203,19 @@ def _serve_pending(
     plan.reasons = {i: r for i, r in plan.reasons.items() if known.get(i) != r[:1024]}
 
 
-def _serve_one(c: _Cycle, a: Live, keep_off: np.ndarray | None = None) -> None:
-    """Place one pending request (off the nodes `keep_off` leaves out: a reservation's), preempting
-    borrowed capacity when its tenant's guarantee allows; or record why it waits."""
+def _serve_one(c: _Cycle, a: Live, kind: Kind, keep_off: np.ndarray | None = None) -> None:
+    """Place one pending request (of `kind`, off the nodes `keep_off` leaves out: a reservation's),
+    preempting borrowed capacity when its tenant's guarantee allows; or record why it waits."""
     world, plan = c.world, c.plan
     req = a.core
     quota = c.snap.quotas.get(a.tenant, {})
-    used = world.usage.setdefault(a.tenant, Counter())
+    used = world.usage.get(a.tenant)
+    if used is None:
+        used = world.usage[a.tenant] = Counter()
     refused = over_limit(used, a.est, quota)
     if refused is not None:
         plan.reasons[a.id] = refused
         return
-    kind = _kind(world, req, keep_off)
     guaranteed = within_guarantee(used, a.est, quota)
     owner = world.owns_nodes(a.tenant)  # may take its dedicated nodes back from borrowers
     if c.failed_kinds.get(kind) == world.freed and not guaranteed and not owner:

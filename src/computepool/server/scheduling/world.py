@@ -70,6 +70,7 @@ class World:
         self.held: dict[int, Usage] = {}
         self.freed = 0  # bumped whenever capacity is given back (preemption): failures may now fit
         self._holders: tuple[int, dict[int, set[int]]] | None = None  # (state version, by node)
+        self._owns: dict[str, bool] = {}  # tenant → whether some node is dedicated to it
 
     def idle_devices_sentence(self, k: int, shown: int = 3) -> str | None:
         """`needs 2 whole idle GPUs on one node; vm: 0 of 3 idle (held by 51, 52)`: the nodes
@@ -165,7 +166,12 @@ class World:
 
     def owns_nodes(self, tenant: str) -> bool:
         rules = self.state.rules
-        return rules is not None and bool(rules.owned(tenant).any())
+        if rules is None:
+            return False
+        owns = self._owns.get(tenant)  # asked for every pending request: nodes' owners are fixed here
+        if owns is None:
+            owns = self._owns[tenant] = bool(rules.owned(tenant).any())
+        return owns
 
     def statement(self) -> Statement:
         """A new statement for tentative changes to this world."""
