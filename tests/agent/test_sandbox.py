@@ -7,6 +7,7 @@ import os
 import pwd
 import shutil
 import stat
+import subprocess
 import threading
 import time
 import uuid
@@ -340,3 +341,31 @@ def test_a_command_the_tenant_could_not_reach_is_not_run(sandboxed: Executor, te
         assert "Permission denied" in (Path(done.run_dir) / "stderr.log").read_text()
     finally:
         shutil.rmtree(hidden, ignore_errors=True)
+
+
+def test_jobs_start_while_the_node_adds_and_removes_users(sandboxed: Executor, tenants: list[str]) -> None:
+    """useradd and groupadd (the agent's own, for a new tenant's first job) replace /etc/passwd and
+    /etc/group by rename: a job whose sandbox bound its filtered copy over the old file at that
+    instant failed to start (exit 126, ENOENT). 120 jobs start while groups come and go."""
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            name = f"zc{uuid.uuid4().hex[:8]}"
+            subprocess.run(["groupadd", name], capture_output=True, check=False)
+            subprocess.run(["groupdel", name], capture_output=True, check=False)
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        started = [sandboxed.start(JobSpec(f"c{n}", 1, ["/bin/true"], tenant=tenants[0])) for n in range(120)]
+        ended = [sandboxed.wait(r.key, 120) for r in started]
+    finally:
+        stop.set()
+        churner.join()
+    failed = [
+        (e.reason, Path(e.run_dir, "stderr.log").read_text()[-200:])
+        for e in ended
+        if e.state is not JobState.SUCCEEDED
+    ]
+    assert failed == [], failed[:3]

@@ -72,7 +72,9 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # under a device cgroup; the file is unlinked at once (the binds keep it), the job cannot unmount.
 # $7 is the prefix of tenants' users and $8 the job's own: /etc/passwd and /etc/group are bound over
 # by copies without the other tenants' users and groups, and the tenants' caches' root ($4's parent)
-# is covered like $2, so that a job learns no other tenant's name from the node.
+# is covered like $2, so that a job learns no other tenant's name from the node. useradd and
+# groupadd (the agent's own, for a new tenant) replace those files by rename: a bind that looked up
+# the old file fails (ENOENT), so it is read and bound again, up to 20 times.
 # Nothing written there outlives the job, nor do its SysV IPC objects and POSIX message queues (the
 # IPC namespace's; /dev/mqueue, where the host mounts it, shows the job's own).
 # It stays PID 1 of the namespace: the kernel ignores signals PID 1 has no handler for, so this
@@ -111,9 +113,17 @@ if [ -n "$_cpool_users" ]; then
     for _cpool_f in passwd group; do
         [ -f "/etc/$_cpool_f" ] || continue
         _cpool_t=/tmp/.cpool-$_cpool_f
-        (umask 022 && awk -F: -v p="$_cpool_users" -v me="$_cpool_me" 'index($1, p) != 1 || $1 == me' \
-            "/etc/$_cpool_f" > "$_cpool_t") || exit 126
-        mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" || exit 126
+        _cpool_n=1
+        while :; do
+            (umask 022 && awk -F: -v p="$_cpool_users" -v me="$_cpool_me" 'index($1, p) != 1 || $1 == me' \
+                "/etc/$_cpool_f" > "$_cpool_t") || exit 126
+            if [ "$_cpool_n" -ge 20 ]; then
+                mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" || exit 126
+                break
+            fi
+            mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" 2>/dev/null && break
+            _cpool_n=$((_cpool_n + 1))
+        done
         rm -f "$_cpool_t"
     done
 fi
