@@ -305,10 +305,15 @@ def test_a_second_server_or_agent_on_a_data_dir_in_use_fails_naming_the_holder(
 
 
 def _job_cgroup(base: Path, node_dir: str, job: str) -> Path:
-    """Where a job's cgroup lists its processes: on v2 its own dir, on v1 its memory controller's."""
+    """Where a job's cgroup lists its processes: on v2 its own dir, on v1 its memory controller's;
+    below its tenant's directory (`t-<digest>`)."""
     if (CGROUP_ROOT / "cgroup.controllers").exists():
-        return base / node_dir / job
-    return CGROUP_ROOT / "memory" / base.name / node_dir / job
+        node = base / node_dir
+    else:
+        node = CGROUP_ROOT / "memory" / base.name / node_dir
+    found = sorted(node.glob(f"t-*/{job}"))
+    assert len(found) == 1, (node, found)
+    return found[0]
 
 
 def test_cpool_up_holds_its_data_dir_and_gives_its_agent_the_cgroup_base(host: tuple[Path, Path]) -> None:
