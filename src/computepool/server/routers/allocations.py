@@ -32,7 +32,8 @@ IdempotencyKey = Annotated[
 ]
 
 
-def get_hub(request: Request) -> Hub:
+async def get_hub(request: Request) -> Hub:
+    """On the event loop: FastAPI runs a plain `def` dependency in a worker thread, a hop per request."""
     hub: Hub = request.app.state.hub
     return hub
 

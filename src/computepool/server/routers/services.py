@@ -19,7 +19,8 @@ router = APIRouter(tags=["services"])
 TenantParam = Annotated[Name | None, Query(description="Admins: another tenant's service.")]
 
 
-def get_hub(request: Request) -> Hub:
+async def get_hub(request: Request) -> Hub:
+    """On the event loop: FastAPI runs a plain `def` dependency in a worker thread, a hop per request."""
     hub: Hub = request.app.state.hub
     return hub
 
