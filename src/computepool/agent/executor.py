@@ -53,6 +53,7 @@ from computepool.agent.outcome import (
     kill_leftovers,
     read_exit,
     shell_status,
+    signal_job,
 )
 from computepool.agent.removal import Remover
 from computepool.agent.sandbox import SandboxConfig
@@ -473,8 +474,7 @@ class Executor:
             if leader:
                 self._remove_container(rec)
         elif leader:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(rec.pgid, sig)
+            signal_job(rec, sig)  # its group by number only while that number is provably the job's
 
     # ---- restart --------------------------------------------------------------------------
 

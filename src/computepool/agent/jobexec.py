@@ -16,6 +16,13 @@ sockets, which its own Landlock scope keeps it from: there the exec'd command ge
 own scoped for abstract sockets (not signals: its PID namespace holds those), made after nsenter
 (a domain cannot open another's namespaces); it then cannot trace the job's processes either.
 
+The namespaces are never named by pid at the moment of use: a job that ends frees its init's pid,
+and another tenant's next process may take it. The agent opens a pidfd for the init first, checks
+that this pid is still a process of the job (a descendant of its leader, or the container's
+process as the engine reports it), opens the namespace files, and checks through the pidfd that
+the process has not exited since (while it lives its pid names no one else). The open files are
+what nsenter (by /proc/<agent>/fd/N) and setns use.
+
 A forwarded connection is made by a short-lived thread of the agent that switches to the job's
 network namespace (setns is per thread), connects to 127.0.0.1:PORT there, and switches back: the
 socket stays in the job's namespace. A job that shares the node's network (gang members, jobs
@@ -29,6 +36,7 @@ import contextlib
 import ctypes
 import os
 import pwd
+import select
 import shlex
 import socket
 import subprocess
@@ -45,6 +53,8 @@ from computepool.agent.localstate import JobRecord
 from computepool.agent.sandbox import FIXED_PATH, HANDOVER, HostSupport, root_side_env
 
 CLONE_NEWNET = 0x40000000
+EXEC_NAMESPACES = ("mnt", "uts", "ipc", "net", "pid")  # /proc/PID/ns names, nsenter's options below
+_NSENTER = {"mnt": "--mount", "uts": "--uts", "ipc": "--ipc", "net": "--net", "pid": "--pid"}
 _RLIMITS = (("as", psutil.RLIMIT_AS), ("nproc", psutil.RLIMIT_NPROC))
 CONNECT_TIMEOUT_S = 5.0
 # Runs as root: joins the job's cgroups ($1, newline-separated) and execs the rest.
@@ -82,6 +92,87 @@ class JobView:
     user: pwd.struct_passwd | None  # None: the agent runs jobs as itself
     podman: tuple[str, ...] = ()  # a container job: how the agent runs podman, and its container
     container: str = ""
+
+
+@dataclass
+class HeldNamespaces:
+    """A job's namespace files, open in the agent (kind -> fd), taken from its init while it was
+    provably the job's; closed by `close` once what joins them has done so."""
+
+    fds: dict[str, int]
+
+    def path(self, kind: str) -> str:
+        """A path any root process of the host opens as this very namespace (not as a pid's)."""
+        return f"/proc/{os.getpid()}/fd/{self.fds[kind]}"
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = {}
+
+    def __enter__(self) -> HeldNamespaces:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def hold_namespaces(view: JobView, kinds: Sequence[str] = EXEC_NAMESPACES) -> HeldNamespaces:
+    """The job's namespaces, opened through its init's pid only while a pidfd shows that pid is
+    still the job's process (see the module's text). Raises ExecRefused when it is not."""
+    pid = view.init_pid
+    if pid is None:
+        raise ExecRefused("the job has no namespaces of its own on this node")
+    gone = ExecRefused(f"allocation {view.rec.allocation_id}'s job ended (its namespaces are gone)")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise gone from None
+    fds: dict[str, int] = {}
+    try:
+        if not _still_the_jobs(view, pid):
+            raise gone
+        for kind in kinds:
+            fds[kind] = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        if _exited(pidfd):  # it may have ended (and its pid been taken) before the files were opened
+            raise gone
+    except OSError:
+        HeldNamespaces(fds).close()
+        raise gone from None
+    except ExecRefused:
+        HeldNamespaces(fds).close()
+        raise
+    finally:
+        os.close(pidfd)
+    return HeldNamespaces(fds)
+
+
+def _still_the_jobs(view: JobView, pid: int) -> bool:
+    """Whether `pid` names a process of the job now: the container's process as the engine says,
+    or a descendant of the job's leader (known by pid and start time)."""
+    if view.container:
+        return container_pid(view.podman, view.container) == pid
+    try:
+        leader = psutil.Process(view.rec.pid)
+        if abs(leader.create_time() - view.rec.create_time) >= 0.05:
+            return False
+        return any(p.pid == pid for p in leader.children(recursive=True))
+    except psutil.Error:
+        return False
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited (a zombie too)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _same_ns(fd: int, kind: str) -> bool:
+    """Whether an open namespace file is the agent's own namespace of that kind."""
+    mine, theirs = os.stat(f"/proc/self/ns/{kind}"), os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def _ns(pid: int | str, kind: str) -> str:
@@ -144,9 +235,16 @@ def handed_over(env: dict[str, str]) -> dict[str, str]:
 
 
 def exec_argv(
-    view: JobView, host: HostSupport | None, command: Sequence[str], tty: bool
+    view: JobView,
+    host: HostSupport | None,
+    command: Sequence[str],
+    tty: bool,
+    held: HeldNamespaces | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and environment that run `command` in the job's sandbox (see the module's text)."""
+    """argv and environment that run `command` in the job's sandbox (see the module's text). A job
+    with namespaces needs them `held` (hold_namespaces), open until the command has started."""
+    if view.init_pid is not None and (held is None or set(held.fds) != set(EXEC_NAMESPACES)):
+        raise ValueError("a job with namespaces is entered only through its held namespace files")
     env = job_env(view)
     if tty:
         env.setdefault("TERM", "xterm-256color")
@@ -165,12 +263,11 @@ def exec_argv(
         source = Path(syscall_filter.__file__).read_text()
         argv = [host.filter_loader[0], "-I", "-c", source, "--", *argv]
     argv = [*session, *argv]
-    if host.scope_why_not == "" and _on_the_nodes_network(view.init_pid):
+    if host.scope_why_not == "" and (held is None or _same_ns(held.fds["net"], "net")):
         python = host.filter_loader[0] if host.filter_loader else sys.executable
         argv = [python, "-I", "-c", Path(landlock.__file__).read_text(), "--", *argv]
-    if view.init_pid is not None:
-        argv = ["nsenter", f"--target={view.init_pid}", "--mount", "--uts", "--ipc", "--net", "--pid",
-                "--", *argv]  # fmt: skip
+    if held is not None:
+        argv = ["nsenter", *(f"{_NSENTER[k]}={held.path(k)}" for k in EXEC_NAMESPACES), "--", *argv]
     cgroups = view.rec.extra.get("cgroup_paths") or view.rec.cgroup or ""
     argv = [*held_as_the_job(view.rec), "/bin/sh", "-c", _JOIN_CGROUPS, "cpool-exec-cgroup", cgroups, *argv]
     return argv, root_side_env(env)
@@ -251,27 +348,35 @@ def connect_in_job(view: JobView, port: int) -> socket.socket:
     """A TCP connection to 127.0.0.1:`port` in the job's own network namespace. Raises ExecRefused."""
     if view.init_pid is None:
         raise ExecRefused("the job has no network namespace of its own on this node: nothing to forward to")
-    try:
-        shared = _ns(view.init_pid, "net") == _ns("self", "net")
-    except OSError as e:
-        raise ExecRefused(f"the job's network namespace is gone: {e.strerror}") from None
-    if shared:
-        raise ExecRefused(
-            "the job uses the node's network (a gang member, or a job given ports): forwarding to "
-            "its loopback would reach the node's own services, so it is refused"
-        )
+    with hold_namespaces(view, ("net",)) as held:
+        if _same_ns(held.fds["net"], "net"):
+            raise ExecRefused(
+                "the job uses the node's network (a gang member, or a job given ports): forwarding to "
+                "its loopback would reach the node's own services, so it is refused"
+            )
+        got = _connect_in(held.fds["net"], port)
+    if isinstance(got, socket.socket):
+        got.settimeout(None)
+        return got
+    if isinstance(got, ConnectionRefusedError):
+        raise ExecRefused(f"nothing listens on port {port} in the job (connection refused)")
+    why = getattr(got, "strerror", None) or str(got)
+    raise ExecRefused(f"cannot connect to port {port} in the job: {why}")
+
+
+def _connect_in(netns: int, port: int) -> socket.socket | BaseException:
+    """A connection to 127.0.0.1:`port` made in the network namespace open as `netns`."""
     out: list[socket.socket | BaseException] = []
 
     def inside() -> None:  # a thread of its own: setns moves only this thread
         libc = ctypes.CDLL(None, use_errno=True)
         try:
             own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            job = os.open(f"/proc/{view.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
             out.append(e)
             return
         try:
-            if libc.setns(job, CLONE_NEWNET) != 0:
+            if libc.setns(netns, CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
                 out.append(OSError(err, os.strerror(err)))
                 return
@@ -284,16 +389,8 @@ def connect_in_job(view: JobView, port: int) -> socket.socket:
                     pass
         finally:
             os.close(own)
-            os.close(job)
 
     t = threading.Thread(target=inside, name="cpool-forward-connect", daemon=True)
     t.start()
     t.join()
-    got = out[0] if out else OSError("no answer")
-    if isinstance(got, socket.socket):
-        got.settimeout(None)
-        return got
-    if isinstance(got, ConnectionRefusedError):
-        raise ExecRefused(f"nothing listens on port {port} in the job (connection refused)")
-    why = getattr(got, "strerror", None) or str(got)
-    raise ExecRefused(f"cannot connect to port {port} in the job: {why}")
+    return out[0] if out else OSError("no answer")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -45,29 +47,106 @@ def child_exited(popen: subprocess.Popen[bytes]) -> bool:
 
 
 def kill_leftovers(rec: JobRecord) -> None:
-    """SIGKILL to whatever the job left: its process group while that group id is still the job's,
-    and every process of its cgroup. Only the job's own group and cgroup are looked at, never the
-    host's process table: this runs at every job's end."""
+    """SIGKILL to whatever the job left: its process group by number while that number provably
+    stays the job's (group_is_ours), and every process of its cgroup. A job without a cgroup whose
+    group number is not provably its own: only the group's members checked through a pidfd to be
+    the job's (signal_members). Never a bare group number whose leader may be gone: that number may
+    be another tenant's group by now."""
+    paths = _cgroup_paths(rec)
     if group_is_ours(rec):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(rec.pgid, signal.SIGKILL)
-    if rec.cgroup:
-        kill_cgroup([Path(p) for p in (rec.extra.get("cgroup_paths") or rec.cgroup).splitlines()])
+    elif not paths:
+        signal_members(rec, signal.SIGKILL)
+    if paths:
+        kill_cgroup(paths)
+
+
+def signal_job(rec: JobRecord, sig: signal.Signals) -> None:
+    """`sig` to the job's processes: its group by number while that is provably the job's, else
+    each member of its cgroup (or of its group, without one) checked through a pidfd first."""
+    if group_is_ours(rec):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rec.pgid, sig)
+        return
+    paths = _cgroup_paths(rec)
+    if not paths:
+        signal_members(rec, sig)
+        return
+    for pid in set().union(*(cgroups.pids(p) for p in paths)):
+        _signal_checked(pid, sig, lambda pid: any(pid in cgroups.pids(p) for p in paths))
 
 
 def group_is_ours(rec: JobRecord) -> bool:
-    """Whether the job's process group id still names the job's group. The leader's pid is the group
-    id: while the leader lives, or is an unreaped zombie (the executor reaps only after this), no
-    other group can have it. Once the pid is free again, a group that still has members keeps the
-    number from being reused, so the members are the job's; a pid that now names another process
-    (another start time) means the number was reused, and the group is left alone."""
+    """Whether the job's process group number is provably the job's until the agent reaps its
+    leader: the leader (its pid is the group's number) is still the job's process (same start
+    time), alive or an unreaped zombie, and the agent's own child, so no one else can reap it and
+    free the number. A job adopted after a restart is not: its leader's new parent may reap it at
+    any moment, and the number then goes to the next process that asks."""
     try:
         leader = psutil.Process(rec.pgid)
-        return rec.pgid == rec.pid and abs(leader.create_time() - rec.create_time) < 0.05
-    except psutil.NoSuchProcess:
-        return rec.pgid > 1
+        return (
+            rec.pgid == rec.pid
+            and abs(leader.create_time() - rec.create_time) < 0.05
+            and leader.ppid() == os.getpid()
+        )
     except psutil.Error:
         return False
+
+
+def signal_members(rec: JobRecord, sig: signal.Signals) -> None:
+    """`sig` to each process of the job's group that is checked, through a pidfd held meanwhile, to
+    be the job's: in the group, of the job's user, started no earlier than the job. Nothing where
+    the job's user is not known or is root (other tenants' root-run steps could match)."""
+    uid = _job_uid(rec)
+    if uid is None or rec.pgid <= 1:
+        return
+    for pid in psutil.pids():
+        _signal_checked(pid, sig, lambda pid: _member(pid, rec, uid))
+
+
+def _member(pid: int, rec: JobRecord, uid: int) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return (
+            os.getpgid(pid) == rec.pgid and p.uids().real == uid and p.create_time() >= rec.create_time - 0.05
+        )
+    except (psutil.Error, OSError):
+        return False
+
+
+def _signal_checked(pid: int, sig: signal.Signals, check: Callable[[int], bool]) -> None:
+    """`sig` to `pid` if `check` says it is the job's. The pidfd is opened before the check: if the
+    process ends (and its pid is taken) after it, the signal goes nowhere (ESRCH), never to the new
+    process."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        if check(pid):
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, sig)
+    finally:
+        os.close(pidfd)
+
+
+def _job_uid(rec: JobRecord) -> int | None:
+    name = rec.extra.get("user")
+    if name:
+        try:
+            uid = pwd.getpwnam(name).pw_uid
+        except KeyError:
+            return None
+    else:
+        uid = os.geteuid()  # an agent that is not root runs every job as itself
+    return uid if uid != 0 else None
+
+
+def _cgroup_paths(rec: JobRecord) -> list[Path]:
+    if not rec.cgroup:
+        return []
+    return [Path(p) for p in (rec.extra.get("cgroup_paths") or rec.cgroup).splitlines() if p]
 
 
 def kill_cgroup(paths: list[Path], wait_s: float = 2.0) -> None:

@@ -221,11 +221,21 @@ class _Exec:
         self._ended = threading.Event()  # the command's first process exited (not yet reaped)
 
     def run(self) -> None:
+        held = None
+        if self.view.init_pid is not None and not self.view.container:
+            held = jobexec.hold_namespaces(self.view)  # never by pid: it may be another job's by now
+        try:
+            self._run(held)
+        finally:
+            if held is not None:
+                held.close()
+
+    def _run(self, held: jobexec.HeldNamespaces | None) -> None:
         env = {"PATH": FIXED_PATH}  # podman's; the command gets the container's own
         if self.view.container:
             argv = jobexec.container_exec_argv(self.view, self.s.command, self.s.tty, self.host)
         else:
-            argv, env = jobexec.exec_argv(self.view, self.host, self.s.command, self.s.tty)
+            argv, env = jobexec.exec_argv(self.view, self.host, self.s.command, self.s.tty, held)
         log.info("relay session %d: exec in %s: %s", self.s.id, self.view.rec.key, jobexec.describe(argv))
         master = -1
         if self.s.tty:
