@@ -10,6 +10,10 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 - refuses every connection to the instance metadata addresses (169.254.0.0/16, 100.100.100.200,
   fd00:ec2::254), which answer with the machine's cloud credentials; its forward chain does
   the same for the tenants' container networks (container_net.py);
+- refuses every connection to those container networks' addresses: their bridges are the node's
+  own, so a job on the node's network reached every port of any tenant's container there, not
+  only the published ones (a published port, translated by the node from its own address, is
+  not refused: its original destination is not a container's);
 - refuses new TCP connections and UDP flows to the node's loopback (127.0.0.0/8, ::1) on a port
   where a system user's service listens there (a database, a cache: any uid but root's and the
   tenants'), or where another tenant's process does (a Jupyter or debug port it thought private).
@@ -226,6 +230,7 @@ table inet {t} {{
     ct state != new accept
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
+    ct original ip daddr @containers4 {refuse}
     ip daddr 127.0.0.0/8 {by_port} @refused {refuse}
     ip6 daddr ::1 {by_port} @refused {refuse}
     ip daddr 127.0.0.0/8 ip daddr . {by_port} @at4 meta skuid . ip daddr . {by_port} != @owned4 {refuse}
