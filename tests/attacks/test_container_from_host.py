@@ -4,9 +4,11 @@ Each tenant's containers given ports sit on an isolated podman network of their 
 (agent/container_net.py): nothing is forwarded between two tenants' networks. But the bridges are
 the node's own interfaces: a process on the node's network (a gang member, a service replica, a
 function worker of a control plane on loopback) reached every port of any container there, the
-unpublished ones too, as the node itself does. The agent's host firewall now refuses the tenants'
-uids any connection to the container networks' addresses; a published port, which the node
-translates to the container, stays as reachable as it is from any host.
+unpublished ones too, as the node itself does; so did every process job with a network of its own,
+through its slirp4netns (a root process on the node's network). The agent's host firewall now
+refuses the tenants' uids and slirp4netns's group any connection to the container networks'
+addresses; a published port, which the node translates to the container, stays as reachable as it
+is from any host.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -54,6 +57,9 @@ for name, host, port in json.loads(sys.argv[1]):
         out[name] = f"errno {e.errno}"
 print(json.dumps(out))
 """
+SLIRP = shutil.which("slirp4netns") or ""
+# the launcher's process stays root and waits, as the job's sandbox does: slirp4netns ends with it
+ROOT_PARENT = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
 PY = "/usr/bin/python3"  # a tenant's uid may not reach the test's own interpreter
 
 
@@ -68,6 +74,36 @@ def _dial(uid: int, targets: list[tuple[str, str, int]]) -> dict[str, str]:
     if uid:
         argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _in_own_network(uid: int, targets: list[tuple[str, str, int]]) -> dict[str, str]:
+    """As a process job with a network of its own: the launcher (root) makes it and starts
+    slirp4netns, then the tenant's command dials through it."""
+    argv = [
+        sys.executable,
+        "-m",
+        "computepool.agent.jobnet",
+        "--own-network",
+        SLIRP,
+        "--",
+        PY,
+        "-c",
+        ROOT_PARENT,
+    ]
+    argv += [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        PY,
+        "-c",
+        DIAL,
+        json.dumps(targets),
+    ]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -112,6 +148,9 @@ def test_a_job_on_the_nodes_network_reaches_no_unpublished_port_of_another_tenan
         assert _dial(0, targets) == {"unpublished": "A-SECRET", "published": "A-SECRET"}
         got_b = _dial(ub, targets)
         assert got_b == {"unpublished": "errno 113", "published": "A-SECRET"}, got_b
+        if SLIRP:  # a process job of B with a network of its own, through slirp4netns (root)
+            got_slirp = _in_own_network(ub, targets[:1])
+            assert got_slirp["unpublished"] != "A-SECRET", got_slirp
     finally:
         for key in podman.all_keys():
             podman.remove(key)

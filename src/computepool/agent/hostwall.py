@@ -13,7 +13,8 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 - refuses every connection to those container networks' addresses: their bridges are the node's
   own, so a job on the node's network reached every port of any tenant's container there, not
   only the published ones (a published port, translated by the node from its own address, is
-  not refused: its original destination is not a container's);
+  not refused: its original destination is not a container's). The same holds for the
+  slirp4netns of every job with a network of its own (root, but in `jobnet.SLIRP_GID`);
 - refuses new TCP connections and UDP flows to the node's loopback (127.0.0.0/8, ::1) on a port
   where a system user's service listens there (a database, a cache: any uid but root's and the
   tenants'), or where another tenant's process does (a Jupyter or debug port it thought private).
@@ -46,6 +47,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from computepool.agent.jobnet import SLIRP_GID
 
 log = logging.getLogger("computepool.agent")
 
@@ -226,6 +229,7 @@ table inet {t} {{
   }}
   chain out {{
     type filter hook output priority filter; policy accept;
+    meta skgid {SLIRP_GID} ct state new ct original ip daddr @containers4 {refuse}
     meta skuid != {uids} accept
     ct state != new accept
     ip daddr @metadata4 {refuse}
