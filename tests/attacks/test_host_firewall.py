@@ -56,6 +56,28 @@ def test_tenants_on_the_nodes_network_reach_neither_system_services_nor_others_l
     assert not got["table left"] and got["after"] == {"system": "reached"}
 
 
+def test_a_listener_on_the_same_port_elsewhere_on_loopback_opens_nothing_of_another_tenants() -> None:
+    lo = random.randrange(64000, 64800, 100)
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, str(PROBE), str(lo), "aliased"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["B"] == {
+        "A v4": "refused",
+        "A v6": "refused",
+        "B v4": "reached",
+        "B v4 on A's v6 port": "reached",
+    }
+    assert got["A"] == {
+        "A v4": "reached",
+        "A v6": "reached",
+        "B v4": "refused",
+        "B v4 on A's v6 port": "refused",
+    }
+
+
 # A function's worker of a control plane on the node's loopback keeps the node's network.
 DIAL = r"""
 import json, os, socket, sys, urllib.request

@@ -106,9 +106,26 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def aliased() -> None:
+    """B listens on A's ports at other loopback addresses (127.0.0.2, the other family), which
+    made each port B's own to the table, then dials A's listeners there."""
+    sh("ip", "link", "set", "lo", "up")
+    wall = HostWall("0123abcd", (LO, LO + 9))
+    assert wall.install() == ""
+    listen(A, "127.0.0.1", 7010)  # A's notebook on 127.0.0.1
+    listen(A, "::1", 7011)  # and one on ::1
+    listen(B, "127.0.0.2", 7010)  # B's own on the same ports elsewhere on loopback
+    listen(B, "127.0.0.1", 7011)
+    wall.refresh()
+    targets = [("A v4", "127.0.0.1", 7010), ("A v6", "::1", 7011)]
+    own = [("B v4", "127.0.0.2", 7010), ("B v4 on A's v6 port", "127.0.0.1", 7011)]
+    print(json.dumps({"A": dial(A, targets + own), "B": dial(B, targets + own)}))
+    wall.close()
+
+
 if __name__ == "__main__":
     try:
-        main()
+        aliased() if sys.argv[2:] == ["aliased"] else main()
     finally:
         for p in LISTENERS:
             p.kill()

@@ -10,11 +10,19 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 - refuses every connection to the instance metadata addresses (169.254.0.0/16, 100.100.100.200,
   fd00:ec2::254), which answer with the machine's cloud credentials; its forward chain does
   the same for the tenants' container networks (container_net.py);
+- refuses every connection to those container networks' addresses: their bridges are the node's
+  own, so a job on the node's network reached every port of any tenant's container there, not
+  only the published ones (a published port, translated by the node from its own address, is
+  not refused: its original destination is not a container's). The same holds for the
+  slirp4netns of every job with a network of its own (root, but in `jobnet.SLIRP_GID`);
 - refuses new TCP connections and UDP flows to the node's loopback (127.0.0.0/8, ::1) on a port
   where a system user's service listens there (a database, a cache: any uid but root's and the
   tenants'), or where another tenant's process does (a Jupyter or debug port it thought private).
   A tenant still reaches its own loopback listeners, root's services (the pool's control plane
   is one; they authenticate: `--protect-ports` refuses named ones too) and DNS (port 53).
+  Tenants' listeners are told apart by bound address and family as well as port: a listener of
+  one's own on the same port at another loopback address (127.0.0.2, ::1) opens nothing of
+  another's; an address and port two tenants hold at once is refused to both.
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
@@ -40,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from computepool.agent.jobnet import SLIRP_GID
+
 log = logging.getLogger("computepool.agent")
 
 REFRESH_S = 2.0
@@ -52,11 +62,14 @@ _TABLE = re.compile(r"^cpool_[0-9a-f]{8}_([0-9]+)$")
 
 @dataclass(frozen=True)
 class Listener:
-    """A socket that takes connections (TCP) or datagrams (UDP) on the node's loopback."""
+    """A socket that takes connections (TCP) or datagrams (UDP) on the node's loopback, for one
+    family: a dual-stack `[::]` listener (or one that may be: /proc does not say) is two."""
 
     proto: str  # "tcp" or "udp"
     port: int
     uid: int
+    family: int = 4  # 4 or 6: the packets that reach it
+    address: str = ""  # the loopback address it is bound to; "" for the wildcard
 
 
 def _address(hexed: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -66,10 +79,13 @@ def _address(hexed: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(raw)
 
 
-def _on_loopback(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+def _reached_as(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[tuple[int, str]]:
+    """(family, address) of the loopback packets a socket bound to `ip` takes ("" = any)."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_unspecified
+    if ip.is_unspecified:
+        return [(4, ""), (6, "")] if ip.version == 6 else [(4, "")]
+    return [(ip.version, str(ip))] if ip.is_loopback else []
 
 
 def loopback_listeners(proc: Path = Path("/proc")) -> set[Listener]:
@@ -92,18 +108,22 @@ def loopback_listeners(proc: Path = Path("/proc")) -> set[Listener]:
                 continue
             with contextlib.suppress(ValueError):
                 addr, port = f[1].rsplit(":", 1)
-                if _on_loopback(_address(addr)):
-                    found.add(Listener(proto, int(port, 16), int(f[7])))
+                for family, bound in _reached_as(_address(addr)):
+                    found.add(Listener(proto, int(port, 16), int(f[7]), family, bound))
     return found
+
+
+Key = tuple[int, str, str, int]  # family, bound address ("" = any), proto, port
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The table's sets: ports refused to every tenant; tenants' ports and who owns each."""
+    """The table's sets: ports refused to every tenant; where tenants listen, and the one
+    tenant uid that may reach each such place (none where two tenants listen there)."""
 
     refused: frozenset[tuple[str, int]]
-    tenant_ports: frozenset[tuple[str, int]]
-    owned: frozenset[tuple[int, str, int]]
+    tenant: frozenset[Key]
+    owner: tuple[tuple[Key, int], ...]
 
 
 def plan(
@@ -111,18 +131,18 @@ def plan(
 ) -> Plan:
     """Who may reach what: a system user's listener (not root, not a tenant) is refused to
     tenants unless its port is exempt (DNS, the control plane's); root's only where protected; a
-    tenant's own listener is refused to the other tenants."""
+    tenant's own listener is refused to the other tenants, by its address as well as its port (a
+    port alone let a tenant open another's listener by listening on that port elsewhere)."""
     lo, hi = uid_range
     refused: set[tuple[str, int]] = set()
-    tenant_ports: set[tuple[str, int]] = set()
-    owned: set[tuple[int, str, int]] = set()
+    owners: dict[Key, set[int]] = {}
     for s in listeners:
         if lo <= s.uid <= hi:
-            tenant_ports.add((s.proto, s.port))
-            owned.add((s.uid, s.proto, s.port))
+            owners.setdefault((s.family, s.address, s.proto, s.port), set()).add(s.uid)
         elif (s.uid != 0 and s.port not in exempt) or (s.uid == 0 and s.port in protect):
             refused.add((s.proto, s.port))
-    return Plan(frozenset(refused), frozenset(tenant_ports), frozenset(owned))
+    owner = tuple(sorted((k, next(iter(u))) for k, u in owners.items() if len(u) == 1))
+    return Plan(frozenset(refused), frozenset(owners), owner)
 
 
 def local_ports(urls: Iterable[str]) -> set[int]:
@@ -194,8 +214,14 @@ table inet {t} {{
   set metadata4 {{ type ipv4_addr; flags interval; elements = {{ {", ".join(METADATA_V4)} }}; }}
   set metadata6 {{ type ipv6_addr; elements = {{ {", ".join(METADATA_V6)} }}; }}
   set refused {{ type inet_proto . inet_service; }}
-  set tenant_ports {{ type inet_proto . inet_service; }}
-  set owned {{ type uid . inet_proto . inet_service; }}
+  set at4 {{ type ipv4_addr . inet_proto . inet_service; }}
+  set owned4 {{ type uid . ipv4_addr . inet_proto . inet_service; }}
+  set at6 {{ type ipv6_addr . inet_proto . inet_service; }}
+  set owned6 {{ type uid . ipv6_addr . inet_proto . inet_service; }}
+  set any4 {{ type inet_proto . inet_service; }}
+  set owned_any4 {{ type uid . inet_proto . inet_service; }}
+  set any6 {{ type inet_proto . inet_service; }}
+  set owned_any6 {{ type uid . inet_proto . inet_service; }}
   set containers4 {{ type ipv4_addr; flags interval; }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
@@ -203,14 +229,18 @@ table inet {t} {{
   }}
   chain out {{
     type filter hook output priority filter; policy accept;
+    meta skgid {SLIRP_GID} ct state new ct original ip daddr @containers4 {refuse}
     meta skuid != {uids} accept
     ct state != new accept
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
+    ct original ip daddr @containers4 {refuse}
     ip daddr 127.0.0.0/8 {by_port} @refused {refuse}
     ip6 daddr ::1 {by_port} @refused {refuse}
-    ip daddr 127.0.0.0/8 {by_port} @tenant_ports meta skuid . {by_port} != @owned {refuse}
-    ip6 daddr ::1 {by_port} @tenant_ports meta skuid . {by_port} != @owned {refuse}
+    ip daddr 127.0.0.0/8 ip daddr . {by_port} @at4 meta skuid . ip daddr . {by_port} != @owned4 {refuse}
+    ip6 daddr ::1 ip6 daddr . {by_port} @at6 meta skuid . ip6 daddr . {by_port} != @owned6 {refuse}
+    ip daddr 127.0.0.0/8 {by_port} @any4 meta skuid . {by_port} != @owned_any4 {refuse}
+    ip6 daddr ::1 {by_port} @any6 meta skuid . {by_port} != @owned_any6 {refuse}
   }}
 }}
 """
@@ -227,12 +257,18 @@ table inet {t} {{
         new = plan(loopback_listeners(self.proc), self.uid_range, exempt, self.protect)
         if new == self._plan:
             return
+        sets: dict[str, set[tuple[object, ...]]] = {"refused": set(new.refused)}
+        for name in ("at4", "owned4", "at6", "owned6", "any4", "owned_any4", "any6", "owned_any6"):
+            sets[name] = set()
+        for family, address, proto, port in new.tenant:
+            at = (address, proto, port) if address else (proto, port)
+            sets[f"at{family}" if address else f"any{family}"].add(at)
+        for (family, address, proto, port), uid in new.owner:
+            sets[f"owned{family}" if address else f"owned_any{family}"].add(
+                (uid, address, proto, port) if address else (uid, proto, port)
+            )
         lines = []
-        for name, items in (
-            ("refused", new.refused),
-            ("tenant_ports", new.tenant_ports),
-            ("owned", new.owned),
-        ):
+        for name, items in sets.items():
             lines.append(f"flush set inet {self.table} {name}")
             if items:
                 lines.append(f"add element inet {self.table} {name} {{ {_elements(items)} }}")

@@ -64,6 +64,11 @@ MTU = 65520
 # ECS task roles at 169.254.170.2) and Alibaba's 100.100.100.200; a job's routes refuse them
 METADATA_NETS = ("169.254.0.0/16", "100.100.100.200/32")
 TAP = "tap0"
+# slirp4netns runs as root (it enters the job's namespace) with this group of its own, which no
+# user has: the host firewall (hostwall.py) tells its connections apart by it and keeps them off
+# the tenants' container networks, whose bridges are the node's own (a job reached any port of
+# another tenant's container at its bridge address through slirp4netns, as root)
+SLIRP_GID = 2147483547
 READY_TIMEOUT_S = 10.0
 SUMMARY = "own network namespace (private loopback; outbound through slirp4netns, not to the node's loopback)"
 _WORKER_ENV = "CPOOL_WORKER_TOKEN"  # a function's worker (CPOOL_ names are the pool's alone)
@@ -235,8 +240,8 @@ def _start_slirp(slirp: str, host_ns: int) -> str:
     try:
         proc = subprocess.Popen(
             slirp_argv(slirp, me, ready_w), pass_fds=(ready_w,), preexec_fn=in_host_network,
-            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, close_fds=True,
+            group=SLIRP_GID, extra_groups=[], start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
         )  # fmt: skip
     except OSError as e:
         os.close(ready_r)
