@@ -245,35 +245,41 @@ def test_memory_limit_kills_and_is_reported(podman: Podman, work: Path) -> None:
 def test_one_tenants_containers_together_stop_at_its_share_of_the_nodes_pids(
     tmp_path: Path, image: str
 ) -> None:
-    """Two containers of one tenant share its cgroup's pids.max (30): together they start fewer
-    threads than that, though each container's own limit is far higher."""
+    """A tenant's container stops at its tenant's share (30), far below its own limit; while it holds
+    that, another tenant's container still starts 20 threads."""
     podman = Podman(tmp_path / "agent", node_name="test-node", tenant_pids=30)
-    code = (
+    fill = (
         "import threading, time, sys\nheld = []\n"
         "try:\n    while len(held) < 500:\n"
-        "        t = threading.Thread(target=time.sleep, args=(30,), daemon=True)\n"
+        "        t = threading.Thread(target=time.sleep, args=(60,), daemon=True)\n"
         "        t.start(); held.append(t)\n"
         "except RuntimeError:\n    pass\n"
-        "print(len(held), flush=True)\nopen(sys.argv[1], 'w').write(str(len(held)))\ntime.sleep(30)\n"
+        "open(sys.argv[1], 'w').write(str(len(held)))\ntime.sleep(60)\n"
     )
-    procs, outs = [], []
+    twenty = (
+        "import threading, time\nts = [threading.Thread(target=time.sleep, args=(0.2,)) for _ in range(20)]\n"
+    )
+    twenty += "[t.start() for t in ts]\n[t.join() for t in ts]\nprint('ok')"
+    procs = []
     try:
-        for attempt in (1, 2):
-            d = tmp_path / f"run{attempt}" / "work"
-            d.mkdir(parents=True)
-            os.chown(d, UID, UID)
-            s = spec(["python3", "-c", code, "/work/held"], attempt=attempt, memory_mib=256)
-            argv = podman.run_argv(s, d, UID, UID)
-            assert any(a.startswith("--cgroup-parent=/computepool-containers/") for a in argv), argv
-            procs.append(
-                subprocess.Popen(argv, env={}, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            )
-            outs.append(d / "held")
-        deadline = time.monotonic() + 90
-        while not all(o.exists() and o.read_text() for o in outs) and time.monotonic() < deadline:
+        d = tmp_path / "run1" / "work"
+        d.mkdir(parents=True)
+        os.chown(d, UID, UID)
+        s = spec(["python3", "-c", fill, "/work/held"], attempt=1, memory_mib=256)
+        argv = podman.run_argv(s, d, UID, UID)
+        assert any(a.startswith("--cgroup-parent=/computepool-containers/") for a in argv), argv
+        procs.append(subprocess.Popen(argv, env={}, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 120
+        while not ((d / "held").exists() and (d / "held").read_text()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        held = [int(o.read_text()) for o in outs]
-        assert sum(held) < 30, held
+        assert 0 < int((d / "held").read_text()) < 30  # its own --pids-limit is 4096
+        other = JobSpec("b7", 1, ["python3", "-c", twenty], tenant="beta", image=IMAGE, memory_mib=256)
+        d2 = tmp_path / "run2" / "work"
+        d2.mkdir(parents=True)
+        os.chown(d2, UID + 1, UID + 1)
+        argv = podman.run_argv(other, d2, UID + 1, UID + 1)
+        done = subprocess.run(argv, env={}, cwd=d2, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     finally:
         for key in podman.all_keys():
             podman.remove(key)
