@@ -4,6 +4,7 @@ devices report no use in heartbeats; use lifts the warning (SQLite and PostgreSQ
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -25,9 +26,9 @@ class Passes:
         self.reclaimer: Reclaimer = api.app.state.reclaimer
         self.reclaimer.auto = False
 
-    def run_once(self) -> ReclaimReport:
+    def run_once(self, now: datetime | None = None) -> ReclaimReport:
         self.api.app.state.controller.acquire()
-        return self.reclaimer.run_once()
+        return self.reclaimer.run_once(now)
 
 
 def reclaimer(api: Api) -> Passes:
@@ -58,6 +59,14 @@ def metric(api: Api, name: str, tenant: str) -> float:
 def test_idle_allocations_are_warned_then_released_and_use_lifts_the_warning(api: Api) -> None:
     manual(api)
     rec = reclaimer(api)
+    # the passes' own clock (the heartbeats say only whether a device was used): a busy host's slow
+    # steps would otherwise add to the idle time and release where a warning was due
+    clock = [datetime.now(UTC)]
+
+    def later(seconds: float) -> datetime:
+        clock[0] += timedelta(seconds=seconds)
+        return clock[0]
+
     api.tenant("other")
     node = join(api, "n1", devices=4)
     assert api.ok("GET", RECLAIM.format("default"))["enabled"] is False  # off by default
@@ -76,10 +85,10 @@ def test_idle_allocations_are_warned_then_released_and_use_lifts_the_warning(api
         beat(api, node, {d_idle: idle_use, d_comp: (900, 40.0), d_copy: (100 * step, 0.0), d_other: (0, 0.0)})
 
     beat_all((0, 0.0), 1)
-    assert rec.run_once().warned == []  # idle from now on
-    time.sleep(1.1)
+    assert rec.run_once(clock[0]).warned == []  # idle from now on
+    later(1.1)
     beat_all((0, 0.0), 2)
-    report = rec.run_once()
+    report = rec.run_once(clock[0])
     assert report.warned == [idle["id"]] and report.ended == []
     warned = get(api, idle["id"])
     assert warned["state"] == "bound" and warned["reason"].startswith("idle: no device use for 1s")
@@ -90,22 +99,22 @@ def test_idle_allocations_are_warned_then_released_and_use_lifts_the_warning(api
     assert metric(api, "cpool_idle_warnings_total", "default") == 1
     # used again before the release: the warning is lifted
     beat_all((2048, 35.0), 3)
-    report = rec.run_once()
+    report = rec.run_once(clock[0])
     assert report.warned == [idle["id"]] and report.ended == []
     assert get(api, idle["id"])["reason"] == "in use again: idle reclaim called off"
     assert metric(api, "cpool_idle_warned_allocations", "default") == 0
     # idle again: warned afresh, then released once idle for the whole policy time
     beat_all((2048, 0.0), 4)
-    rec.run_once()
-    time.sleep(1.1)
+    rec.run_once(clock[0])
+    later(1.1)
     beat_all((2048, 0.0), 5)
-    assert rec.run_once().warned == [idle["id"]]
-    time.sleep(1.0)
+    assert rec.run_once(clock[0]).warned == [idle["id"]]
+    later(1.0)
     beat_all((2048, 0.0), 6)
-    assert rec.run_once().ended == []  # idle 2 s of 3
-    time.sleep(1.1)
+    assert rec.run_once(clock[0]).ended == []  # idle 2 s of 3
+    later(1.1)
     beat_all((2048, 0.0), 7)
-    report = rec.run_once()
+    report = rec.run_once(clock[0])
     assert report.ended == [idle["id"]]
     released = get(api, idle["id"])
     assert released["state"] == "released"
