@@ -62,12 +62,16 @@ PREPARING = Readiness(False)
 
 
 class _TurnQueue:
-    """A queue whose items are taken from its tenants in turn (FIFO within a tenant)."""
+    """A queue whose items are taken from its tenants in turn (FIFO within a tenant): the tenant
+    served longest ago goes first, so one whose item was just taken waits behind another tenant
+    with items, even where its next item arrived first."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: dict[str, deque[_Task | None]] = {}
         self._turns: deque[str] = deque()  # the tenants with items, in the order of their next turn
+        self._served: dict[str, int] = {}  # when each tenant's item was last taken (a count)
+        self._taken = 0
 
     def put(self, tenant: str, item: _Task | None) -> None:
         with self._cond:
@@ -81,7 +85,9 @@ class _TurnQueue:
         with self._cond:
             while not self._turns:
                 self._cond.wait()
-            tenant = self._turns.popleft()
+            tenant = min(self._turns, key=lambda t: self._served.get(t, -1))
+            self._turns.remove(tenant)
+            self._served[tenant], self._taken = self._taken, self._taken + 1
             items = self._items[tenant]
             item = items.popleft()
             if items:
