@@ -115,7 +115,9 @@ def test_a_job_books_its_device_share_and_energy_and_idle_devices_go_to_the_pool
     ok(env, "prices", "set", model, "3.6")
     assert api.http.put("/api/v1/prices/energy-kwh", json={"amount": 0.2}).status_code == 200
     row = next(r for r in api_usage(api, "job") if r["job"] == "burn")
-    assert row["cost"] == pytest.approx(row["gpu_hours"] * 3.6 + row["energy_kwh"] * 0.2, abs=2e-6)
+    # cost is priced from the unrounded figures; each of the three is shown to six digits
+    rounding = 5e-7 * (3.6 + 0.2 + 1)
+    assert row["cost"] == pytest.approx(row["gpu_hours"] * 3.6 + row["energy_kwh"] * 0.2, abs=rounding)
     lines = ok(env, "usage", "--by", "job", "--csv").stdout.splitlines()
     assert (
         lines[0]

@@ -344,8 +344,10 @@ def test_an_idle_head_notices_its_rpc_server_gone_and_exits(
 
 
 def tcp_rows(table: str) -> list[list[str]]:
-    """The rows of a /proc/.../net/tcp table, split in columns."""
-    return [line.split() for line in Path(table).read_text().splitlines()[1:]]
+    """The rows of a /proc/.../net/tcp table, split in columns: those of three reads, since a read
+    can miss a row while other sockets of the host come and go."""
+    rows = {line for _ in range(3) for line in Path(table).read_text().splitlines()[1:]}
+    return [line.split() for line in rows]
 
 
 def socket_inodes(pid: int) -> set[str]:

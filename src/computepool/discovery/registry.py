@@ -105,7 +105,7 @@ class Target:
     instance: str
     address: str
     port: int
-    measured: bool  # a link measurement was already recorded for this instance
+    measured: bool  # both link figures were recorded for this instance (a half is tried again soon)
 
 
 class Registry:
@@ -234,7 +234,8 @@ class Registry:
                 if node_id == self._node_id or self._duplicates(node_id, node, now)[0]:
                     continue
                 inst = _newest(node)
-                out.append(Target(node_id, inst.instance, inst.address, inst.port, inst.rtt_ms is not None))
+                measured = inst.rtt_ms is not None and inst.bandwidth_mbps is not None
+                out.append(Target(node_id, inst.instance, inst.address, inst.port, measured))
             return out
 
     def snapshot(self, now: float) -> list[PeerView]:

@@ -184,29 +184,21 @@ def serve_relay(listener: socket.socket, secret: bytes, inner: tuple[str, int]) 
             conn.close()
 
 
-def socket_inodes() -> set[str]:
-    """The inodes of this process's sockets."""
-    found: set[str] = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/self/fd/{fd}")
-            if link.startswith("socket:["):
-                found.add(link[8:-1])
-    return found
-
-
-def hexaddr(host: str, port: int) -> str:
-    """An IPv4 address as /proc/net/tcp writes it."""
-    return f"{int.from_bytes(socket.inet_aton(host), 'little'):08X}:{port:04X}"
-
-
 def own_client(peer: tuple[str, int], listening: tuple[str, int]) -> bool:
-    """Whether the connection from `peer` to `listening` was opened by this very process."""
-    mine, theirs = hexaddr(*peer), hexaddr(*listening)
-    with open("/proc/self/net/tcp") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    inodes = socket_inodes()
-    return any(c[1] == mine and c[2] == theirs and c[9] in inodes for c in rows)
+    """Whether the connection from `peer` to `listening` was opened by this very process: one of its
+    own descriptors is that connection's other end. Asked of each descriptor (through a duplicate),
+    not read from /proc/net/tcp, whose rows can go missing while other sockets come and go."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if not link.startswith("socket:["):
+                continue
+            with socket.socket(fileno=os.dup(int(fd))) as s:
+                if s.family == socket.AF_INET and s.getsockname() == peer and s.getpeername() == listening:
+                    return True
+        except OSError:  # closed meanwhile, or not connected: not this one
+            continue
+    return False
 
 
 def keep_alive(sock: socket.socket) -> None:
