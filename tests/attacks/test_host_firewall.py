@@ -98,6 +98,38 @@ LISTEN = (
 LISTEN += "while True:\n    c = s.accept()[0]\n    c.sendall(b'DB-SECRET')\n    c.close()\n"
 
 
+def test_the_nodes_other_addresses_slirp_and_foreign_bridges_are_held_too() -> None:
+    """Through the node's LAN address a job on the node reached a database listening on every
+    address (or on that one); slirp4netns (root, for any tenant's job) reached those and other
+    tenants' listeners; a `[::]` listener taking IPv6 alone cut its port's owner off over IPv4;
+    and a container on a bridge another agent made was reached at its own address."""
+    lo = random.randrange(64000, 64800, 100)
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, str(PROBE), str(lo), "lan"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(got["before"].values()) == {"reached"}
+    assert set(got["before slirp"].values()) == {"reached"}
+    assert got["A"] == {
+        "system": "refused",
+        "system on the LAN address": "refused",
+        "A's": "reached",
+        "root": "reached",
+        "A's v4 beside B's v6-only": "reached",  # B's socket takes IPv6 alone: the port is A's
+        "container": "refused",
+        "published": "reached",  # a published port is the container's front door
+    }
+    assert got["B"] == {**got["A"], "A's": "refused", "A's v4 beside B's v6-only": "refused"}
+    assert got["root"] == got["before"]
+    assert got["slirp"] == {
+        **got["B"],
+        "A's v4 beside B's v6-only": "refused",  # for whichever tenant: every tenant's listener
+        "system on loopback": "refused",
+    }
+
+
 def test_a_root_agents_worker_on_the_nodes_network_does_not_reach_a_system_users_service() -> None:
     from e2e_helpers import JOB_PYTHON, wait_for
     from job_node import job_node

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from computepool.agent.hostwall import HostWall
+from computepool.agent.jobnet import SLIRP_GID
 
 LO = int(sys.argv[1])  # tenants' uids: LO (tenant A) and LO + 1 (tenant B); LO + 50 a system user
 A, B, SYSTEM = LO, LO + 1, LO + 50
@@ -32,7 +33,11 @@ print(json.dumps(out))
 LISTEN = """
 import socket, sys, time
 family = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
-s = socket.create_server((sys.argv[1], int(sys.argv[2])), family=family)
+s = socket.socket(family)
+if sys.argv[3:] == ["v6only"]:
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen()
 print("up", flush=True)
 time.sleep(600)
 """
@@ -50,16 +55,18 @@ def as_uid(uid: int, *argv: str) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
 
 
-def listen(uid: int, host: str, port: int) -> subprocess.Popen[str]:
-    argv = as_uid(uid, PY, "-c", LISTEN, host, str(port))
+def listen(uid: int, host: str, port: int, *flags: str) -> subprocess.Popen[str]:
+    argv = as_uid(uid, PY, "-c", LISTEN, host, str(port), *flags)
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     LISTENERS.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "up", p.communicate()[1]
     return p
 
 
-def dial(uid: int, targets: list[tuple[str, str, int]]) -> dict[str, str]:
+def dial(uid: int, targets: list[tuple[str, str, int]], gid: int | None = None) -> dict[str, str]:
     argv = [PY, "-c", DIAL, json.dumps(targets)]
+    if gid is not None:  # root in another group: slirp4netns's
+        argv = ["setpriv", f"--regid={gid}", "--clear-groups", *argv]
     out = subprocess.run(as_uid(uid, *argv) if uid else argv, capture_output=True, text=True, check=True)
     return dict(json.loads(out.stdout))
 
@@ -123,9 +130,66 @@ def aliased() -> None:
     wall.close()
 
 
+CONTAINER = """
+import socket, time
+s = socket.create_server(("0.0.0.0", 7030))
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def lan() -> None:
+    """The node's other addresses, slirp4netns's connections, a `[::]` listener that takes IPv6
+    alone, and a container behind a podman bridge no agent of this table made."""
+    sh("ip", "link", "set", "lo", "up")
+    sh("ip", "link", "add", "eth7", "type", "veth", "peer", "name", "eth7p")  # the node's LAN
+    sh("ip", "addr", "add", "10.77.0.1/24", "dev", "eth7")
+    sh("ip", "link", "set", "eth7", "up")
+    box = subprocess.Popen(["unshare", "--net", PY, "-c", CONTAINER], stdout=subprocess.PIPE, text=True)
+    LISTENERS.append(box)  # a container in a namespace of its own, behind the bridge "podman7"
+    assert box.stdout is not None and box.stdout.readline().strip() == "up"
+    sh("ip", "link", "add", "podman7", "type", "veth", "peer", "name", "ctr0")
+    sh("ip", "link", "set", "ctr0", "netns", str(box.pid))
+    sh("ip", "addr", "add", "10.88.7.1/24", "dev", "podman7")
+    sh("ip", "link", "set", "podman7", "up")
+    inside = ["nsenter", "-t", str(box.pid), "-n", "ip"]
+    sh(*inside, "addr", "add", "10.88.7.2/24", "dev", "ctr0")
+    sh(*inside, "link", "set", "ctr0", "up")
+    sh(*inside, "link", "set", "lo", "up")
+    sh(*inside, "route", "add", "default", "via", "10.88.7.1")  # answers to the node's other address
+    nat = "table ip probe_nat {\n chain out {\n  type nat hook output priority -100; policy accept;\n"
+    nat += "  ip daddr 10.77.0.1 tcp dport 7031 dnat to 10.88.7.2:7030\n }\n}\n"
+    subprocess.run(["nft", "-f", "-"], input=nat, text=True, check=True)  # the container's published port
+    listen(SYSTEM, "0.0.0.0", 7020)  # a database on every address of the node
+    listen(SYSTEM, "10.77.0.1", 7021)  # one on the LAN address alone
+    listen(A, "0.0.0.0", 7022)  # tenant A's notebook on every address
+    root_svc = socket.create_server(("0.0.0.0", 7023))  # root's (a control plane)
+    listen(A, "0.0.0.0", 7024)  # A's own on IPv4 ...
+    listen(B, "::", 7024, "v6only")  # ... and B's on the same port, IPv6 alone
+    lan = [
+        ("system", "10.77.0.1", 7020),
+        ("system on the LAN address", "10.77.0.1", 7021),
+        ("A's", "10.77.0.1", 7022),
+        ("root", "10.77.0.1", 7023),
+        ("A's v4 beside B's v6-only", "127.0.0.1", 7024),
+        ("container", "10.88.7.2", 7030),
+        ("published", "10.77.0.1", 7031),
+    ]
+    slirp = [*lan, ("system on loopback", "127.0.0.1", 7020)]
+    out: dict[str, object] = {"before": dial(B, lan), "before slirp": dial(0, slirp, SLIRP_GID)}
+    wall = HostWall("0123abcd", (LO, LO + 9))
+    assert wall.install() == ""
+    out["A"], out["B"], out["root"] = dial(A, lan), dial(B, lan), dial(0, lan)
+    out["slirp"] = dial(0, slirp, SLIRP_GID)
+    wall.close()
+    root_svc.close()
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     try:
-        aliased() if sys.argv[2:] == ["aliased"] else main()
+        mode = sys.argv[2:3]
+        lan() if mode == ["lan"] else aliased() if mode == ["aliased"] else main()
     finally:
         for p in LISTENERS:
             p.kill()

@@ -10,26 +10,32 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 - refuses every connection to the instance metadata addresses (169.254.0.0/16, 100.100.100.200,
   fd00:ec2::254), which answer with the machine's cloud credentials; its forward chain does
   the same for the tenants' container networks (container_net.py);
-- refuses every connection to those container networks' addresses: their bridges are the node's
-  own, so a job on the node's network reached every port of any tenant's container there, not
-  only the published ones (a published port, translated by the node from its own address, is
-  not refused: its original destination is not a container's). The same holds for the
-  slirp4netns of every job with a network of its own (root, but in `jobnet.SLIRP_GID`);
-- refuses new TCP connections and UDP flows to the node's loopback (127.0.0.0/8, ::1) on a port
-  where a system user's service listens there (a database, a cache: any uid but root's and the
-  tenants'), or where another tenant's process does (a Jupyter or debug port it thought private).
-  A tenant still reaches its own loopback listeners, root's services (the pool's control plane
+- refuses every connection to containers' addresses: a container network's bridge is the
+  node's own, so a job on the node's network reached every port of any tenant's container there,
+  not only the published ones. Its own networks' subnets are refused, and every podman bridge
+  (`podman*`, `cni-podman*`: other agents' and other pools' networks too) unless the connection
+  is to a published port (translated by the node from its own address: `ct status dnat`);
+- refuses new TCP connections and UDP flows to any of the node's own addresses (loopback and
+  the others: `fib daddr type local`) on a port where a system user's service listens there (a
+  database, a cache: any uid but root's and the tenants'), or where another tenant's process does
+  (a Jupyter or debug port it thought private). A job on the node is the node itself to such a
+  service, which often trusts it for that (a `samehost` rule), so its LAN address is refused like
+  127.0.0.1. A tenant still reaches its own listeners, root's services (the pool's control plane
   is one; they authenticate: `--protect-ports` refuses named ones too) and DNS (port 53).
   Tenants' listeners are told apart by bound address and family as well as port: a listener of
-  one's own on the same port at another loopback address (127.0.0.2, ::1) opens nothing of
-  another's; an address and port two tenants hold at once is refused to both.
+  one's own on the same port at another address (127.0.0.2, ::1) opens nothing of another's; an
+  address and port two tenants hold at once is refused to both. A `[::]` listener that takes
+  IPv6 alone (`IPV6_V6ONLY`, which /proc does not show: read through `ss` when a tenant has one)
+  holds only IPv6;
+- does the same for slirp4netns, the user-mode network of every job with a network of its own
+  (root, but in `jobnet.SLIRP_GID`): it connects for whichever tenant's job, so every system
+  user's and tenant's listener on the node's addresses and every container is refused to it.
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
-starts listening is refused to tenants within that long. Only loopback-bound or wildcard
-listeners count: one on the node's other addresses is as reachable from any host of its network,
-which is the network's firewall's business. The table goes when the agent stops; one a killed
-agent left is removed by the next agent to start on the host (its pid, in the name, is gone).
+starts listening is refused to tenants within that long. The table goes when the agent stops; one
+a killed agent left is removed by the next agent to start on the host (its pid, in the name, is
+gone).
 """
 
 from __future__ import annotations
@@ -58,18 +64,20 @@ METADATA_V6 = ("fd00:ec2::254",)
 DNS_PORT = 53
 _LISTEN, _UNCONNECTED = "0A", "07"  # TCP_LISTEN; a bound UDP socket (TCP_CLOSE) in /proc/net/udp
 _TABLE = re.compile(r"^cpool_[0-9a-f]{8}_([0-9]+)$")
+_INODE = re.compile(r"\bino:([0-9]+)")
+BRIDGES = ("podman*", "cni-podman*")  # the bridges of podman's networks (netavark, CNI)
 
 
 @dataclass(frozen=True)
 class Listener:
-    """A socket that takes connections (TCP) or datagrams (UDP) on the node's loopback, for one
-    family: a dual-stack `[::]` listener (or one that may be: /proc does not say) is two."""
+    """A socket that takes connections (TCP) or datagrams (UDP) on one of the node's addresses, for
+    one family: a dual-stack `[::]` listener is two."""
 
     proto: str  # "tcp" or "udp"
     port: int
     uid: int
     family: int = 4  # 4 or 6: the packets that reach it
-    address: str = ""  # the loopback address it is bound to; "" for the wildcard
+    address: str = ""  # the address it is bound to; "" for the wildcard
 
 
 def _address(hexed: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -79,19 +87,43 @@ def _address(hexed: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(raw)
 
 
-def _reached_as(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[tuple[int, str]]:
-    """(family, address) of the loopback packets a socket bound to `ip` takes ("" = any)."""
+def _reached_as(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address, v6only: bool = False
+) -> list[tuple[int, str]]:
+    """(family, address) of the packets a socket bound to `ip` takes ("" = any)."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if ip.is_unspecified:
-        return [(4, ""), (6, "")] if ip.version == 6 else [(4, "")]
-    return [(ip.version, str(ip))] if ip.is_loopback else []
+        return [(6, "")] if v6only else [(4, ""), (6, "")] if ip.version == 6 else [(4, "")]
+    return [(ip.version, str(ip))]
 
 
-def loopback_listeners(proc: Path = Path("/proc")) -> set[Listener]:
-    """The TCP LISTEN and bound UDP sockets a connection to the node's loopback reaches (bound
-    to a loopback address or to a wildcard), with their owners, in the reader's namespace."""
-    found: set[Listener] = set()
+def v6only_inodes(ss: str | None = None) -> set[int] | None:
+    """The inodes of this namespace's listening sockets that take IPv6 alone, from iproute2's `ss`
+    (its socket diagnostics carry the flag /proc/net leaves out); None when it cannot tell."""
+    ss = ss or shutil.which("ss") or ""
+    if not ss:
+        return None
+    try:
+        done = subprocess.run(
+            [ss, "-H", "-l", "-n", "-e", "-t", "-u", "-6"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    found = set()
+    for line in done.stdout.splitlines():
+        if "v6only:1" in line and (m := _INODE.search(line)):
+            found.add(int(m.group(1)))
+    return found
+
+
+def local_listeners(proc: Path = Path("/proc"), uid_range: tuple[int, int] | None = None) -> set[Listener]:
+    """The TCP LISTEN and bound UDP sockets a connection to one of the node's addresses reaches,
+    with their owners, in the reader's namespace. Whether a tenant's (in `uid_range`) `[::]`
+    listener takes IPv4 too is asked of `ss`; any other `[::]` counts for both families."""
+    rows: list[tuple[str, bool, list[str]]] = []
     for table, proto, state in (
         ("tcp", "tcp", _LISTEN),
         ("tcp6", "tcp", _LISTEN),
@@ -102,14 +134,19 @@ def loopback_listeners(proc: Path = Path("/proc")) -> set[Listener]:
             lines = (proc / "net" / table).read_text().splitlines()[1:]
         except OSError:  # no IPv6 on this node
             continue
-        for line in lines:
-            f = line.split()
-            if len(f) < 8 or f[3] != state:
-                continue
-            with contextlib.suppress(ValueError):
-                addr, port = f[1].rsplit(":", 1)
-                for family, bound in _reached_as(_address(addr)):
-                    found.add(Listener(proto, int(port, 16), int(f[7]), family, bound))
+        rows += [
+            (proto, table.endswith("6"), f) for f in map(str.split, lines) if len(f) >= 10 and f[3] == state
+        ]
+    lo, hi = uid_range or (1, 0)
+    ask = any(six and set(f[1].rsplit(":", 1)[0]) == {"0"} and f[7].isdigit() and lo <= int(f[7]) <= hi
+              for _, six, f in rows)  # fmt: skip
+    v6only = (v6only_inodes() or set()) if ask else set()
+    found: set[Listener] = set()
+    for proto, _six, f in rows:
+        with contextlib.suppress(ValueError):
+            addr, port = f[1].rsplit(":", 1)
+            for family, bound in _reached_as(_address(addr), int(f[9]) in v6only):
+                found.add(Listener(proto, int(port, 16), int(f[7]), family, bound))
     return found
 
 
@@ -207,6 +244,8 @@ class HostWall:
         t = self.table
         refuse = "reject with icmpx admin-prohibited"  # the call fails at once (EHOSTUNREACH)
         by_port = "meta l4proto . th dport"
+        # a published port's connection is translated to the container's address: that one may pass
+        bridges = "\n".join(f'    oifname "{b}" ct status & dnat == 0 {refuse}' for b in BRIDGES)
         script = f"""
 table inet {t} {{}}
 delete table inet {t}
@@ -227,20 +266,31 @@ table inet {t} {{
     type filter hook forward priority filter; policy accept;
     ip saddr @containers4 ip daddr @metadata4 {refuse}
   }}
+  chain slirp {{
+    ip daddr @metadata4 {refuse}
+    ip6 daddr @metadata6 {refuse}
+    ct original ip daddr @containers4 {refuse}
+{bridges}
+    fib daddr type local {by_port} @refused {refuse}
+    fib daddr type local ip daddr . {by_port} @at4 {refuse}
+    fib daddr type local ip6 daddr . {by_port} @at6 {refuse}
+    meta nfproto ipv4 fib daddr type local {by_port} @any4 {refuse}
+    meta nfproto ipv6 fib daddr type local {by_port} @any6 {refuse}
+  }}
   chain out {{
     type filter hook output priority filter; policy accept;
-    meta skgid {SLIRP_GID} ct state new ct original ip daddr @containers4 {refuse}
+    meta skgid {SLIRP_GID} ct state new jump slirp
     meta skuid != {uids} accept
     ct state != new accept
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
     ct original ip daddr @containers4 {refuse}
-    ip daddr 127.0.0.0/8 {by_port} @refused {refuse}
-    ip6 daddr ::1 {by_port} @refused {refuse}
-    ip daddr 127.0.0.0/8 ip daddr . {by_port} @at4 meta skuid . ip daddr . {by_port} != @owned4 {refuse}
-    ip6 daddr ::1 ip6 daddr . {by_port} @at6 meta skuid . ip6 daddr . {by_port} != @owned6 {refuse}
-    ip daddr 127.0.0.0/8 {by_port} @any4 meta skuid . {by_port} != @owned_any4 {refuse}
-    ip6 daddr ::1 {by_port} @any6 meta skuid . {by_port} != @owned_any6 {refuse}
+{bridges}
+    fib daddr type local {by_port} @refused {refuse}
+    fib daddr type local ip daddr . {by_port} @at4 meta skuid . ip daddr . {by_port} != @owned4 {refuse}
+    fib daddr type local ip6 daddr . {by_port} @at6 meta skuid . ip6 daddr . {by_port} != @owned6 {refuse}
+    meta nfproto ipv4 fib daddr type local {by_port} @any4 meta skuid . {by_port} != @owned_any4 {refuse}
+    meta nfproto ipv6 fib daddr type local {by_port} @any6 meta skuid . {by_port} != @owned_any6 {refuse}
   }}
 }}
 """
@@ -254,7 +304,7 @@ table inet {t} {{
     def refresh(self) -> None:
         """Read who listens now; replace the sets in one transaction if that changed."""
         exempt = {DNS_PORT, *self.exempt_ports()}
-        new = plan(loopback_listeners(self.proc), self.uid_range, exempt, self.protect)
+        new = plan(local_listeners(self.proc, self.uid_range), self.uid_range, exempt, self.protect)
         if new == self._plan:
             return
         sets: dict[str, set[tuple[object, ...]]] = {"refused": set(new.refused)}
