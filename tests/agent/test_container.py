@@ -12,11 +12,13 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from computepool.agent import cgroups
 from computepool.agent.container import ContainerError, Podman
 from computepool.agent.devfiles import mig_cap_nodes
 from computepool.agent.executor import JobSpec
@@ -287,6 +289,75 @@ def test_one_tenants_containers_together_stop_at_its_share_of_the_nodes_pids(
             p.kill()
             p.wait()
     assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/*/{podman.name('a7#1')}"))
+
+
+def test_a_tenants_containers_and_process_jobs_share_one_cap_within_the_agents_budget(
+    tmp_path: Path, image: str
+) -> None:
+    """Beside the agent's job cgroups a container's parent is in its tenant's directory there: what
+    a process job of the tenant holds of its 30 the tenant's container cannot have (a tree of the
+    containers' own gave it 30 more), and the agent's whole budget holds both."""
+    base = Path(f"/sys/fs/cgroup/computepool-test-{uuid.uuid4().hex[:8]}")
+    jobs = cgroups.detect(base / "node", tenant_pids=30)
+    if not isinstance(jobs, cgroups.CgroupV1) or not jobs.usable()[0]:
+        pytest.skip("needs a writable cgroup v1 hierarchy (this host's kind)")
+    podman = Podman(tmp_path / "agent", node_name="test-node", tenant_pids=30, job_cgroups=jobs)
+    hold = (
+        "import sys, threading, time\nsys.stdin.readline()\n"
+        "ts = [threading.Thread(target=time.sleep, args=(60,), daemon=True) for _ in range(8)]\n"
+        "[t.start() for t in ts]\nprint('held', flush=True)\ntime.sleep(60)\n"
+    )
+    fill = (
+        "import threading, time, sys\nheld = []\n"
+        "try:\n    while len(held) < 500:\n"
+        "        t = threading.Thread(target=time.sleep, args=(60,), daemon=True)\n"
+        "        t.start(); held.append(t)\n"
+        "except RuntimeError:\n    pass\n"
+        "open(sys.argv[1], 'w').write(str(len(held)))\ntime.sleep(60)\n"
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        job = jobs.create("a6.1", 0, 0, group=cgroups.tenant_group("acme"))
+        proc = subprocess.Popen(
+            ["python3", "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        procs.append(proc)
+        for d in job.paths:
+            (d / "cgroup.procs").write_text(str(proc.pid))
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"held"
+        tenant_dir = jobs.root / "pids" / jobs.base_name / cgroups.tenant_group("acme")
+        used = int((tenant_dir / "pids.current").read_text())  # the process job's
+        assert used >= 9
+        d = tmp_path / "run1" / "work"
+        d.mkdir(parents=True)
+        os.chown(d, UID, UID)
+        argv = podman.run_argv(spec(["python3", "-c", fill, "/work/held"], memory_mib=256), d, UID, UID)
+        parent = f"--cgroup-parent=/{base.name}/node/{cgroups.tenant_group('acme')}/{podman.name('a7#1')}.ctr"
+        assert parent in argv, argv
+        procs.append(subprocess.Popen(argv, env={}, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 120
+        while not ((d / "held").exists() and (d / "held").read_text()) and time.monotonic() < deadline:
+            assert procs[-1].poll() is None, procs[-1].communicate()[1][-2000:]
+            time.sleep(0.1)
+        assert 0 < int((d / "held").read_text()) < 30 - used  # the tenant's 30, less the process job's
+    finally:
+        for key in podman.all_keys():
+            podman.remove(key)
+        for p in procs:
+            p.kill()
+            p.wait()
+        for c in ("memory", "cpu", "pids", "cpuacct", "blkio", "devices", "freezer", "cpuset", "net_cls"):
+            top = Path("/sys/fs/cgroup") / c / base.name
+            below = (
+                sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+                if top.is_dir()
+                else []
+            )
+            cgroups.remove([*below, top] if top.is_dir() else [])
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/{base.name}/node/t-*/{podman.name('a7#1')}.ctr"))
 
 
 def test_no_job_can_list_the_containers_cgroups(podman: Podman, work: Path) -> None:

@@ -305,6 +305,7 @@ def test_container_removed_after_the_job_ends(node: Node, tenants: list[str]) ->
     wait_for("the container to be removed", lambda: name not in _container_names(), 30)
     assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/{name}"))
     assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool-containers/*/{name}"))  # below its tenant's
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/computepool/*/t-*/{name}.ctr"))  # beside its jobs
 
 
 def test_bench_jobs_with_an_image_runs_containers(image: str) -> None:

@@ -147,6 +147,11 @@ class CgroupV2:
             (path / "pids.max").write_text(str(self.tenant_pids))
         return path
 
+    def tenant_dir(self, group: str) -> Path | None:
+        """The tenant's directory, made as for its jobs, for its containers' parents too
+        (container_cgroups.py); None when this base is unusable."""
+        return self._group(group) if self.usable()[0] else None
+
     def create(
         self,
         name: str,
@@ -224,12 +229,7 @@ class CgroupV1:
         group: str = "",
     ) -> JobCgroup:
         """`group`: the tenant's directory (`tenant_group`), its pids capped at `tenant_pids`."""
-        rel = f"{self.base_name}/{group}" if group else self.base_name
-        if group:
-            for c in self.controllers:
-                (self.root / c / rel).mkdir(exist_ok=True)
-            if "pids" in self.controllers:
-                (self.root / "pids" / rel / "pids.max").write_text(str(self.tenant_pids))
+        rel = self._group(group)
         dirs = {c: self.root / c / rel / name for c in self.controllers}
         for d in dirs.values():
             d.mkdir(exist_ok=True)
@@ -251,6 +251,23 @@ class CgroupV1:
             (dirs["pids"] / "pids.max").write_text(str(min(pids_max, cap)))
         ordered = tuple(dirs[c] for c in V1_CONTROLLERS if c in dirs)
         return JobCgroup("v1", ordered[0], ordered, cpu_limit)
+
+    def _group(self, group: str) -> str:
+        """The tenant's directory relative to each controller's mount (made, its pids capped), or the base."""
+        if not group:
+            return self.base_name
+        rel = f"{self.base_name}/{group}"
+        for c in self.controllers:
+            (self.root / c / rel).mkdir(exist_ok=True)
+        if "pids" in self.controllers:
+            (self.root / "pids" / rel / "pids.max").write_text(str(self.tenant_pids))
+        return rel
+
+    def tenant_dir(self, group: str) -> Path | None:
+        """The tenant's directory, made as for its jobs, in the memory hierarchy (the same path is
+        made in every controller's), for its containers' parents too (container_cgroups.py); None
+        when this base is unusable."""
+        return self.root / "memory" / self._group(group) if self.usable()[0] else None
 
 
 def _quota_us(cpu_milli: int) -> int:

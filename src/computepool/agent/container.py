@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from computepool.agent.cgroups import jobs_pids_budget, tenant_pids_budget
+from computepool.agent.cgroups import Cgroups, jobs_pids_budget, tenant_pids_budget
 from computepool.agent.container_cgroups import ContainerCgroups
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 from computepool.agent.container_net import NetworkError, TenantNetworks
@@ -85,8 +85,10 @@ class Podman:
         cgroup_root: Path = CGROUP_ROOT,
         cdi_dirs: tuple[Path, ...] = CDI_DIRS,
         tenant_pids: int = 0,
+        job_cgroups: Cgroups | None = None,
     ) -> None:
-        """`tenant_pids`: one tenant's containers' processes together (cgroups.tenant_pids_budget)."""
+        """`tenant_pids`: one tenant's processes together (cgroups.tenant_pids_budget); `job_cgroups`:
+        the agent's, whose tenants' directories hold the containers' parents (container_cgroups.py)."""
         self.data_dir = data_dir
         self.binary = binary
         self.node_name = node_name or os.uname().nodename
@@ -100,7 +102,7 @@ class Podman:
         self.cdi_dirs = cdi_dirs
         self.agent_id = agent_id(data_dir)  # the same digits as its job cgroups' directory
         self.cgroups = ContainerCgroups(
-            cgroup_root, self.agent_id, tenant_pids_budget(jobs_pids_budget(), tenant_pids)
+            cgroup_root, self.agent_id, tenant_pids_budget(jobs_pids_budget(), tenant_pids), job_cgroups
         )
         self.conf_path = data_dir / CONF_FILE
         self._available: tuple[bool, str] | None = None

@@ -1,16 +1,21 @@
 """The parent cgroups a root agent makes for its container jobs (`podman run --cgroup-parent`).
 
-`computepool-containers/<agent id>-<tenant's group>/<container name>` in each hierarchy:
+Where the agent's job cgroups work, a container's parent is `<name>.ctr` in its tenant's
+directory of the agent's own (`<base>/<node key>/t-<digest>/`, cgroups.py), beside the tenant's
+process jobs: one pids cap holds all of one tenant's processes on the node, containers and process
+jobs together, and the agent's whole budget holds every tenant's (a tree of the containers' own
+let a tenant hold its share twice, and containers were outside the agent's budget). Elsewhere it
+is `computepool-containers/<agent id>-<tenant's group>/<name>` in each hierarchy, whose tenant's
+level is capped the same way. In both:
 
 - the job's own level holds its memory limit. It outlives the container, so after the end the
   agent can still tell whether the kernel killed the job for memory (podman's own OOMKilled flag
   stays false on cgroup v1);
-- the tenant's level caps the processes of all its containers of this agent together at its
-  share of the node (`cgroups.tenant_pids_budget`), as its process jobs' directory does;
-- the top is root's alone (0700) in every hierarchy. runc made it 0755, so any job of the node
-  could list the containers' cgroups, with their allocation ids and tenants' digests, and read
-  their memory and process counts. A container sees its own cgroup through a mount of it, never
-  through this path.
+- nothing of it is readable by jobs: the agent's base is 0700, and so is
+  `computepool-containers` in every hierarchy (runc made it 0755, so any job of the node could
+  list the containers' cgroups, with their allocation ids and tenants' digests, and read their
+  memory and process counts). A container sees its own cgroup through a mount of it, never
+  through this path. The `.ctr` suffix keeps the agent's sweep of left job cgroups off it.
 
 The tenant's level stays when its last container goes: another may be starting in it.
 """
@@ -22,9 +27,10 @@ import os
 import time
 from pathlib import Path
 
-from computepool.agent.cgroups import tenant_group
+from computepool.agent.cgroups import Cgroups, tenant_group
 
 CGROUP_PARENT = "computepool-containers"
+SUFFIX = ".ctr"  # a container's parent beside its tenant's jobs: never `<alloc>.<attempt>`
 MIB = 1024 * 1024
 _CONTROLLERS = ("cpu", "memory", "pids")
 
@@ -32,30 +38,53 @@ _CONTROLLERS = ("cpu", "memory", "pids")
 class ContainerCgroups:
     """One agent's containers' parents under `root` (`/sys/fs/cgroup`), v2 or v1/hybrid."""
 
-    def __init__(self, root: Path, agent_id: str, tenant_pids: int) -> None:
+    def __init__(self, root: Path, agent_id: str, tenant_pids: int, jobs: Cgroups | None = None) -> None:
+        """`jobs`: the agent's job cgroups, whose tenants' directories hold the containers' parents."""
         self.root = root
         self.agent_id = agent_id
         self.tenant_pids = tenant_pids
+        self.jobs = jobs
         self._top_closed = False
 
     def _v2(self) -> bool:
         return (self.root / "cgroup.controllers").exists()
 
+    def _top(self) -> Path:
+        return self.root if self._v2() else self.root / "memory"
+
+    def _shared(self, tenant: str) -> str | None:
+        """The tenant's directory of the agent's jobs, relative to the hierarchy's root, when usable."""
+        if self.jobs is None:
+            return None
+        try:
+            path = self.jobs.tenant_dir(tenant_group(tenant))
+            return str(path.relative_to(self._top())) if path is not None else None
+        except (OSError, ValueError):
+            return None
+
     def _tenant_rel(self, tenant: str) -> str:
         return f"{CGROUP_PARENT}/{self.agent_id}-{tenant_group(tenant)}" if tenant else CGROUP_PARENT
 
-    def _rel(self, name: str, tenant: str) -> str:
-        return f"{self._tenant_rel(tenant)}/{name}"
+    def _rel(self, name: str, tenant: str) -> tuple[str, bool]:
+        """The container's parent and whether it is beside the tenant's jobs."""
+        shared = self._shared(tenant)
+        if shared is not None:
+            return f"{shared}/{name}{SUFFIX}", True
+        return f"{self._tenant_rel(tenant)}/{name}", False
 
     def _rels(self, name: str) -> list[str]:
         """Where a container's parent may be when its tenant is not at hand (removal after a crash)."""
-        top = self.root if self._v2() else self.root / "memory"
+        top = self._top()
         found = [str(p.relative_to(top)) for p in (top / CGROUP_PARENT).glob(f"{self.agent_id}-t-*/{name}")]
+        base = self._shared("")
+        if base is not None:
+            found += [str(p.relative_to(top)) for p in (top / base).glob(f"t-*/{name}{SUFFIX}")]
+            found.append(f"{base}/{name}{SUFFIX}")
         return [*found, f"{CGROUP_PARENT}/{name}"]
 
     def memory_dir(self, name: str, tenant: str = "") -> Path:
-        rel = self._rel(name, tenant) if tenant else self._rels(name)[0]
-        return self.root / rel if self._v2() else self.root / "memory" / rel
+        rel = self._rel(name, tenant)[0] if tenant else self._rels(name)[0]
+        return self._top() / rel
 
     def _close_top(self) -> None:
         if self._top_closed:
@@ -74,16 +103,20 @@ class ContainerCgroups:
         if memory_mib <= 0 and not tenant:
             return []
         limit = memory_mib * MIB
-        rel, tenant_rel = self._rel(name, tenant), self._tenant_rel(tenant)
         try:
-            self._close_top()
+            rel, shared = self._rel(name, tenant)
+            tenant_rel = rel.rsplit("/", 1)[0]
+            if not shared:
+                self._close_top()
             if self._v2():
-                levels = [self.root / CGROUP_PARENT, self.root / tenant_rel, self.root / rel]
+                levels = [self.root / rel] if shared else [self.root / CGROUP_PARENT, self.root / tenant_rel]
                 _enable(self.root)
-                for level in dict.fromkeys(levels):  # the tenant's level is the top's without a tenant
+                for level in dict.fromkeys(
+                    [*levels, self.root / rel]
+                ):  # tenant's level: the top's without one
                     level.mkdir(exist_ok=True)
                     _enable(level)
-                if tenant:
+                if tenant and not shared:
                     (self.root / tenant_rel / "pids.max").write_text(str(self.tenant_pids))
                 path = self.root / rel
                 if memory_mib > 0:
@@ -91,7 +124,7 @@ class ContainerCgroups:
                     with contextlib.suppress(OSError):
                         (path / "memory.swap.max").write_text("0")
             else:
-                if tenant and (self.root / "pids").is_dir():  # podman makes the job's level below
+                if tenant and not shared and (self.root / "pids").is_dir():  # podman makes the job's level
                     (self.root / "pids" / tenant_rel).mkdir(parents=True, exist_ok=True)
                     (self.root / "pids" / tenant_rel / "pids.max").write_text(str(self.tenant_pids))
                 path = self.root / "memory" / rel

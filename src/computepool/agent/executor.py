@@ -142,6 +142,7 @@ class Executor:
         self.launcher = Launcher(
             data_dir, self.state, sandbox, dict(base_env) if base_env is not None else default_env()
         )
+        self.launcher.job_cgroups = self.cgroups
         host = self.launcher.host
         # jobs pass through the data dir to their own `work/`; nothing in it is theirs to list or read
         os.chmod(data_dir, 0o711 if host is not None and host.root else 0o700)

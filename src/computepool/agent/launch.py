@@ -36,6 +36,7 @@ from computepool.agent.sandbox import (
 from computepool.agent.tenants import TenantUserError, ensure_tenant_user
 
 if TYPE_CHECKING:
+    from computepool.agent.cgroups import Cgroups
     from computepool.agent.container import Podman
     from computepool.agent.jobspec import JobSpec
 
@@ -74,6 +75,7 @@ class Launcher:
         self.base_env = base_env
         self._podman: Podman | None = None
         self.publish_host: str | None = None  # the node's address: containers publish there alone
+        self.job_cgroups: Cgroups | None = None  # the executor's: containers' parents go beside its jobs
 
     def work_dir(self, run_dir: Path) -> Path:
         return run_dir / WORK_DIR if self.sandbox is not None else run_dir
@@ -226,7 +228,7 @@ class Launcher:
             from computepool.agent.container import Podman  # noqa: PLC0415 - optional until used
 
             asked = self.sandbox.tenant_pids_max if self.sandbox is not None else 0
-            self._podman = Podman(self.data_dir, tenant_pids=asked)
+            self._podman = Podman(self.data_dir, tenant_pids=asked, job_cgroups=self.job_cgroups)
         self._podman.publish_host = self.publish_host
         return self._podman
 
