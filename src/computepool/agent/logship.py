@@ -7,6 +7,10 @@ The job holds descriptors to its log files, so their size is its to choose: `ftr
 1 TiB file of nothing at once. The control plane keeps the last `log_max_mib` of each attempt's
 stream (it says so in each heartbeat answer), so a stream's unsent part past that is skipped here,
 one line saying how much, rather than shipped to be dropped there.
+
+One tick sends at most `TICK_CHUNKS` chunks, the tenants taking turns (a tenant's jobs in turn
+too, where the last tick left off): many jobs of one tenant printing at full speed made every tick
+ship all of them before another tenant's job's last line, whose end waits for it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ log = logging.getLogger("computepool.agent")
 LOG_OFFSETS_FILE = "log-offsets.json"
 STREAMS = (("stdout", STDOUT_LOG), ("stderr", STDERR_LOG))
 _LINE_ROOM = 256  # the line saying what was skipped is shorter
+TICK_CHUNKS = 32  # chunks sent per tick, all jobs together
+CHUNKS_PER_TURN = 4  # per stream of a job, before the next tenant's turn
 
 
 @dataclass
@@ -45,13 +51,14 @@ class _LogTail:
     allocation_id: str
     attempt: int
     run_dir: Path
+    tenant: str = ""
     read_pos: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     sent: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     done: bool = False
 
     @classmethod
     def load(cls, rec: JobRecord) -> _LogTail:
-        tail = cls(rec.allocation_id, rec.attempt, Path(rec.run_dir))
+        tail = cls(rec.allocation_id, rec.attempt, Path(rec.run_dir), rec.extra.get("tenant", ""))
         with contextlib.suppress(OSError, ValueError, TypeError):
             data = json.loads((tail.run_dir / LOG_OFFSETS_FILE).read_text())
             tail.read_pos = {s: int(data[s][0]) for s, _ in STREAMS}
@@ -84,14 +91,23 @@ class LogShipper:
     """The output of each job not yet all sent (its tail), and sending it a few chunks per tick."""
 
     def __init__(
-        self, api: AgentApi, executor: Executor, chunk_bytes: int, refused: Callable[[str, ApiError], None]
+        self,
+        api: AgentApi,
+        executor: Executor,
+        chunk_bytes: int,
+        refused: Callable[[str, ApiError], None],
+        send: Callable[[int | str, int, str, int, str], object] | None = None,
     ) -> None:
+        """`send`: how a chunk goes out (the control plane's logs route; a test may watch it)."""
         self.api = api
         self.executor = executor
         self.chunk_bytes = chunk_bytes
         self.refused = refused
+        self.send = send or api.logs
         self.tails: dict[str, _LogTail] = {}
         self.cap_bytes: int | None = None  # what the control plane keeps of a stream (None: not said)
+        self._served: dict[str, int] = {}  # tenant: the tick its turn last came (who goes first next)
+        self._ticks = 0
 
     def learn_cap(self, log_max_mib: Any) -> None:
         """The control plane's `log_max_mib`, from a heartbeat answer (one without it changes nothing)."""
@@ -110,35 +126,61 @@ class LogShipper:
                 if not tail.done:
                     self.tails[rec.key] = tail
 
+    def _turns(self) -> list[str]:
+        """The tails' keys, one of each tenant in turn, the tenant served longest ago first; within a
+        tenant, its tails in order (a tail left unsent moves to the back once it had its turn)."""
+        by_tenant: dict[str, list[str]] = {}
+        for key, tail in self.tails.items():
+            by_tenant.setdefault(tail.tenant, []).append(key)
+        tenants = sorted(by_tenant, key=lambda t: self._served.get(t, -1))
+        order: list[str] = []
+        for i in range(max((len(v) for v in by_tenant.values()), default=0)):
+            order += [by_tenant[t][i] for t in tenants if i < len(by_tenant[t])]
+        return order
+
     def ship(self) -> None:
-        """Send what the jobs wrote since the last offset (raises Unreachable); a tail is done once
-        its job ended and all its output is sent."""
-        for key, tail in list(self.tails.items()):
+        """Send what the jobs wrote since the last offset, `TICK_CHUNKS` at most (raises
+        Unreachable); a tail is done once its job ended and all its output is sent."""
+        self._ticks += 1
+        budget = TICK_CHUNKS
+        for key in self._turns():
+            if budget <= 0:
+                break
+            tail = self.tails[key]
+            self._served[tail.tenant] = self._ticks
             rec = self.executor.get(key)
             ended = rec is None or rec.state.ended
             try:
-                complete = self._ship_tail(tail, final=ended)
+                complete, used = self._ship_tail(tail, final=ended, budget=budget)
             except ApiError as e:
                 if e.status == 401:
                     self.refused("logs", e)
                     return
                 # another attempt is current, or the allocation is not ours: this output has no home
                 log.warning("logs of %s refused, no longer sent: %s", key, e)
-                complete = ended = True
+                complete, ended, used = True, True, 1
+            budget -= used
+            del self.tails[key]
             if complete and ended:
                 tail.done = True
                 tail.save()
-                del self.tails[key]
+            else:
+                self.tails[key] = tail  # to the back of its tenant's turn
+        for gone in set(self._served) - {t.tenant for t in self.tails.values()}:
+            del self._served[gone]
 
-    def _ship_tail(self, tail: _LogTail, final: bool) -> bool:
-        """Send new output of both streams (a few chunks per tick at most); True when all is sent.
+    def _ship_tail(self, tail: _LogTail, final: bool, budget: int = TICK_CHUNKS) -> tuple[bool, int]:
+        """Send new output of both streams (`CHUNKS_PER_TURN` chunks of each at most, `budget` in
+        all); whether all is sent, and how many chunks went.
 
         A chunk resent after a crash (offset below the server's end) is trimmed by the server.
         """
-        complete = True
+        complete, used = True, 0
         for stream, filename in STREAMS:
             path = tail.run_dir / filename
-            for _ in range(4):
+            for _ in range(CHUNKS_PER_TURN):
+                if used >= budget:
+                    return False, used
                 pos = tail.read_pos[stream]
                 try:
                     with open(path, "rb") as f:
@@ -151,7 +193,8 @@ class LogShipper:
                 raw, text = _utf8_chunk(raw, final and at_eof)
                 if not raw:
                     break
-                self.api.logs(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], text)
+                self.send(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], text)
+                used += 1
                 tail.read_pos[stream] = pos + len(raw)
                 tail.sent[stream] += len(text.encode())
                 tail.save()
@@ -159,7 +202,7 @@ class LogShipper:
                     break
             else:
                 complete = False
-        return complete
+        return complete, used
 
     def _skip_past_cap(self, tail: _LogTail, stream: str, size: int) -> int:
         """Where to read on: past all but the last `cap_bytes` of the unsent part, which the control
@@ -169,7 +212,7 @@ class LogShipper:
             return pos
         skipped = size - (self.cap_bytes - _LINE_ROOM) - pos  # the line and what follows fit the cap
         line = f"[cpool: {skipped} bytes of this attempt's {stream} dropped on the node: over the log cap]\n"
-        self.api.logs(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], line)
+        self.send(wire_id(tail.allocation_id), tail.attempt, stream, tail.sent[stream], line)
         tail.read_pos[stream] = pos + skipped
         tail.sent[stream] += len(line.encode())
         tail.save()
