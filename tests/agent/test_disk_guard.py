@@ -139,3 +139,34 @@ def test_a_containers_writes_into_its_image_count_as_its_own(disk: Path) -> None
     assert "took 17 MiB" in stopped[0][1] and "its container's own files" in stopped[0][1]
     elsewhere = DiskJob(job_key("8", 1), container_job, layer=Path("/proc/self"))  # another device
     assert g._usage_of(elsewhere) == g._usage_of(DiskJob(job_key("8", 1), container_job))
+
+
+def test_a_container_filling_container_storage_on_a_disk_of_its_own_is_stopped(
+    disk: Path, tmp_path: Path
+) -> None:
+    """podman's storage on another disk than the data dir's: while that one is low, the container
+    whose writable layer there takes the most is stopped, though the data dir's disk is fine."""
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(storage)], check=True)
+    try:
+        runs = disk / "runs"
+        big, small = attempt(runs, "7", 1, 1, NOW), attempt(runs, "8", 1, 1, NOW)
+        layers = [storage / "overlay" / name / "diff" for name in ("aaa", "bbb")]
+        for layer, mib in zip(layers, (25, 2), strict=True):
+            (layer / "opt").mkdir(parents=True)
+            (layer / "opt" / "fill.bin").write_bytes(b"x" * (mib * MIB))
+        running = [
+            DiskJob(job_key("7", 1), big, layer=layers[0]),
+            DiskJob(job_key("8", 1), small, layer=layers[1]),
+        ]
+        stopped: list[tuple[str, str]] = []
+        g = guard(runs, {j.key for j in running}, running, stopped)
+        assert not g.low()[0]  # the data dir's disk has room
+        assert g.check_once() == [f"stopped {job_key('7', 1)}"]
+        assert "container storage is nearly full" in stopped[0][1] and "took 25 MiB" in stopped[0][1]
+        assert g.check_once() == []  # once: its layer stays until its container goes, stopping
+        running.pop(0)  # no other container for it (the agent lists it no more once it is stopping)
+        assert g.check_once() == []
+    finally:
+        subprocess.run(["umount", "-l", str(storage)], check=False)

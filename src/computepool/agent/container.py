@@ -108,6 +108,7 @@ class Podman:
         self._available: tuple[bool, str] | None = None
         self.networks = TenantNetworks(self._podman)  # a tenant's own, for containers given ports
         self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
+        self._layers: dict[str, Path] = {}  # container name: its writable layer (writable_layer)
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -387,13 +388,22 @@ class Podman:
 
     def writable_layer(self, key: str) -> Path | None:
         """The job's container's writable layer on the node (what it changed or added to its image's
-        files: a world-writable dir of the image fills the node's disk there), or None."""
+        files: a world-writable dir of the image fills the node's disk there), or None. Asked of
+        podman once per container (the disk guard asks on each of its passes)."""
+        name = self.name(key)
+        if name in self._layers:
+            return self._layers[name]
         try:
-            done = self._podman(["inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", self.name(key)], 30)
+            done = self._podman(["inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", name], 30)
         except (OSError, subprocess.TimeoutExpired):
             return None
         path = done.stdout.strip()
-        return Path(path) if done.returncode == 0 and path.startswith("/") else None
+        if done.returncode != 0 or not path.startswith("/"):
+            return None
+        if len(self._layers) > 4096:  # containers removed by another way than remove(): forget them
+            self._layers.clear()
+        self._layers[name] = Path(path)
+        return self._layers[name]
 
     def all_keys(self) -> set[str]:
         """Job keys of all this agent's containers, running or ended but not removed yet."""
@@ -426,6 +436,7 @@ class Podman:
 
     def remove(self, key: str) -> None:
         """Kill and remove the job's container and its cgroup; quiet and idempotent."""
+        self._layers.pop(self.name(key), None)
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             self._podman(["rm", "--force", "--ignore", "--time=0", self.name(key)], timeout=60)
         self.cgroups.remove(self.name(key))

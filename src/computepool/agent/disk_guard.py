@@ -15,6 +15,9 @@ kubelet does with dead containers and under disk pressure:
   or was stopped, what a tenant's cache got lately from jobs gone): stopping another job would
   free none of them, so none is stopped for them (the agent's log says so).
 
+A container's writable layer lives in podman's storage, which may be a disk of its own: while that
+disk is low, the running container whose layer there takes the most is stopped the same way.
+
 The disk is low when less than `min(min_free_bytes, min_free_share × its size)` is free to
 unprivileged writers (`statvfs.f_bavail`), or fewer than `min(min_free_inodes, min_free_share × its
 inodes)` inodes (`f_favail`): then the job that made the most files is the one stopped. Nothing
@@ -173,30 +176,34 @@ class DiskGuard:
         self.every_s, self.clock = every_s, clock
         self._swept: float | None = None  # when the last walk over the finished dirs was (clock)
         self._stopped: set[str] = set()
+        self._stopped_layers: set[Path] = set()  # the writable layers of containers stopped for space
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def low(self) -> tuple[bool, int, int]:
-        """(whether the disk is low, bytes free, bytes in all)."""
+    def _disk(self) -> Path:
+        return self.runs if self.runs.exists() else self.runs.parent
+
+    def low(self, on: Path | None = None) -> tuple[bool, int, int]:
+        """(whether the disk (the data dir's, or `on`'s) is low, bytes free, bytes in all)."""
         try:
-            free, total = free_space(self.runs if self.runs.exists() else self.runs.parent)
+            free, total = free_space(on or self._disk())
         except OSError:
             return False, 0, 0
         return free < min(self.min_free_bytes, self.min_free_share * total), free, total
 
-    def inodes_low(self) -> tuple[bool, int, int]:
+    def inodes_low(self, on: Path | None = None) -> tuple[bool, int, int]:
         """(whether the disk is short of inodes, inodes free, inodes in all): a job making empty
         files without end leaves no file to create for anyone while its bytes stay few."""
         try:
-            free, total = free_inodes(self.runs if self.runs.exists() else self.runs.parent)
+            free, total = free_inodes(on or self._disk())
         except OSError:
             return False, 0, 0
         return total > 0 and free < min(self.min_free_inodes, self.min_free_share * total), free, total
 
-    def _pressure(self) -> tuple[bool, bool, str]:
+    def _pressure(self, on: Path | None = None) -> tuple[bool, bool, str]:
         """(bytes low, inodes low, what is free in words)."""
-        low, free, total = self.low()
-        short, ifree, itotal = self.inodes_low()
+        low, free, total = self.low(on)
+        short, ifree, itotal = self.inodes_low(on)
         if short and not low:
             return low, short, f"{ifree} inodes free of {itotal}"
         return low, short, f"{_mib(free)} free of {_mib(total)}"
@@ -235,6 +242,54 @@ class DiskGuard:
 
     def check_once(self) -> list[str]:
         """One pass; what it did, in words (for logs and tests)."""
+        return self._check_data_disk() + self._check_layer_disks()
+
+    def _check_layer_disks(self) -> list[str]:
+        """Containers' writable layers on disks other than the data dir's: while one is low, the
+        container whose layer there takes the most is stopped."""
+        try:
+            home = os.stat(self._disk()).st_dev
+        except OSError:
+            return []
+        by_dev: dict[int, list[DiskJob]] = {}
+        for j in self.jobs():
+            if j.layer is None or j.key in self._stopped:
+                continue
+            with contextlib.suppress(OSError):
+                dev = os.stat(j.layer).st_dev
+                if dev != home:
+                    by_dev.setdefault(dev, []).append(j)
+        done: list[str] = []
+        for jobs in by_dev.values():
+            low, short, free = self._pressure(jobs[0].layer)
+            if not (low or short):
+                continue
+            which = 0 if low else 1
+            dev = os.stat(jobs[0].layer or "/").st_dev
+            usage = {j.key: tree_usage(j.layer, dev=dev) for j in jobs if j.layer}
+            size, key = max((u[which], k) for k, u in usage.items())
+            if size < (MIB if low else 1000):
+                continue
+            # the layer of one stopped before stays until its container is removed: no other
+            # container is stopped for it
+            left = [tree_usage(p, dev=dev)[which] for p in self._stopped_layers if p.exists()]
+            if max(left, default=0) > size:
+                continue
+            what = "nearly full" if low else "out of inodes"
+            took = _mib(size) if low else f"{size} files"
+            reason = (
+                f"the node's container storage is {what} ({free}); this job's container's own files "
+                f"took {took}, the most of any job's there"
+            )
+            log.warning("stopping %s: %s", key, reason)
+            self._stopped.add(key)
+            self._stopped_layers = {p for p in self._stopped_layers if p.exists()}
+            self._stopped_layers |= {j.layer for j in jobs if j.key == key and j.layer is not None}
+            self.stop_job(key, reason)
+            done.append(f"stopped {key}")
+        return done
+
+    def _check_data_disk(self) -> list[str]:
         done: list[str] = []
         now = self.clock()
         low, short, free = self._pressure()
