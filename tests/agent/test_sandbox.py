@@ -369,3 +369,26 @@ def test_jobs_start_while_the_node_adds_and_removes_users(sandboxed: Executor, t
         if e.state is not JobState.SUCCEEDED
     ]
     assert failed == [], failed[:3]
+
+
+def test_a_sandbox_that_cannot_be_set_up_is_reported_as_such_not_as_the_commands_exit(
+    tmp_path: Path,
+) -> None:
+    """The init's own failures exit 126, as a command that cannot be executed does: its line on the
+    job's stderr tells them apart, so the reason names the step, not "not executable by user"."""
+    from computepool.agent import sandbox
+    from computepool.agent.localstate import JobRecord
+    from computepool.agent.outcome import explain_exit
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    init = ["sh", "-c", sandbox._NS_INIT, "cpool-init", str(tmp_path / "gone"), *[""] * 7, "true"]
+    with open(run_dir / "stderr.log", "wb") as err:
+        rc = subprocess.run(init, stderr=err, check=False).returncode
+    assert rc == 126
+    rec = JobRecord("a1", 1, ["/opt/x/train"], str(run_dir), extra={"user": "cpool-t1"})
+    assert explain_exit(rec, rc) == (
+        "exit code 126: the node could not set up the job's sandbox: open the job directory"
+    )
+    (run_dir / "stderr.log").write_text("sh: 1: /opt/x/train: Permission denied\n")  # the command's own
+    assert explain_exit(rec, rc) == "exit code 126: /opt/x/train is not executable by user cpool-t1"

@@ -69,6 +69,8 @@ TAP = "tap0"
 # the tenants' container networks, whose bridges are the node's own (a job reached any port of
 # another tenant's container at its bridge address through slirp4netns, as root)
 SLIRP_GID = 2147483547
+# the line a launcher step that cannot isolate the job writes on its stderr before exit 126
+SANDBOX_FAILED = "cpool: the node could not set up the job's sandbox"
 READY_TIMEOUT_S = 10.0
 SUMMARY = "own network namespace (private loopback; outbound through slirp4netns, not to the node's loopback)"
 _WORKER_ENV = "CPOOL_WORKER_TOKEN"  # a function's worker (CPOOL_ names are the pool's alone)
@@ -317,7 +319,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         prepare(slirp, own, scope)
     except OSError as e:
-        print(f"cpool: cannot isolate the job's network: {e}", file=sys.stderr)
+        print(f"{SANDBOX_FAILED}: a network of its own: {e}", file=sys.stderr)
         return 126
     try:
         os.execvp(rest[0], rest)

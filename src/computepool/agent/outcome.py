@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from computepool.agent import cgroups
+from computepool.agent.jobnet import SANDBOX_FAILED
 from computepool.agent.jobspec import EXIT_FILE, STDERR_LOG
 from computepool.agent.localstate import JobRecord
 
@@ -194,6 +195,8 @@ def explain_exit(rec: JobRecord, rc: int) -> str:
         return f"exit code {rc}: {Podman.explain(rc)}"
     if rc == 127:
         return f"command not found: {rec.command[0]}"
+    if rc == 126 and (step := _sandbox_failure(Path(rec.run_dir))):
+        return f"exit code 126: {step}"
     if rc == 126 and rec.extra.get("user"):
         return f"exit code 126: {rec.command[0]} is not executable by user {rec.extra['user']}"
     if "RLIMIT_AS" in rec.limits and _stderr_says_oom(Path(rec.run_dir)):
@@ -209,12 +212,23 @@ def read_exit(run_dir: Path) -> int | None:
         return None
 
 
-def _stderr_says_oom(run_dir: Path) -> bool:
+def _stderr_tail(run_dir: Path) -> str:
     try:
         with open(run_dir / STDERR_LOG, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 8192))
-            tail = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
-        return False
+        return ""
+
+
+def _stderr_says_oom(run_dir: Path) -> bool:
+    tail = _stderr_tail(run_dir)
     return any(m in tail for m in _OOM_MARKERS)
+
+
+def _sandbox_failure(run_dir: Path) -> str:
+    """The launcher's own line when it could not isolate the job (the sandbox's init, jobnet): its
+    exit 126 is not the command's. The job could print the same line, misleading only its own."""
+    lines = [ln for ln in _stderr_tail(run_dir).splitlines() if ln.startswith(SANDBOX_FAILED)]
+    return lines[-1].removeprefix("cpool: ") if lines else ""

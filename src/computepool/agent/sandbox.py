@@ -81,6 +81,7 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # shell traps them (the command, in the same process group, gets the agent's signals itself) and
 # waits; when it exits the kernel kills whatever the job left in its namespace. The command keeps
 # this shell's stdin through a copy (fd 6): sh gives a background command /dev/null otherwise.
+# A step that fails ends it with 126 and a line on the job's stderr (SANDBOX_FAILED) saying so.
 # Its last root step writes the job's CPU quota where the agent left it to (CPOOL_INIT_CPU_FILE and
 # _MAX, from the gate line): the launcher's steps ran unthrottled, the command never does.
 _NS_INIT = """\
@@ -93,19 +94,30 @@ _cpool_nodev_files=$6
 _cpool_users=$7
 _cpool_me=$8
 shift 8
-exec 3<"$_cpool_w" || exit 126
-if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
-if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
-mount -t tmpfs -o "$_cpool_tmpfs" cpool-tmp /tmp || exit 126
-if [ -d /var/tmp ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-vartmp /var/tmp || exit 126; fi
-if [ -d /dev/shm ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || exit 126; fi
-if [ -d /run/lock ]; then mount -t tmpfs -o mode=1777,nosuid,nodev,size=1m cpool-lk /run/lock || exit 126; fi
-if [ -d /dev/mqueue ]; then mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || exit 126; fi
+_cpool_fail() { echo "@FAILED@: $1" >&2; exit 126; }
+command exec 3<"$_cpool_w" || _cpool_fail "open the job directory"
+if [ -n "$_cpool_keep" ]; then command exec 4<"$_cpool_keep" || _cpool_fail "open the kept directory"; fi
+if [ -n "$_cpool_cache" ]; then command exec 5<"$_cpool_cache" || _cpool_fail "open the cache directory"; fi
+mount -t tmpfs -o "$_cpool_tmpfs" cpool-tmp /tmp || _cpool_fail "a private /tmp"
+if [ -d /var/tmp ]; then
+    mount -t tmpfs -o "$_cpool_tmpfs" cpool-vartmp /var/tmp || _cpool_fail "a private /var/tmp"
+fi
+if [ -d /dev/shm ]; then
+    mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || _cpool_fail "a private /dev/shm"
+fi
+if [ -d /run/lock ]; then
+    mount -t tmpfs -o mode=1777,nosuid,nodev,size=1m cpool-lk /run/lock || _cpool_fail "a private /run/lock"
+fi
+if [ -d /dev/mqueue ]; then
+    mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || _cpool_fail "a private /dev/mqueue"
+fi
 if [ -n "$_cpool_nodev_files" ]; then
     _cpool_nodev=/tmp/.cpool-no-device
-    (umask 0777 && : > "$_cpool_nodev") || exit 126
+    (umask 0777 && : > "$_cpool_nodev") || _cpool_fail "hide other devices"
     for _cpool_d in $_cpool_nodev_files; do
-        if [ -e "$_cpool_d" ]; then mount --no-canonicalize --bind "$_cpool_nodev" "$_cpool_d" || exit 126; fi
+        if [ -e "$_cpool_d" ]; then
+            mount --no-canonicalize --bind "$_cpool_nodev" "$_cpool_d" || _cpool_fail "hide other devices"
+        fi
     done
     rm -f "$_cpool_nodev"
 fi
@@ -116,9 +128,10 @@ if [ -n "$_cpool_users" ]; then
         _cpool_n=1
         while :; do
             (umask 022 && awk -F: -v p="$_cpool_users" -v me="$_cpool_me" 'index($1, p) != 1 || $1 == me' \
-                "/etc/$_cpool_f" > "$_cpool_t") || exit 126
+                "/etc/$_cpool_f" > "$_cpool_t") || _cpool_fail "filter /etc/$_cpool_f"
             if [ "$_cpool_n" -ge 20 ]; then
-                mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" || exit 126
+                mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" \\
+                    || _cpool_fail "bind /etc/$_cpool_f"
                 break
             fi
             mount --no-canonicalize --bind "$_cpool_t" "/etc/$_cpool_f" 2>/dev/null && break
@@ -128,15 +141,17 @@ if [ -n "$_cpool_users" ]; then
     done
 fi
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
-    mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" || exit 126
+    mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" \\
+        || _cpool_fail "hide the agent data dir"
 fi
 if [ -n "$_cpool_cache" ] && [ -d "${_cpool_cache%/*}" ] && [ -n "${_cpool_cache%/*}" ]; then
-    mount -t tmpfs -o mode=0711,nosuid,nodev,size=1m cpool-caches "${_cpool_cache%/*}" || exit 126
+    mount -t tmpfs -o mode=0711,nosuid,nodev,size=1m cpool-caches "${_cpool_cache%/*}" \\
+        || _cpool_fail "hide the other caches"
 fi
 _cpool_rebind() {
     if ! [ "$1" -ef "$2" ]; then
-        (umask 022 && mkdir -p "$1") || exit 126
-        mount --no-canonicalize --bind "$2" "$1" || exit 126
+        (umask 022 && mkdir -p "$1") || _cpool_fail "make $1"
+        mount --no-canonicalize --bind "$2" "$1" || _cpool_fail "bind $1"
     fi
 }
 _cpool_rebind "$_cpool_w" /proc/self/fd/3
@@ -146,7 +161,7 @@ exec 3<&- 4<&- 5<&-
 if [ -n "${CPOOL_INIT_CPU_FILE:-}" ]; then
     _cpool_v=$CPOOL_INIT_CPU_MAX
     case $_cpool_v in *,*) _cpool_v="${_cpool_v%,*} ${_cpool_v#*,}" ;; esac
-    printf '%s\n' "$_cpool_v" > "$CPOOL_INIT_CPU_FILE" || exit 126
+    printf '%s\n' "$_cpool_v" > "$CPOOL_INIT_CPU_FILE" || _cpool_fail "set the CPU quota"
 fi
 unset CPOOL_INIT_CPU_FILE CPOOL_INIT_CPU_MAX
 trap : TERM INT HUP
@@ -160,7 +175,7 @@ while :; do
     kill -0 "$_cpool_p" 2>/dev/null || break
 done
 exit "$_cpool_rc"
-"""
+""".replace("@FAILED@", jobnet.SANDBOX_FAILED)
 
 
 @dataclass(frozen=True)
