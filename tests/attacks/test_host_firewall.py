@@ -130,6 +130,21 @@ def test_the_nodes_other_addresses_slirp_and_foreign_bridges_are_held_too() -> N
     }
 
 
+def test_a_connection_made_before_the_table_knew_the_listener_breaks_at_the_next_refresh() -> None:
+    """Who listens is read every 2 s: B dialled A's new listener in that moment and kept the
+    connection for as long as it liked. Every packet B's socket sends is checked now, not the
+    first alone, so the connection ends at the next refresh; A's own goes on."""
+    lo = random.randrange(64000, 64800, 100)
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, str(PROBE), str(lo), "window"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (got["A before"], got["B before"], got["A after"]) == ("echoed", "echoed", "echoed")
+    assert got["B after"].startswith("error"), got  # refused, or left unanswered until it gives up
+
+
 def test_a_root_agents_worker_on_the_nodes_network_does_not_reach_a_system_users_service() -> None:
     from e2e_helpers import JOB_PYTHON, wait_for
     from job_node import job_node

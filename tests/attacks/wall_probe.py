@@ -138,6 +138,61 @@ time.sleep(600)
 """
 
 
+ECHO = """
+import socket, sys, threading
+s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("up", flush=True)
+def serve(c):
+    while data := c.recv(100):
+        c.sendall(data)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+HOLD = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+print("connected", flush=True)
+for line in sys.stdin:
+    try:
+        s.sendall(b"ping")
+        print("echoed" if s.recv(100) == b"ping" else "closed", flush=True)
+    except OSError as e:
+        print(f"error {e.errno}", flush=True)
+"""
+
+
+def window() -> None:
+    """B connects to A's new listener before the table knows it (the refresh comes every 2 s), and
+    keeps the connection: it worked on for as long as B held it."""
+    sh("ip", "link", "set", "lo", "up")
+    wall = HostWall("0123abcd", (LO, LO + 9))
+    assert wall.install() == ""
+    echo = subprocess.Popen(as_uid(A, PY, "-c", ECHO, "7050"), stdout=subprocess.PIPE, text=True)
+    LISTENERS.append(echo)
+    assert echo.stdout is not None and echo.stdout.readline().strip() == "up"
+    out = {}
+    for who, uid in (("A", A), ("B", B)):
+        hold = subprocess.Popen(
+            as_uid(uid, PY, "-c", HOLD, "7050"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        LISTENERS.append(hold)
+        assert hold.stdin is not None and hold.stdout is not None
+        assert hold.stdout.readline().strip() == "connected"  # in the window: no one knew the port yet
+        hold.stdin.write("\n")
+        hold.stdin.flush()
+        out[f"{who} before"] = hold.stdout.readline().strip()
+        LISTENERS.append(hold)
+        out[who] = hold  # type: ignore[assignment]
+    wall.refresh()  # the table learns A's listener
+    for who in ("A", "B"):
+        hold = out.pop(who)  # type: ignore[assignment]
+        hold.stdin.write("\n")
+        hold.stdin.flush()
+        out[f"{who} after"] = hold.stdout.readline().strip()
+    print(json.dumps(out))
+    wall.close()
+
+
 def lan() -> None:
     """The node's other addresses, slirp4netns's connections, a `[::]` listener that takes IPv6
     alone, and a container behind a podman bridge no agent of this table made."""
@@ -189,7 +244,8 @@ def lan() -> None:
 if __name__ == "__main__":
     try:
         mode = sys.argv[2:3]
-        lan() if mode == ["lan"] else aliased() if mode == ["aliased"] else main()
+        modes = {"lan": lan, "aliased": aliased, "window": window}
+        modes.get(mode[0] if mode else "", main)()
     finally:
         for p in LISTENERS:
             p.kill()

@@ -33,9 +33,12 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
-starts listening is refused to tenants within that long. The table goes when the agent stops; one
-a killed agent left is removed by the next agent to start on the host (its pid, in the name, is
-gone).
+starts listening is refused to tenants within that long. The rules hold for every packet a
+tenant's socket sends on a connection it opened, not for its first alone: a connection made in
+that moment, before the listener was known, breaks at the next refresh instead of staying open
+(replies on connections others opened to a tenant's own listeners pass). The table goes when
+the agent stops; one a killed agent left is removed by the next agent to start on the host (its
+pid, in the name, is gone).
 """
 
 from __future__ import annotations
@@ -279,9 +282,9 @@ table inet {t} {{
   }}
   chain out {{
     type filter hook output priority filter; policy accept;
-    meta skgid {SLIRP_GID} ct state new jump slirp
+    meta skgid {SLIRP_GID} ct direction original jump slirp
     meta skuid != {uids} accept
-    ct state != new accept
+    ct direction reply accept
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
     ct original ip daddr @containers4 {refuse}
