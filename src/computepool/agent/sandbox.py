@@ -21,6 +21,7 @@ Layout of one attempt, under the agent's data dir (0711: others may pass through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -235,15 +236,21 @@ def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
     """The attempt's dirs: run_dir and its parents passable by the job, `work/` the job's alone.
 
     Whatever the agent put in `work/` before the start (the timeslice shim, …) becomes the job's.
+    The tree also holds the tenant's code, unpacked as the tenant into its own dir, which another
+    process of the tenant's may change meanwhile (a job where namespaces are refused: the data dir
+    is not covered), swapping a directory for a link to one of root's: each name is changed
+    relative to a descriptor of the directory that was listed (os.fwalk checks that each one it
+    enters is the directory it listed), never by a path through a link.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     for d in (run_dir.parent.parent, run_dir.parent, run_dir):
         os.chmod(d, 0o711)
     work = run_dir / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
-    for root, dirs, files in os.walk(work):  # nothing of the job's has run yet: no links to chase
+    for _, dirs, files, at in os.fwalk(work, follow_symlinks=False):
         for name in (*dirs, *files):
-            os.chown(os.path.join(root, name), uid, gid, follow_symlinks=False)
+            with contextlib.suppress(FileNotFoundError):  # renamed away meanwhile: not there to hand
+                os.chown(name, uid, gid, dir_fd=at, follow_symlinks=False)
     os.chown(work, uid, gid)
     os.chmod(work, 0o700)
     return work
