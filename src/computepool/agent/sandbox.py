@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from computepool.agent import jobnet, landlock, syscall_filter
+from computepool.agent import host_limits, jobnet, landlock, syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
 from computepool.agent.devfiles import DEV
 from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
@@ -200,6 +200,10 @@ class HostSupport:
 def probe(config: SandboxConfig) -> HostSupport:
     """Try the tools once, so a job says what was applied instead of failing at start."""
     root = os.geteuid() == 0
+    if root:  # a host-wide count no job's namespace or cgroup holds apart (host_limits.py)
+        aio = host_limits.raise_aio_max()
+        if aio:
+            log.log(logging.WARNING if "stays" in aio else logging.INFO, "%s", aio)
     setpriv, unshare = shutil.which("setpriv"), shutil.which("unshare")
     why: list[str] = []
     if setpriv is None:
