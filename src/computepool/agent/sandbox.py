@@ -200,10 +200,9 @@ class HostSupport:
 def probe(config: SandboxConfig) -> HostSupport:
     """Try the tools once, so a job says what was applied instead of failing at start."""
     root = os.geteuid() == 0
-    if root:  # a host-wide count no job's namespace or cgroup holds apart (host_limits.py)
-        aio = host_limits.raise_aio_max()
-        if aio:
-            log.log(logging.WARNING if "stays" in aio else logging.INFO, "%s", aio)
+    if root:  # host-wide counts no job's namespace or cgroup holds apart (host_limits.py)
+        for done, what in host_limits.raise_counts():
+            log.log(logging.INFO if done else logging.WARNING, "%s", what)
     setpriv, unshare = shutil.which("setpriv"), shutil.which("unshare")
     why: list[str] = []
     if setpriv is None:

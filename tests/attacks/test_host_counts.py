@@ -1,4 +1,4 @@
-"""Tenant B's job takes every Linux AIO context of the node, so that A's jobs cannot do async I/O.
+"""Tenant B's job takes a count of the whole host (AIO events, open files), failing A's jobs.
 
 `fs.aio-max-nr` counts the events of every process's AIO contexts (io_setup(2)) together, across
 namespaces and cgroups. At its default, 65536, B's process job took it all with 16 contexts of
@@ -6,6 +6,12 @@ namespaces and cgroups. At its default, 65536, B's process job took it all with 
 (libaio: DeepSpeed's NVMe offload, databases). A root agent now raises the limit to its memory / 32
 (agent/host_limits.py); the rings are charged to the job's memory cgroup, so each job's memory
 limit holds its share.
+
+`fs.file-max` is the same kind of count: an unprivileged job forking children of 20000 open files
+each took the host's 2.4 million (on a 24 GiB node, about 600 MiB of the job's memory) and every
+other tenant's open, socket and pipe failed with ENFILE. Running that here would fail every test
+running beside it, so the second test checks what holds it: once a root agent has started, no
+job's memory can pay for the host's whole count of either kind.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
+from computepool.agent.host_limits import COUNTS, node_memory_bytes
 from computepool.agent.localstate import JobState
 from computepool.agent.tenants import remove_tenant_user
 
@@ -83,3 +90,13 @@ def test_a_job_holding_every_aio_context_leaves_another_tenants_job_its_own(node
     finally:
         for t in (a, b):
             remove_tenant_user(t, RANGE)
+
+
+def test_no_jobs_memory_pays_for_the_hosts_whole_count_of_files_or_aio_events(node: Executor) -> None:
+    memory = node_memory_bytes()
+    assert memory > 0
+    for count in COUNTS:  # each unit costs the taker's memory cgroup at least 2 x unit_bytes
+        have = int(Path("/proc/sys", *count.sysctl.split(".")).read_text().split()[0])
+        assert have * 2 * count.unit_bytes > memory, (
+            f"{count.sysctl} = {have}: {count.what} once a job takes it"
+        )
