@@ -11,6 +11,11 @@ every other tenant's jobs:
   KiB: a job of 1/40 of the node's memory opens that many (forked children of 20000 files each)
   and every unprivileged process of the node (other tenants' jobs) gets ENFILE from open, socket
   and pipe. Each open file is a slab object (~256 bytes) charged to the opener's memory cgroup.
+- `kernel.pty.max` (4096) counts every pty. A process job has a devpts instance of its own, of at
+  most sandbox.JOB_PTYS, and all those instances together stay below the host's reserve
+  (`kernel.pty.reserve`), which keeps the node's own terminals (sshd); raised to the kernel's
+  ceiling (2^20), it leaves the jobs' instances room for about a thousand jobs' worth (each pty
+  charges its opener ~3 KiB).
 
 A root agent raises each to the node's memory / half what one unit costs there (systemd sets
 file-max to its highest value for the same reason): a job's memory limit stops it long before the
@@ -29,11 +34,13 @@ class HostCount:
     sysctl: str  # the path below /proc/sys, dotted as sysctl(8) names it
     unit_bytes: int  # half of what one unit costs in the memory cgroup of who takes it: a margin of two
     what: str  # what a job gets once another took every unit
+    most: int = 0  # the kernel's ceiling for it (0: none)
 
 
 COUNTS = (
     HostCount("fs.aio-max-nr", 32, "io_setup fails with EAGAIN"),
     HostCount("fs.file-max", 128, "open, socket and pipe fail with ENFILE"),
+    HostCount("kernel.pty.max", 1536, "opening /dev/ptmx fails with ENOSPC", 1 << 20),
 )
 
 
@@ -48,7 +55,8 @@ def node_memory_bytes(proc: Path = Path("/proc")) -> int:
 
 def wanted(count: HostCount, proc: Path = Path("/proc")) -> int:
     """The value at which no job can take all of `count` within the node's memory."""
-    return node_memory_bytes(proc) // count.unit_bytes
+    want = node_memory_bytes(proc) // count.unit_bytes
+    return min(want, count.most) if count.most else want
 
 
 def raise_counts(proc: Path = Path("/proc")) -> list[tuple[bool, str]]:

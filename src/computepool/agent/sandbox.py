@@ -59,6 +59,12 @@ DEFAULT_CACHE_ROOT = Path("/var/cache/computepool")
 # other tenant's job can open them by key or name, and they die with it), its host name.
 _NAMESPACES = ("--pid", "--fork", "--mount-proc", "--mount", "--ipc", "--uts")
 DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
+# Terminals a process job may hold at once. The host's ptys (kernel.pty.max, 4096 by default) are
+# one count: a job that opened /dev/ptmx 4096 times left none to `cpool exec -t`, to the other
+# tenants' jobs or to the node's sshd. Each job has a devpts instance of its own (its ptys alone in
+# /dev/pts) with this many; all such instances together are held below the host's reserve
+# (kernel.pty.reserve), which the node's own terminals keep (host_limits.py raises the total).
+JOB_PTYS = 1024
 
 # Runs as root inside the new namespaces, then starts the command as the tenant (the "$@").
 # $1 is the job's directory, $2 a directory to hide under an empty tmpfs (the agent's data dir, or
@@ -71,6 +77,7 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # $6 lists device files (space-separated, devfiles.py) of devices the job's slice does not hold: an
 # empty file of root's with mode 0 is bound over each, so opening one fails (EACCES) as it would
 # under a device cgroup; the file is unlinked at once (the binds keep it), the job cannot unmount.
+# $9: the most ptys the job may hold (JOB_PTYS), in a devpts instance of its own, its /dev/ptmx.
 # $7 is the prefix of tenants' users and $8 the job's own: /etc/passwd and /etc/group are bound over
 # by copies without the other tenants' users and groups, and the tenants' caches' root ($4's parent)
 # is covered like $2, so that a job learns no other tenant's name from the node. useradd and
@@ -93,7 +100,8 @@ _cpool_tmpfs=mode=1777,nosuid,nodev${5:+,size=$5}
 _cpool_nodev_files=$6
 _cpool_users=$7
 _cpool_me=$8
-shift 8
+_cpool_ptys=$9
+shift 9
 exec 3<"$_cpool_w" || exit 126
 if [ -n "$_cpool_keep" ]; then exec 4<"$_cpool_keep" || exit 126; fi
 if [ -n "$_cpool_cache" ]; then exec 5<"$_cpool_cache" || exit 126; fi
@@ -102,6 +110,10 @@ if [ -d /var/tmp ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-vartmp /var/tmp
 if [ -d /dev/shm ]; then mount -t tmpfs -o "$_cpool_tmpfs" cpool-shm /dev/shm || exit 126; fi
 if [ -d /run/lock ]; then mount -t tmpfs -o mode=1777,nosuid,nodev,size=1m cpool-lk /run/lock || exit 126; fi
 if [ -d /dev/mqueue ]; then mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || exit 126; fi
+if [ -d /dev/pts ] && [ -e /dev/ptmx ]; then
+    mount -t devpts -o "newinstance,ptmxmode=0666,mode=0620,max=$_cpool_ptys" cpool-pts /dev/pts || exit 126
+    mount --no-canonicalize --bind /dev/pts/ptmx /dev/ptmx || exit 126
+fi
 if [ -n "$_cpool_nodev_files" ]; then
     _cpool_nodev=/tmp/.cpool-no-device
     (umask 0777 && : > "$_cpool_nodev") || exit 126
@@ -391,13 +403,14 @@ def wrap(
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else "", " ".join(no_device), user_prefix,
-                user.pw_name]  # fmt: skip
+                user.pw_name, str(JOB_PTYS)]  # fmt: skip
         # an MPS client (`keep`: its daemon's pipes) stays in the host's IPC namespace, its server's
         spaces = _NAMESPACES if keep is None else tuple(n for n in _NAMESPACES if n != "--ipc")
         argv = [host.unshare, *spaces, "--", *init, *argv]
         sized = f" ({tmp_mib} MiB each)" if tmp_mib > 0 else ""
         named = "PID, mount, IPC and UTS" if keep is None else "PID, mount and UTS (the host's IPC: MPS)"
         applied.append(f"own {named} namespaces, private /tmp, /var/tmp and /dev/shm{sized}")
+        applied.append(f"own ptys (at most {JOB_PTYS})")
         if hide is not None:
             applied.append(f"{hide} hidden")
         if user_prefix:
