@@ -45,7 +45,7 @@ def _user_ns(value: int) -> list[dict[str, Any]]:
 
 def profile(base: dict[str, Any] | None) -> dict[str, Any]:
     """`base` (podman's default profile; None: allow everything) with the process jobs' refusals."""
-    out = dict(base) if base is not None else {"defaultAction": _ALLOW, "syscalls": []}
+    out: dict[str, Any] = dict(base) if base is not None else {"defaultAction": _ALLOW, "syscalls": []}
     taken = set(REFUSED) | set(ABSENT) | set(_NAMESPACE_CALLS)
     rules: list[dict[str, Any]] = []
     for rule in out.get("syscalls") or []:
