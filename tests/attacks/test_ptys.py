@@ -11,6 +11,7 @@ the job's instance (test_exec.py::test_exec_with_a_terminal: `tty` still names i
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import time
 import uuid
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from computepool.agent import jobexec
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
 from computepool.agent.localstate import JobState
 from computepool.agent.sandbox import JOB_PTYS
-from computepool.agent.tenants import remove_tenant_user
+from computepool.agent.tenants import remove_tenant_user, user_name
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="tenant users and namespaces need root")]
 
@@ -60,6 +62,17 @@ def node() -> Iterator[Executor]:
     shutil.rmtree(data, ignore_errors=True)
 
 
+def _held(ex: Executor, key: str, tenant: str) -> jobexec.HeldNamespaces:
+    rec = next(r for r in ex.running() if r.key == key)
+    init = None
+    deadline = time.monotonic() + 30
+    while init is None:
+        assert time.monotonic() < deadline, "the job's sandbox never came up"
+        init = jobexec.find_init(rec)
+    view = jobexec.JobView(rec, init, Path(rec.run_dir) / "work", pwd.getpwnam(user_name(tenant)))
+    return jobexec.hold_namespaces(view)
+
+
 def test_a_job_holding_every_pty_it_can_leaves_the_node_and_other_tenants_theirs(node: Executor) -> None:
     a, b = f"ap{uuid.uuid4().hex[:6]}", f"bp{uuid.uuid4().hex[:6]}"
     try:
@@ -82,6 +95,33 @@ def test_a_job_holding_every_pty_it_can_leaves_the_node_and_other_tenants_theirs
         assert said.startswith("pty: /dev/pts/"), said
         held = out.read_text().split()
         assert held[:3] == ["held", str(JOB_PTYS), "ENOSPC"], held  # its own instance's, no more
+    finally:
+        for t in (a, b):
+            remove_tenant_user(t, RANGE)
+
+
+def test_an_exec_terminal_is_one_of_the_jobs_own_ptys(node: Executor) -> None:
+    """`cpool exec -t` takes its pty in the job's instance (its `tty` names it there), and a job
+    that holds all of its own gets a one-line refusal, not one of the node's."""
+    a, b = f"aq{uuid.uuid4().hex[:6]}", f"bq{uuid.uuid4().hex[:6]}"
+    try:
+        calm = node.start(JobSpec("pty3", 1, [PY, "-c", "import time; time.sleep(120)"], tenant=a))
+        hog = node.start(JobSpec("pty4", 1, [PY, "-c", HOG], tenant=b, memory_mib=256))
+        out = Path(hog.run_dir) / STDOUT_LOG
+        deadline = time.monotonic() + 60
+        while "held" not in out.read_text():
+            assert time.monotonic() < deadline, "B's job never said what it held"
+            time.sleep(0.05)
+        with _held(node, calm.key, a) as held:
+            master, slave = jobexec.open_pty(held)
+            try:
+                theirs = os.stat("dev/pts", dir_fd=held.root).st_dev
+                assert os.fstat(slave).st_dev == theirs != os.stat("/dev/pts").st_dev
+            finally:
+                os.close(master)
+                os.close(slave)
+        with _held(node, hog.key, b) as held, pytest.raises(jobexec.ExecRefused, match="every terminal"):
+            jobexec.open_pty(held)
     finally:
         for t in (a, b):
             remove_tenant_user(t, RANGE)

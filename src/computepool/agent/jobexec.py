@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import pwd
@@ -167,6 +168,10 @@ def open_pty(held: HeldNamespaces | None) -> tuple[int, int]:
         master = os.open("dev/pts/ptmx", flags, dir_fd=held.root)
     except FileNotFoundError:  # no /dev/pts in the job's view
         return os.openpty()
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ExecRefused("the job holds every terminal it may have: none is left") from None
+        raise
     try:
         fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
         slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)  # never by its path
