@@ -255,6 +255,12 @@ class CgroupV1:
             if (mem / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no swapping past it
                 with contextlib.suppress(OSError):
                     (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_mib * MIB))
+            # v1 charges a cgroup's TCP buffers to nothing until it has a TCP limit of its own: a job
+            # of 64 MiB held 300 MiB of them on its own loopback (peers that never read), all of it
+            # in the host's one TCP budget (tcp_mem), past which no socket of the node gets memory
+            if (mem / "memory.kmem.tcp.limit_in_bytes").exists():
+                with contextlib.suppress(OSError):
+                    (mem / "memory.kmem.tcp.limit_in_bytes").write_text(str(memory_mib * MIB))
         if pids_max > 0 and "pids" in dirs:
             cap = self.tenant_pids if group else self.pids_budget
             (dirs["pids"] / "pids.max").write_text(str(min(pids_max, cap)))
