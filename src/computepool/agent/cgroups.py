@@ -39,15 +39,24 @@ DEFAULT_PIDS_MAX = 1024  # a job's processes and threads, where the control plan
 JOBS_PID_SHARE = 0.75  # of the host's pid_max, for all of one agent's jobs together
 
 
-def jobs_pids_budget(pid_max_path: Path = Path("/proc/sys/kernel/pid_max")) -> int:
+def jobs_pids_budget(
+    pid_max_path: Path = Path("/proc/sys/kernel/pid_max"),
+    threads_max_path: Path = Path("/proc/sys/kernel/threads-max"),
+) -> int:
     """Processes and threads one agent's jobs may hold together: three quarters of the host's
     pid_max, so that jobs forking to their limits (one tenant's or several) never leave the host,
-    the agent or a fence supervisor without a process slot."""
-    try:
-        pid_max = int(pid_max_path.read_text().strip())
-    except (OSError, ValueError):
-        pid_max = 32768  # the kernel's default
-    return max(64, int(pid_max * JOBS_PID_SHARE))
+    the agent or a fence supervisor without a process slot. Or of threads-max, where lower: the
+    kernel sizes it from memory (1 M at 128 GiB) while systemd sets pid_max to 4 M, and past it
+    every fork of the host fails, root's too (no capability exempts it), so a tenant's share of a
+    budget taken from pid_max alone let one job stop the whole node's forks."""
+    limits = []
+    for path, default in ((pid_max_path, 32768), (threads_max_path, 0)):  # 32768: the kernel's default
+        try:
+            limits.append(int(path.read_text().strip()))
+        except (OSError, ValueError):
+            if default:
+                limits.append(default)
+    return max(64, int(min(limits) * JOBS_PID_SHARE))
 
 
 def tenant_pids_budget(jobs_budget: int, asked: int = 0) -> int:
@@ -246,6 +255,12 @@ class CgroupV1:
             if (mem / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no swapping past it
                 with contextlib.suppress(OSError):
                     (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_mib * MIB))
+            # v1 charges a cgroup's TCP buffers to nothing until it has a TCP limit of its own: a job
+            # of 64 MiB held 300 MiB of them on its own loopback (peers that never read), all of it
+            # in the host's one TCP budget (tcp_mem), past which no socket of the node gets memory
+            if (mem / "memory.kmem.tcp.limit_in_bytes").exists():
+                with contextlib.suppress(OSError):
+                    (mem / "memory.kmem.tcp.limit_in_bytes").write_text(str(memory_mib * MIB))
         if pids_max > 0 and "pids" in dirs:
             cap = self.tenant_pids if group else self.pids_budget
             (dirs["pids"] / "pids.max").write_text(str(min(pids_max, cap)))

@@ -8,7 +8,8 @@ re-adoption after an agent restart work the same way for both. What differs is t
   VM's hybrid cgroup v1 accepts) and sees nothing else of the agent's environment (`env -i`);
 - the job's variables reach podman in a root-only env file in the run dir (`--env-file`), not on
   its command line, which every user of the node can read;
-- the container runs as the tenant's uid with no capabilities, `no-new-privileges`, no network
+- the container runs as the tenant's uid with no capabilities, `no-new-privileges`, the process
+  jobs' syscall refusals on top of podman's default profile (container_seccomp.py), no network
   unless the job publishes ports (then its tenant's own isolated network: container_net.py),
   only the job directory mounted (at /work), and only the slice's devices;
 - the memory limit sits on a parent cgroup the agent makes for the job, below one its tenant's
@@ -35,6 +36,7 @@ from computepool.agent.cgroups import Cgroups, jobs_pids_budget, tenant_pids_bud
 from computepool.agent.container_cgroups import ContainerCgroups
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 from computepool.agent.container_net import NetworkError, TenantNetworks
+from computepool.agent.container_seccomp import PROFILE_FILE, write_profile
 from computepool.agent.devfiles import NVIDIA_COMMON_NODES, nvidia_nodes
 from computepool.agent.identity import agent_id
 from computepool.agent.sandbox import tmpfs_mib
@@ -105,6 +107,7 @@ class Podman:
             cgroup_root, self.agent_id, tenant_pids_budget(jobs_pids_budget(), tenant_pids), job_cgroups
         )
         self.conf_path = data_dir / CONF_FILE
+        self._seccomp_path: Path | None = None  # container_seccomp.py's profile, once written
         self._available: tuple[bool, str] | None = None
         self.networks = TenantNetworks(self._podman)  # a tenant's own, for containers given ports
         self._images_ok: dict[str, tuple[float, str]] = {}  # name or pinned id: (seen at, id)
@@ -143,6 +146,13 @@ class Podman:
             f.write(text)
         os.replace(tmp, self.conf_path)
         return self.conf_path
+
+    def seccomp_profile(self) -> Path:
+        """The containers' seccomp profile (container_seccomp.py), written once per start."""
+        if self._seccomp_path is None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._seccomp_path = write_profile(self.data_dir / PROFILE_FILE)
+        return self._seccomp_path
 
     def _env_prefix(self) -> list[str]:
         return ["/usr/bin/env", "-i", f"CONTAINERS_CONF={self.conf_path}", f"PATH={_PATH}", self.binary]
@@ -291,6 +301,7 @@ class Podman:
             f"--user={uid}:{gid}",
             "--cap-drop=all",
             "--security-opt=no-new-privileges",
+            f"--security-opt=seccomp={self.seccomp_profile()}",  # no user namespaces, keyrings, …
             f"--pids-limit={spec.pids_max or self.pids_limit}",
             "--log-driver=none",
             f"--volume={run_dir}:{WORKDIR}:rw,nosuid,nodev",

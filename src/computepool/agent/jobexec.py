@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import os
 import pwd
 import select
 import shlex
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -100,16 +103,17 @@ class HeldNamespaces:
     provably the job's; closed by `close` once what joins them has done so."""
 
     fds: dict[str, int]
+    root: int = -1  # the job's root directory as its mount namespace has it (O_PATH), with "mnt"
 
     def path(self, kind: str) -> str:
         """A path any root process of the host opens as this very namespace (not as a pid's)."""
         return f"/proc/{os.getpid()}/fd/{self.fds[kind]}"
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        for fd in (*self.fds.values(), *([self.root] if self.root >= 0 else [])):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.fds = {}
+        self.fds, self.root = {}, -1
 
     def __enter__(self) -> HeldNamespaces:
         return self
@@ -129,23 +133,52 @@ def hold_namespaces(view: JobView, kinds: Sequence[str] = EXEC_NAMESPACES) -> He
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         raise gone from None
-    fds: dict[str, int] = {}
+    held = HeldNamespaces({})
     try:
         if not _still_the_jobs(view, pid):
             raise gone
         for kind in kinds:
-            fds[kind] = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+            held.fds[kind] = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        if "mnt" in kinds:
+            held.root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         if _exited(pidfd):  # it may have ended (and its pid been taken) before the files were opened
             raise gone
     except OSError:
-        HeldNamespaces(fds).close()
+        held.close()
         raise gone from None
     except ExecRefused:
-        HeldNamespaces(fds).close()
+        held.close()
         raise
     finally:
         os.close(pidfd)
-    return HeldNamespaces(fds)
+    return held
+
+
+TIOCSPTLCK, TIOCGPTPEER = 0x40045431, 0x5441  # asm-generic/ioctls.h: unlock a pty; open its peer
+
+
+def open_pty(held: HeldNamespaces | None) -> tuple[int, int]:
+    """(master, slave) of a terminal for an exec'd command: in the job's own devpts instance
+    (sandbox.py), so that the command's `tty` names it there, and counted in the job's ptys, not
+    the host's; the host's for a job without a mount namespace of its own."""
+    if held is None or held.root < 0:
+        return os.openpty()
+    flags = os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        master = os.open("dev/pts/ptmx", flags, dir_fd=held.root)
+    except FileNotFoundError:  # no /dev/pts in the job's view
+        return os.openpty()
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ExecRefused("the job holds every terminal it may have: none is left") from None
+        raise
+    try:
+        fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
+        slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)  # never by its path
+    except OSError:
+        os.close(master)
+        raise
+    return master, slave
 
 
 def _still_the_jobs(view: JobView, pid: int) -> bool:

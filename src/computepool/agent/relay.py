@@ -239,7 +239,7 @@ class _Exec:
         log.info("relay session %d: exec in %s: %s", self.s.id, self.view.rec.key, jobexec.describe(argv))
         master = -1
         if self.s.tty:
-            master, slave = os.openpty()
+            master, slave = jobexec.open_pty(held)  # the job's own ptys, where it has them
             _winsize(master, self.s.rows, self.s.cols)
             if self.view.user is not None and os.geteuid() == 0 and not self.view.container:
                 os.fchown(slave, self.view.user.pw_uid, self.view.user.pw_gid)

@@ -21,6 +21,7 @@ Layout of one attempt, under the agent's data dir (0711: others may pass through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -33,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from computepool.agent import jobnet, landlock, syscall_filter
+from computepool.agent import host_limits, jobnet, landlock, syscall_filter
 from computepool.agent.cgroups import DEFAULT_PIDS_MAX
 from computepool.agent.devfiles import DEV
 from computepool.agent.tenants import DEFAULT_UID_RANGE, USER_PREFIX
@@ -58,6 +59,12 @@ DEFAULT_CACHE_ROOT = Path("/var/cache/computepool")
 # other tenant's job can open them by key or name, and they die with it), its host name.
 _NAMESPACES = ("--pid", "--fork", "--mount-proc", "--mount", "--ipc", "--uts")
 DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
+# Terminals a process job may hold at once. The host's ptys (kernel.pty.max, 4096 by default) are
+# one count: a job that opened /dev/ptmx 4096 times left none to `cpool exec -t`, to the other
+# tenants' jobs or to the node's sshd. Each job has a devpts instance of its own (its ptys alone in
+# /dev/pts) with this many; all such instances together are held below the host's reserve
+# (kernel.pty.reserve), which the node's own terminals keep (host_limits.py raises the total).
+JOB_PTYS = 1024
 
 # Runs as root inside the new namespaces, then starts the command as the tenant (the "$@").
 # $1 is the job's directory, $2 a directory to hide under an empty tmpfs (the agent's data dir, or
@@ -70,6 +77,7 @@ DEFAULT_MPS_ROOT = Path("/run/computepool/mps")
 # $6 lists device files (space-separated, devfiles.py) of devices the job's slice does not hold: an
 # empty file of root's with mode 0 is bound over each, so opening one fails (EACCES) as it would
 # under a device cgroup; the file is unlinked at once (the binds keep it), the job cannot unmount.
+# $9: the most ptys the job may hold (JOB_PTYS), in a devpts instance of its own, its /dev/ptmx.
 # $7 is the prefix of tenants' users and $8 the job's own: /etc/passwd and /etc/group are bound over
 # by copies without the other tenants' users and groups, and the tenants' caches' root ($4's parent)
 # is covered like $2, so that a job learns no other tenant's name from the node. useradd and
@@ -93,7 +101,8 @@ _cpool_tmpfs=mode=1777,nosuid,nodev${5:+,size=$5}
 _cpool_nodev_files=$6
 _cpool_users=$7
 _cpool_me=$8
-shift 8
+_cpool_ptys=$9
+shift 9
 _cpool_fail() { echo "@FAILED@: $1" >&2; exit 126; }
 command exec 3<"$_cpool_w" || _cpool_fail "open the job directory"
 if [ -n "$_cpool_keep" ]; then command exec 4<"$_cpool_keep" || _cpool_fail "open the kept directory"; fi
@@ -110,6 +119,11 @@ if [ -d /run/lock ]; then
 fi
 if [ -d /dev/mqueue ]; then
     mount -t mqueue -o nosuid,nodev,noexec cpool-mqueue /dev/mqueue || _cpool_fail "a private /dev/mqueue"
+fi
+if [ -d /dev/pts ] && [ -e /dev/ptmx ]; then
+    mount -t devpts -o "newinstance,ptmxmode=0666,mode=0620,max=$_cpool_ptys" cpool-pts /dev/pts \\
+        || _cpool_fail "a private /dev/pts"
+    mount --no-canonicalize --bind /dev/pts/ptmx /dev/ptmx || _cpool_fail "a private /dev/ptmx"
 fi
 if [ -n "$_cpool_nodev_files" ]; then
     _cpool_nodev=/tmp/.cpool-no-device
@@ -214,6 +228,9 @@ class HostSupport:
 def probe(config: SandboxConfig) -> HostSupport:
     """Try the tools once, so a job says what was applied instead of failing at start."""
     root = os.geteuid() == 0
+    if root:  # host-wide counts no job's namespace or cgroup holds apart (host_limits.py)
+        for done, what in host_limits.raise_counts():
+            log.log(logging.INFO if done else logging.WARNING, "%s", what)
     setpriv, unshare = shutil.which("setpriv"), shutil.which("unshare")
     why: list[str] = []
     if setpriv is None:
@@ -250,15 +267,21 @@ def prepare_dirs(run_dir: Path, uid: int, gid: int) -> Path:
     """The attempt's dirs: run_dir and its parents passable by the job, `work/` the job's alone.
 
     Whatever the agent put in `work/` before the start (the timeslice shim, …) becomes the job's.
+    The tree also holds the tenant's code, unpacked as the tenant into its own dir, which another
+    process of the tenant's may change meanwhile (a job where namespaces are refused: the data dir
+    is not covered), swapping a directory for a link to one of root's: each name is changed
+    relative to a descriptor of the directory that was listed (os.fwalk checks that each one it
+    enters is the directory it listed), never by a path through a link.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     for d in (run_dir.parent.parent, run_dir.parent, run_dir):
         os.chmod(d, 0o711)
     work = run_dir / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
-    for root, dirs, files in os.walk(work):  # nothing of the job's has run yet: no links to chase
+    for _, dirs, files, at in os.fwalk(work, follow_symlinks=False):
         for name in (*dirs, *files):
-            os.chown(os.path.join(root, name), uid, gid, follow_symlinks=False)
+            with contextlib.suppress(FileNotFoundError):  # renamed away meanwhile: not there to hand
+                os.chown(name, uid, gid, dir_fd=at, follow_symlinks=False)
     os.chown(work, uid, gid)
     os.chmod(work, 0o700)
     return work
@@ -396,13 +419,14 @@ def wrap(
     if host.namespaces and host.unshare is not None:
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else "", " ".join(no_device), user_prefix,
-                user.pw_name]  # fmt: skip
+                user.pw_name, str(JOB_PTYS)]  # fmt: skip
         # an MPS client (`keep`: its daemon's pipes) stays in the host's IPC namespace, its server's
         spaces = _NAMESPACES if keep is None else tuple(n for n in _NAMESPACES if n != "--ipc")
         argv = [host.unshare, *spaces, "--", *init, *argv]
         sized = f" ({tmp_mib} MiB each)" if tmp_mib > 0 else ""
         named = "PID, mount, IPC and UTS" if keep is None else "PID, mount and UTS (the host's IPC: MPS)"
         applied.append(f"own {named} namespaces, private /tmp, /var/tmp and /dev/shm{sized}")
+        applied.append(f"own ptys (at most {JOB_PTYS})")
         if hide is not None:
             applied.append(f"{hide} hidden")
         if user_prefix:
