@@ -145,6 +145,21 @@ def test_a_connection_made_before_the_table_knew_the_listener_breaks_at_the_next
     assert got["B after"].startswith("error"), got  # refused, or left unanswered until it gives up
 
 
+def test_a_tenant_cannot_fill_the_nodes_connection_table() -> None:
+    """One UDP socket sending to 10,000 ports made 10,000 entries of the node's one connection
+    table in under a second; full, it drops every new connection of the node. Each tenant user has
+    its share now (300 here): past it its new flows are refused, another tenant's are not."""
+    lo = random.randrange(64000, 64800, 100)
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, str(PROBE), str(lo), "flows"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (got["A"], got["B"], got["root"]) == (300, 300, 1000), got
+    assert got["tracked"] <= 1600, got
+
+
 def test_a_root_agents_worker_on_the_nodes_network_does_not_reach_a_system_users_service() -> None:
     from e2e_helpers import JOB_PYTHON, wait_for
     from job_node import job_node

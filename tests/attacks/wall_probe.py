@@ -193,6 +193,36 @@ def window() -> None:
     wall.close()
 
 
+FLOOD = """
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sent = 0
+for port in range(40000, 41000):
+    try:
+        s.sendto(b"x", ("127.0.0.1", port))
+        sent += 1
+    except OSError:
+        pass
+print(sent)
+"""
+
+
+def flows() -> None:
+    """A tenant's UDP socket sending to 1,000 ports: each a flow in the node's one connection table."""
+    sh("ip", "link", "set", "lo", "up")
+    wall = HostWall("0123abcd", (LO, LO + 9), flows=300)
+    assert wall.install() == ""
+    out = {}
+    for who, uid in (("A", A), ("B", B), ("root", 0)):
+        argv = [PY, "-c", FLOOD]
+        done = subprocess.run(as_uid(uid, *argv) if uid else argv, capture_output=True, text=True, check=True)
+        out[who] = int(done.stdout)
+    with open("/proc/sys/net/netfilter/nf_conntrack_count") as f:
+        out["tracked"] = int(f.read())
+    wall.close()
+    print(json.dumps(out))
+
+
 def lan() -> None:
     """The node's other addresses, slirp4netns's connections, a `[::]` listener that takes IPv6
     alone, and a container behind a podman bridge no agent of this table made."""
@@ -244,7 +274,7 @@ def lan() -> None:
 if __name__ == "__main__":
     try:
         mode = sys.argv[2:3]
-        modes = {"lan": lan, "aliased": aliased, "window": window}
+        modes = {"lan": lan, "aliased": aliased, "window": window, "flows": flows}
         modes.get(mode[0] if mode else "", main)()
     finally:
         for p in LISTENERS:

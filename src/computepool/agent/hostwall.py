@@ -29,7 +29,10 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
   holds only IPv6;
 - does the same for slirp4netns, the user-mode network of every job with a network of its own
   (root, but in `jobnet.SLIRP_GID`): it connects for whichever tenant's job, so every system
-  user's and tenant's listener on the node's addresses and every container is refused to it.
+  user's and tenant's listener on the node's addresses and every container is refused to it;
+- caps the connections and UDP flows one tenant user (and one container of a tenant's network)
+  has in the node's connection tracking at once (`FLOWS_PER_SOURCE`): that table is the node's
+  one, charged to no one, and full it drops every new connection on the node.
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
@@ -62,6 +65,10 @@ from computepool.agent.jobnet import SLIRP_GID
 log = logging.getLogger("computepool.agent")
 
 REFRESH_S = 2.0
+# The node's connection tracking is one table (nf_conntrack_max, ~262k entries) whose entries are
+# charged to no one: a UDP socket sending to 10,000 ports made 10,000 in under a second, and once
+# it is full the node drops every new connection, its agent's heartbeats too.
+FLOWS_PER_SOURCE = 8192
 METADATA_V4 = ("169.254.0.0/16", "100.100.100.200")
 METADATA_V6 = ("fd00:ec2::254",)
 DNS_PORT = 53
@@ -217,8 +224,12 @@ class HostWall:
         *,
         nft: str | None = None,
         proc: Path = Path("/proc"),
+        flows: int = FLOWS_PER_SOURCE,
     ) -> None:
+        """`flows`: connections and UDP flows one tenant user (or one container) may have open at
+        once through the node's connection tracking."""
         self.table = f"cpool_{agent_id}_{os.getpid()}"
+        self.flows = flows
         self.uid_range = uid_range
         self.exempt_ports = exempt_ports  # the control plane's ports (its replicas change)
         self.protect = set(protect_ports)
@@ -265,9 +276,12 @@ table inet {t} {{
   set any6 {{ type inet_proto . inet_service; }}
   set owned_any6 {{ type uid . inet_proto . inet_service; }}
   set containers4 {{ type ipv4_addr; flags interval; }}
+  set flows_uid {{ type uid; size 65535; flags dynamic; }}
+  set flows_src {{ type ipv4_addr; size 65535; flags dynamic; }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
     ip saddr @containers4 ip daddr @metadata4 {refuse}
+    ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
   }}
   chain slirp {{
     ip daddr @metadata4 {refuse}
@@ -284,6 +298,7 @@ table inet {t} {{
     type filter hook output priority filter; policy accept;
     meta skgid {SLIRP_GID} ct direction original jump slirp
     meta skuid != {uids} accept
+    ct state new add @flows_uid {{ meta skuid ct count over {self.flows} }} {refuse}
     ct direction reply accept
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
