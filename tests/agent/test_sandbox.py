@@ -382,7 +382,7 @@ def test_a_sandbox_that_cannot_be_set_up_is_reported_as_such_not_as_the_commands
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    init = ["sh", "-c", sandbox._NS_INIT, "cpool-init", str(tmp_path / "gone"), *[""] * 8, "true"]
+    init = ["sh", "-c", sandbox._NS_INIT, "cpool-init", str(tmp_path / "gone"), *[""] * 9, "true"]
     with open(run_dir / "stderr.log", "wb") as err:
         rc = subprocess.run(init, stderr=err, check=False).returncode
     assert rc == 126

@@ -44,3 +44,26 @@ def test_code_holding_no_mps_keeps_the_job_out_of_the_hosts_ipc_namespace(node: 
     assert r.returncode == 0, (r.stderr, node.logs())
     seen = r.stdout.strip().splitlines()[-1]
     assert seen.startswith("ipc:[") and seen != os.readlink("/proc/self/ns/ipc"), r.stdout
+
+
+def test_a_job_that_is_no_mps_client_sees_no_mps_daemon(node: Node, tmp_path: Path) -> None:
+    """Every device's MPS daemon keeps its control pipe under the MPS root, which others may pass:
+    a job of any tenant could reach a daemon by its device's uuid and talk to it. A job that is no
+    MPS client has the MPS root covered."""
+    tenant, _ = node.member("mv")
+    daemon = Path("/run/computepool/mps") / f"GPU-test-{os.getpid()}-{tmp_path.name}"[:60]
+    pipe = daemon / "pipe"
+    pipe.mkdir(parents=True)
+    for d in (daemon.parent.parent, daemon.parent, daemon):
+        os.chmod(d, 0o711)
+    os.chmod(pipe, 0o755)
+    (pipe / "control").write_text("")
+    try:
+        r = subprocess.run(
+            cpool("run", "--no-code", "--cpus", "0.1", "--", "ls", str(pipe)),
+            env=node.cli_env(tenant), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode != 0 and "control" not in r.stdout, (r.stdout, r.stderr)
+        assert "No such file" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(daemon, ignore_errors=True)

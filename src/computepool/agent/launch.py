@@ -138,6 +138,7 @@ class Launcher:
         argv, applied = wrap(
             spec.command, user, work, self.host, hide, keep, cache, tmp, private_network=spec.private_network,
             own_network=not spec.host_network, no_device=no_device, user_prefix=self.sandbox.user_prefix,
+            mps_root=self.sandbox.mps_root or self.data_dir / "mps",
         )  # fmt: skip
         if open_why:
             applied.append(open_why)

@@ -102,7 +102,8 @@ _cpool_nodev_files=$6
 _cpool_users=$7
 _cpool_me=$8
 _cpool_ptys=$9
-shift 9
+_cpool_mps=${10}
+shift 10
 _cpool_fail() { echo "@FAILED@: $1" >&2; exit 126; }
 command exec 3<"$_cpool_w" || _cpool_fail "open the job directory"
 if [ -n "$_cpool_keep" ]; then command exec 4<"$_cpool_keep" || _cpool_fail "open the kept directory"; fi
@@ -157,6 +158,10 @@ fi
 if [ -n "$_cpool_hide" ] && [ -d "$_cpool_hide" ]; then
     mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-hidden "$_cpool_hide" \\
         || _cpool_fail "hide the agent data dir"
+fi
+if [ -n "$_cpool_mps" ] && [ -d "$_cpool_mps" ]; then
+    mount -t tmpfs -o mode=0755,nosuid,nodev,size=1m cpool-mps "$_cpool_mps" \\
+        || _cpool_fail "hide the MPS daemons"
 fi
 if [ -n "$_cpool_cache" ] && [ -d "${_cpool_cache%/*}" ] && [ -n "${_cpool_cache%/*}" ]; then
     mount -t tmpfs -o mode=0711,nosuid,nodev,size=1m cpool-caches "${_cpool_cache%/*}" \\
@@ -381,6 +386,7 @@ def wrap(
     own_network: bool = False,
     no_device: Sequence[str] = (),
     user_prefix: str = "",
+    mps_root: Path | None = None,
 ) -> tuple[list[str], list[str]]:
     """argv that runs `command` as `user` in the sandbox, and what it applies, in words.
 
@@ -395,6 +401,8 @@ def wrap(
     `no_device`: device files (devfiles.py) the job cannot open: covered in its mount namespace.
     `user_prefix`: the tenants' users' (tenants.py); the job's /etc/passwd and /etc/group show none
     but its own, and its cache's parent (the tenants' caches) is covered.
+    `mps_root`: the MPS daemons' dirs (their control pipes, every device's), covered for a job that
+    is no MPS client (`keep` None).
     Where the first steps run as root (`hands_over`), the argv expects `root_side_env`'s
     environment and restores the job's own after setpriv.
     """
@@ -417,9 +425,10 @@ def wrap(
         argv = [*syscall_filter.private_network_loader_argv(host.filter_loader[0]), *argv]
         applied.append(syscall_filter.SUMMARY_PRIVATE_NETWORK)
     if host.namespaces and host.unshare is not None:
+        cover = str(mps_root) if mps_root is not None and keep is None else ""  # no MPS client: none
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else "", " ".join(no_device), user_prefix,
-                user.pw_name, str(JOB_PTYS)]  # fmt: skip
+                user.pw_name, str(JOB_PTYS), cover]  # fmt: skip
         # an MPS client (`keep`: its daemon's pipes) stays in the host's IPC namespace, its server's
         spaces = _NAMESPACES if keep is None else tuple(n for n in _NAMESPACES if n != "--ipc")
         argv = [host.unshare, *spaces, "--", *init, *argv]
