@@ -125,6 +125,27 @@ def test_timeslice_env_writes_the_shim_and_the_fraction(tmp_path: Path) -> None:
         slice_env("t", 1, _one(GPU, Isolation.TIMESLICE, 250, 1) + _one(GPU1, Isolation.MPS), tmp_path)
 
 
+def test_the_shim_is_never_written_through_a_link_the_tenant_made(tmp_path: Path) -> None:
+    """The job dir is the tenant's: a `cpool-shim` (or its file) made a link elsewhere is refused,
+    and nothing is written where it points."""
+    from computepool.agent.isolation import write_shim
+
+    elsewhere = tmp_path / "root-owned"
+    elsewhere.mkdir()
+    job = tmp_path / "work"
+    job.mkdir()
+    (job / "cpool-shim").symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        write_shim(job)
+    (job / "cpool-shim").unlink()
+    (job / "cpool-shim").mkdir()
+    (job / "cpool-shim" / "sitecustomize.py").symlink_to(elsewhere / "target.py")
+    (job / "cpool-shim" / ".sitecustomize.py.tmp").symlink_to(elsewhere / "tmp.py")
+    assert write_shim(job) == job / "cpool-shim"  # the links are replaced, not followed
+    assert list(elsewhere.iterdir()) == []
+    assert not (job / "cpool-shim" / "sitecustomize.py").is_symlink()
+
+
 def test_resolve_slices_checks_the_device() -> None:
     got = resolve_slices([Slice("n", 1, 500, 4096, Isolation.TIMESLICE)], [GPU, GPU1])
     assert got == [SliceAssignment(GPU1, 500, 4096, Isolation.TIMESLICE)]

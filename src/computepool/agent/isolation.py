@@ -263,14 +263,31 @@ _cpool_chain()
 
 
 def write_shim(job_dir: Path) -> Path:
-    """Write `sitecustomize.py` into `<job_dir>/cpool-shim`; returns that directory."""
-    shim_dir = job_dir / SHIM_DIR
-    shim_dir.mkdir(parents=True, exist_ok=True)
-    target = shim_dir / "sitecustomize.py"
-    tmp = shim_dir / ".sitecustomize.py.tmp"
-    tmp.write_text(_SHIM)
-    tmp.replace(target)
-    return shim_dir
+    """Write `sitecustomize.py` into `<job_dir>/cpool-shim`; returns that directory.
+
+    The job dir is the tenant's, and the agent may write as root: every step goes from a descriptor
+    and follows no link, so a `cpool-shim` (or file) its tenant made a link elsewhere is refused
+    (OSError), never written through."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | nofollow)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(SHIM_DIR, 0o777, dir_fd=top)
+        shim = os.open(SHIM_DIR, os.O_RDONLY | os.O_DIRECTORY | nofollow, dir_fd=top)
+        try:
+            tmp = ".sitecustomize.py.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=shim)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, 0o666, dir_fd=shim)
+            with os.fdopen(fd, "w") as f:
+                f.write(_SHIM)
+            os.replace(tmp, "sitecustomize.py", src_dir_fd=shim, dst_dir_fd=shim)
+        finally:
+            os.close(shim)
+    finally:
+        os.close(top)
+    return job_dir / SHIM_DIR
 
 
 # ---- MPS ------------------------------------------------------------------------------------
