@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import Connection, bindparam, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from computepool.core.allocation import (  # also read as store.HOLDING etc.
@@ -89,6 +89,17 @@ _END = (
     .values(state=bindparam("state"), reason=bindparam("reason"), ended_at=bindparam("ended_at"))
     .returning(_ALLOC.c.env)
 )
+_END_EXITED = (
+    _ALLOC.update()
+    .where(_ALLOC.c.id == bindparam("alloc_id"))
+    .values(
+        state=bindparam("state"),
+        reason=bindparam("reason"),
+        ended_at=bindparam("ended_at"),
+        exit_code=bindparam("exit_code"),
+    )
+    .returning(_ALLOC.c.env)
+)
 _UNINDEX = _NODES.delete().where(_NODES.c.allocation_id == bindparam("alloc_id"))
 
 
@@ -151,12 +162,23 @@ def lock_head(session: Session, alloc_id: int) -> Head | None:
     return None if row is None else Head(row[0], row[1], row[2], list(row[3]), row[4], row[5])
 
 
-def end(session: Session, head: Head, state: AllocationState, reason: str, now: datetime) -> None:
-    """End a live allocation (released, cancelled …): row, node index and event, in three statements."""
+def end(
+    session: Session,
+    head: Head,
+    state: AllocationState,
+    reason: str,
+    now: datetime,
+    *,
+    exit_code: int | None = None,
+) -> None:
+    """End a live allocation (released, cancelled …): row, node index and event, in three statements;
+    `exit_code`, when given, is stored with it."""
     conn = session.connection()
-    env = conn.execute(
-        _END, {"alloc_id": head.id, "state": state, "reason": reason[:1024], "ended_at": now}
-    ).scalar_one_or_none()
+    values = {"alloc_id": head.id, "state": state, "reason": reason[:1024], "ended_at": now}
+    if exit_code is None:
+        env = conn.execute(_END, values).scalar_one_or_none()
+    else:
+        env = conn.execute(_END_EXITED, values | {"exit_code": exit_code}).scalar_one_or_none()
     if _has_secret(env):
         req = conn.execute(select(_ALLOC.c.request).where(_ALLOC.c.id == head.id)).scalar_one()
         conn.execute(
@@ -166,15 +188,27 @@ def end(session: Session, head: Head, state: AllocationState, reason: str, now: 
         )
     if head.state in HOLDING:
         conn.execute(_UNINDEX, {"alloc_id": head.id})
+    event(conn, head.id, state, reason, now, head.attempt, head.term)
+
+
+def event(
+    conn: Connection,
+    alloc_id: int,
+    state: AllocationState,
+    reason: str,
+    at: datetime,
+    attempt: int,
+    term: int,
+) -> None:
     conn.execute(
         _INSERT_EVENT,
         {
-            "allocation_id": head.id,
-            "at": now,
+            "allocation_id": alloc_id,
+            "at": at,
             "state": state,
             "reason": reason[:1024],
-            "attempt": head.attempt,
-            "term": head.term,
+            "attempt": attempt,
+            "term": term,
         },
     )
 

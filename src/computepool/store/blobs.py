@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import NamedTuple
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -173,9 +174,26 @@ def sweep(s: Session, blob_dir: Path, older_than: timedelta, now: datetime) -> i
 
 
 # --- file requests ------------------------------------------------------------------------------
-def pending_files(s: Session, node: str) -> Sequence[FileRequest]:
-    stmt = select(FileRequest).where(FileRequest.node == node, FileRequest.state == "pending")
-    return s.scalars(stmt.order_by(FileRequest.id)).all()
+_FILE_T = FileRequest.__table__
+_PENDING_FILES = (
+    select(_FILE_T.c.id, _FILE_T.c.allocation_id, _FILE_T.c.attempt, _FILE_T.c.tenant_id, _FILE_T.c.path)
+    .where(_FILE_T.c.node == bindparam("node"), _FILE_T.c.state == "pending")
+    .order_by(_FILE_T.c.id)
+)
+
+
+class PendingFileRow(NamedTuple):
+    id: int
+    allocation_id: int
+    attempt: int
+    tenant_id: int
+    path: str
+
+
+def pending_files(s: Session, node: str) -> list[PendingFileRow]:
+    """A node's unanswered file requests, oldest first; plain rows: every assignments read asks,
+    and almost always finds none."""
+    return [PendingFileRow(*r) for r in s.connection().execute(_PENDING_FILES, {"node": node})]
 
 
 def pending_of_tenant(s: Session, tenant_id: int) -> int:

@@ -105,6 +105,10 @@ class Database:
                 connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S, "application_name": APPLICATION_NAME},
             )
         self._writers = threading.Lock() if self.dialect == "sqlite" else None
+        # write transactions begun / as of the last complete checkpoint (-1: none yet, so the
+        # first one runs whatever migrations or an earlier process left in the log)
+        self._writes = 0
+        self._checkpointed = -1
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(self.engine.execution_options(cpool_write=True), expire_on_commit=False)
         self.audit_key: bytes | None = None
@@ -128,15 +132,23 @@ class Database:
     def write(self) -> Iterator[Session]:
         """A transaction committed when the block ends, rolled back if it raises."""
         with self._writers or nullcontext(), self._write() as session, session.begin():
+            self._writes += 1  # under the writers' lock on SQLite (checkpoint reads it)
             yield session
 
     def checkpoint(self) -> None:
         """Copy the SQLite write-ahead log back into the database file (PASSIVE: never waits
-        for, nor blocks, readers or writers). A no-op on PostgreSQL."""
+        for, nor blocks, readers or writers). A no-op on PostgreSQL, and once a checkpoint copied
+        the whole log, until this process writes again: other processes' connections checkpoint
+        their own commits (SQLite's default), only this process's do not (`wal_autocheckpoint=0`)."""
         if self.dialect != "sqlite":
             return
+        writes = self._writes
+        if writes == self._checkpointed:
+            return
         with self.engine.connect() as conn:
-            conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+            row = conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").first()
+        if row is not None and row[0] == 0 and row[1] == row[2]:  # not busy, every frame copied
+            self._checkpointed = writes
 
     def ping(self) -> None:
         """Raise if the database cannot answer a trivial query."""

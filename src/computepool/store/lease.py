@@ -57,8 +57,13 @@ def holds_lease(session: Session, holder: str, term: int) -> bool:
     return row is not None and row[0] == holder and row[1] == term
 
 
+_LEASE_T = SchedulerLease.__table__
+_CURRENT_TERM = select(_LEASE_T.c.term).where(_LEASE_T.c.id == LEASE_ID)
+
+
 def current_term(session: Session) -> int:
-    row = session.execute(select(SchedulerLease.term).where(SchedulerLease.id == LEASE_ID)).scalar()
+    """The lease's term (0 before any leader); a prebuilt Core statement: every assignments read asks."""
+    row = session.connection().execute(_CURRENT_TERM).scalar()
     return int(row or 0)
 
 

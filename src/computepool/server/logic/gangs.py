@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from computepool.server.logic.report_times import reported_start
 from computepool.store import allocations as store
+from computepool.store.agent_rows import HeldJob
 from computepool.store.models import Allocation
 from computepool.wire.allocation_out import GangOut, MemberOut, Report
 
@@ -39,7 +40,7 @@ def is_gang(a: Any) -> bool:
     return bool(a.members) and len(a.nodes) > 1
 
 
-def gang_of(a: Allocation, node: str, ports: tuple[int, int] | None = None) -> GangOut | None:
+def gang_of(a: Allocation | HeldJob, node: str, ports: tuple[int, int] | None = None) -> GangOut | None:
     """What `node`'s member of gang `a` is told: its rank, the size, the rendezvous, its peers, and
     (`ports`, the gang port range) where rank 0 may take another master port."""
     if not is_gang(a) or a.master_port is None:
@@ -60,7 +61,7 @@ def gang_of(a: Allocation, node: str, ports: tuple[int, int] | None = None) -> G
     )
 
 
-def awaits_rank0(a: Allocation, node: str) -> bool:
+def awaits_rank0(a: Allocation | HeldJob, node: str) -> bool:
     """Whether `node`'s member of gang `a` must wait: it is not rank 0, and rank 0 has not yet said
     it runs (with the master port it offers, which may not be the reserved one). No member ever
     dials a port that a stranger holds on rank 0's node."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from computepool.store.agent_rows import Reported
 from computepool.store.models import Allocation
 
 
-def reported_start(a: Allocation, reported: datetime | None, now: datetime) -> datetime:
+def reported_start(a: Allocation | Reported, reported: datetime | None, now: datetime) -> datetime:
     """When `a` started: the agent's time when it lies between the bind and `now`, else the
     nearer of the two; `now` when the agent gave none."""
     if reported is None:

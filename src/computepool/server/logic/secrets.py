@@ -26,6 +26,7 @@ from computepool.server.secret_box import SecretBox, SecretUnreadable
 from computepool.server.settings import ServerSettings
 from computepool.store import secrets as store
 from computepool.store import tenants as tenant_store
+from computepool.store.agent_rows import HeldJob
 from computepool.store.db import db_now
 from computepool.store.models import Allocation, Secret, Service, Tenant
 from computepool.wire.allocations import SecretUse, check_env_name
@@ -149,7 +150,7 @@ def check_known(s: Session, tenant_id: int, request: dict[str, Any], *, lock: bo
 
 
 def job_envs(
-    s: Session, settings: ServerSettings, allocations: Sequence[Allocation]
+    s: Session, settings: ServerSettings, allocations: Sequence[Allocation | HeldJob]
 ) -> dict[int, dict[str, str]]:
     """Per allocation id, the job's environment with its secrets' values. One whose secret is gone or
     does not open is left out (its job does not start) and the server's log says why."""

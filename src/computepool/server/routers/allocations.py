@@ -14,6 +14,7 @@ from computepool.server.deps import requires
 from computepool.server.hub import Hub
 from computepool.server.logic import allocations
 from computepool.server.policy import Action
+from computepool.server.routers.answer import answer
 from computepool.server.routers.polling import long_poll
 from computepool.wire.allocation_out import AllocationOut, ExplainOut, LogsOut
 from computepool.wire.allocations import AllocationCreate
@@ -41,6 +42,7 @@ async def get_hub(request: Request) -> Hub:
 @router.post(
     "/allocations",
     status_code=201,
+    response_model=AllocationOut,
     summary="Ask the pool for capacity (201 created; 200 when the Idempotency-Key was seen)",
     responses={200: {"description": "The allocation an earlier call with this key created"}},
 )
@@ -50,10 +52,10 @@ def create(
     ctx: Annotated[Ctx, Depends(requires(Action.ALLOCATION_CREATE))],
     hub: Annotated[Hub, Depends(get_hub)],
     idempotency_key: IdempotencyKey = None,
-) -> AllocationOut:
+) -> Response:
     out, created = allocations.create(ctx, body, idempotency_key, hub)
     response.status_code = 201 if created else 200
-    return out
+    return answer(out, response)
 
 
 @router.get("/allocations", summary="Allocations, newest first")
