@@ -28,11 +28,13 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
   IPv6 alone (`IPV6_V6ONLY`, which /proc does not show: read through `ss` when a tenant has one)
   holds only IPv6;
 - does the same for slirp4netns, the user-mode network of every job with a network of its own
-  (root, but in `jobnet.SLIRP_GID`): it connects for whichever tenant's job, so every system
-  user's and tenant's listener on the node's addresses and every container is refused to it;
-- caps the connections and UDP flows one tenant user (and one container of a tenant's network)
-  has in the node's connection tracking at once (`FLOWS_PER_SOURCE`): that table is the node's
-  one, charged to no one, and full it drops every new connection on the node.
+  (root, but in its tenant's group, or `jobnet.SLIRP_GID`): it connects for whichever tenant's
+  job, so every system user's and tenant's listener on the node's addresses and every container
+  is refused to it;
+- caps the connections and UDP flows one tenant user (and one container of a tenant's network,
+  and the slirp4netns of one tenant's jobs, by their group) has in the node's connection tracking
+  at once (`FLOWS_PER_SOURCE`): that table is the node's one, charged to no one, and full it drops
+  every new connection on the node.
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
@@ -278,12 +280,14 @@ table inet {t} {{
   set containers4 {{ type ipv4_addr; flags interval; }}
   set flows_uid {{ type uid; size 65535; flags dynamic; }}
   set flows_src {{ type ipv4_addr; size 65535; flags dynamic; }}
+  set flows_slirp {{ type gid; size 65535; flags dynamic; }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
     ip saddr @containers4 ip daddr @metadata4 {refuse}
     ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
   }}
   chain slirp {{
+    ct state new add @flows_slirp {{ meta skgid ct count over {self.flows} }} {refuse}
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
     ct original ip daddr @containers4 {refuse}
@@ -296,7 +300,7 @@ table inet {t} {{
   }}
   chain out {{
     type filter hook output priority filter; policy accept;
-    meta skgid {SLIRP_GID} ct direction original jump slirp
+    meta skuid 0 meta skgid {{ {SLIRP_GID}, {uids} }} ct direction original jump slirp
     meta skuid != {uids} accept
     ct state new add @flows_uid {{ meta skuid ct count over {self.flows} }} {refuse}
     ct direction reply accept

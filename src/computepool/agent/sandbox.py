@@ -451,7 +451,8 @@ def wrap(
         applied.append("the node's network: slirp4netns is not installed")
     scope = not host.scope_why_not
     applied.append(landlock.SUMMARY if scope else f"no landlock scopes: {host.scope_why_not}")
-    opts = jobnet.options(host.slirp, own, scope)
+    # slirp4netns in the tenant's group: the host firewall counts its flows as the tenant's
+    opts = jobnet.options(host.slirp, own, scope, user.pw_gid if host.root else None)
     if host.filter_loader and not inner:  # outermost: the namespaces' init and setpriv run under it too
         argv = [*syscall_filter.loader_argv(host.filter_loader[0], opts, host.filter_program), *argv]
         applied.append(syscall_filter.SUMMARY)
