@@ -32,9 +32,9 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
   job, so every system user's and tenant's listener on the node's addresses and every container
   is refused to it;
 - caps the connections and UDP flows one tenant user (and one container of a tenant's network,
-  and the slirp4netns of one tenant's jobs, by their group) has in the node's connection tracking
-  at once (`FLOWS_PER_SOURCE`): that table is the node's one, charged to no one, and full it drops
-  every new connection on the node.
+  to other hosts and to the node's own addresses alike, and the slirp4netns of one tenant's jobs,
+  by their group) has in the node's connection tracking at once (`FLOWS_PER_SOURCE`): that table
+  is the node's one, charged to no one, and full it drops every new connection on the node.
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
@@ -284,6 +284,10 @@ table inet {t} {{
   chain forward {{
     type filter hook forward priority filter; policy accept;
     ip saddr @containers4 ip daddr @metadata4 {refuse}
+    ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
     ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
   }}
   chain slirp {{
