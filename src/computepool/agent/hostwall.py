@@ -42,8 +42,10 @@ starts listening is refused to tenants within that long. The rules hold for ever
 tenant's socket sends on a connection it opened, not for its first alone: a connection made in
 that moment, before the listener was known, breaks at the next refresh instead of staying open
 (replies on connections others opened to a tenant's own listeners pass). The table goes when
-the agent stops; one a killed agent left is removed by the next agent to start on the host (its
-pid, in the name, is gone).
+the agent stops with no job left running; one that jobs outlive (a stopped agent leaves them
+running for the next to adopt: without it they reached everything it refuses until then), or a
+killed agent's, is removed by the next agent to start on the host (its pid, in the name, is
+gone) once that agent's own table is in.
 """
 
 from __future__ import annotations
@@ -254,7 +256,6 @@ class HostWall:
             return "the agent is not root"
         if not self.nft:
             return "nft (nftables) not installed"
-        self.sweep()
         lo, hi = self.uid_range
         uids = f"{lo}-{hi}" if hi > lo else str(lo)
         t = self.table
@@ -323,6 +324,7 @@ table inet {t} {{
         try:
             self._run_nft(script)
             self.refresh()
+            self.sweep()  # only now: until this table is in, the one a stopped agent left holds its jobs
         except (OSError, subprocess.SubprocessError) as e:
             return f"nft refused the table: {e}"
         return ""
@@ -385,10 +387,12 @@ table inet {t} {{
         self._thread = threading.Thread(target=self._loop, name="cpool-hostwall", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop refreshing and delete the table."""
+    def close(self, keep: bool = False) -> None:
+        """Stop refreshing and delete the table, unless `keep` (jobs run on without the agent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if keep:
+            return
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             self._run_nft(f"delete table inet {self.table}\n")
