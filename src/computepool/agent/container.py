@@ -305,6 +305,9 @@ class Podman:
             f"--pids-limit={spec.pids_max or self.pids_limit}",
             "--log-driver=none",
             f"--volume={run_dir}:{WORKDIR}:rw,nosuid,nodev",
+            # an image's VOLUMEs: tmpfs (charged to the container's memory, gone with it), not
+            # anonymous volumes on the node's disk, which no disk guard counted and `rm` left behind
+            "--image-volume=tmpfs",
             f"--workdir={WORKDIR}",
         ]
         if self._init_path():
