@@ -308,6 +308,9 @@ class Podman:
             # an image's VOLUMEs: tmpfs (charged to the container's memory, gone with it), not
             # anonymous volumes on the node's disk, which no disk guard counted and `rm` left behind
             "--image-volume=tmpfs",
+            # an image's HEALTHCHECK would be run by systemd through `podman healthcheck run`: an exec
+            # from outside the agent, so outside the container's Landlock domain
+            "--no-healthcheck",
             f"--workdir={WORKDIR}",
         ]
         if self._init_path():
