@@ -1,9 +1,11 @@
-"""Run as root inside a network namespace of its own (`unshare --net`): tenants' process jobs with a
-network of their own (jobnet's real launcher and slirp4netns), or a container behind a bridge of
-a tenant network (`container` mode), sending UDP to many ports, under a root agent's host
-firewall (hostwall.py) with a cap of 300 flows.
+"""Run as root inside a network namespace of its own (`unshare --net`), under a root agent's host
+firewall (hostwall.py): tenants' process jobs with a network of their own (jobnet's real launcher
+and slirp4netns), or a container behind a bridge of a tenant network (`container` mode), sending
+UDP to many ports with a cap of 300 flows; or that container dialling listeners on the node's
+addresses (`reach` mode).
 
-Prints one JSON object: how many entries of this namespace's connection table each made.
+Prints one JSON object: how many entries of this namespace's connection table each made, or what
+the container reached.
 """
 
 from __future__ import annotations
@@ -119,26 +121,32 @@ for to in sys.argv[1:]:
 """
 
 
+def boxed(code: str, *args: str) -> subprocess.Popen[str]:
+    """A container (`code` in a network namespace of its own, once it has printed "up") at
+    10.88.7.2 behind the bridge "podman7" of a tenant network, the node being GATEWAY there."""
+    box = subprocess.Popen(
+        ["unshare", "--net", PY, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert box.stdout is not None and box.stdout.readline().strip() == "up"
+    sh("ip", "link", "add", "podman7", "type", "veth", "peer", "name", "ctr0")
+    sh("ip", "link", "set", "ctr0", "netns", str(box.pid))
+    sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", "podman7")
+    sh("ip", "link", "set", "podman7", "up")
+    inside = ["nsenter", "-t", str(box.pid), "-n", "ip"]
+    sh(*inside, "addr", "add", "10.88.7.2/24", "dev", "ctr0")
+    sh(*inside, "link", "set", "ctr0", "up")
+    sh(*inside, "route", "add", "default", "via", GATEWAY)
+    return box
+
+
 def container() -> None:
     """A container of a tenant network sends UDP to 1,000 ports of the node's address on its bridge
     (delivered to the node: the input path) and of a far host (forwarded)."""
     lan()
     sh("sysctl", "-q", "-w", "net.ipv4.ip_forward=1")  # this namespace's alone
-    box = subprocess.Popen(
-        ["unshare", "--net", PY, "-c", BOX, GATEWAY, FAR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    box = boxed(BOX, GATEWAY, FAR)
     try:
         assert box.stdin is not None and box.stdout is not None
-        assert box.stdout.readline().strip() == "up"
-        sh("ip", "link", "add", "podman7", "type", "veth", "peer", "name", "ctr0")
-        sh("ip", "link", "set", "ctr0", "netns", str(box.pid))
-        sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", "podman7")
-        sh("ip", "link", "set", "podman7", "up")
-        inside = ["nsenter", "-t", str(box.pid), "-n", "ip"]
-        sh(*inside, "addr", "add", "10.88.7.2/24", "dev", "ctr0")
-        sh(*inside, "link", "set", "ctr0", "up")
-        sh(*inside, "route", "add", "default", "via", GATEWAY)
         wall = HostWall("0123abcd", (LO, LO + 9), flows=300)
         assert wall.install() == ""
         wall.add_container_subnets(["10.88.7.0/24"])  # as container_net.py does for a tenant network
@@ -154,5 +162,64 @@ def container() -> None:
     print(json.dumps({"to the node": out[GATEWAY], "forwarded": out[FAR]}))
 
 
+LISTEN = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("up", flush=True)
+while True:
+    c = s.accept()[0]
+    c.sendall(b"SECRET")
+    c.close()
+"""
+DIAL = """
+import json, socket, sys
+print("up", flush=True)
+sys.stdin.readline()
+out = {}
+for name, host, port in json.loads(sys.argv[1]):
+    try:
+        with socket.create_connection((host, port), timeout=3) as c:
+            out[name] = "reached" if c.recv(10) == b"SECRET" else "closed"
+    except OSError as e:
+        out[name] = "refused" if e.errno in (13, 113) else f"error {e.errno}"
+print(json.dumps(out), flush=True)
+"""
+
+
+def reach() -> None:
+    """A container of tenant B's network dials listeners on the node's addresses (its bridge's and
+    the LAN's): tenant A's on every address and on the LAN address, a system user's, root's."""
+    lan()
+    procs: list[subprocess.Popen[str]] = []
+    for uid, host, port in ((A, "0.0.0.0", 7040), (LO + 50, "0.0.0.0", 7041), (A, NODE, 7043)):
+        who = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        argv = [*who, PY, "-c", LISTEN, host, str(port)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        assert procs[-1].stdout is not None and procs[-1].stdout.readline().strip() == "up"
+    procs.append(subprocess.Popen([PY, "-c", LISTEN, "0.0.0.0", "7042"], stdout=subprocess.PIPE, text=True))
+    assert procs[-1].stdout is not None and procs[-1].stdout.readline().strip() == "up"  # root's
+    targets = [
+        ("A's", GATEWAY, 7040),
+        ("A's at the LAN address", NODE, 7040),
+        ("A's on the LAN address alone", NODE, 7043),
+        ("system", GATEWAY, 7041),
+        ("root", GATEWAY, 7042),
+    ]
+    box = boxed(DIAL, json.dumps(targets))
+    procs.append(box)
+    try:
+        assert box.stdin is not None and box.stdout is not None
+        wall = HostWall("0123abcd", (LO, LO + 9))
+        assert wall.install() == ""
+        wall.add_container_subnets(["10.88.7.0/24"])
+        box.stdin.write("\n")
+        box.stdin.flush()
+        print(box.stdout.readline().strip())
+        wall.close()
+    finally:
+        for p in procs:
+            p.kill()
+
+
 if __name__ == "__main__":
-    container() if sys.argv[2:] == ["container"] else main()
+    {"container": container, "reach": reach}.get(sys.argv[2] if sys.argv[2:] else "", main)()

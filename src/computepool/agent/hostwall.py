@@ -10,6 +10,10 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 - refuses every connection to the instance metadata addresses (169.254.0.0/16, 100.100.100.200,
   fd00:ec2::254), which answer with the machine's cloud credentials; its forward chain does
   the same for the tenants' container networks (container_net.py);
+- refuses the containers of the tenants' networks what it refuses tenants' sockets on the node's
+  own addresses (their bridge's address and the node's others are the node's: its listeners on
+  every address took a container's connections): a system user's service, any tenant's listener
+  (the container's own tenant's too: its traffic carries no uid), root's services and DNS open;
 - refuses every connection to containers' addresses: a container network's bridge is the
   node's own, so a job on the node's network reached every port of any tenant's container there,
   not only the published ones. Its own networks' subnets are refused, and every podman bridge
@@ -290,6 +294,12 @@ table inet {t} {{
   chain input {{
     type filter hook input priority filter; policy accept;
     ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
+    ip saddr @containers4 ct direction original jump from_containers
+  }}
+  chain from_containers {{
+    fib daddr type local {by_port} @refused {refuse}
+    fib daddr type local ip daddr . {by_port} @at4 {refuse}
+    fib daddr type local {by_port} @any4 {refuse}
   }}
   chain slirp {{
     ct state new add @flows_slirp {{ meta skgid ct count over {self.flows} }} {refuse}
