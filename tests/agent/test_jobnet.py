@@ -204,7 +204,10 @@ def test_without_the_kernels_or_the_tools_support_a_job_says_what_it_lacks() -> 
 def test_the_launcher_refuses_what_it_cannot_read() -> None:
     assert jobnet.parse(["--own-network"]) is None and jobnet.parse(["--bogus", "--", "x"]) is None
     assert jobnet.parse(["--scope", "--"]) is None
-    assert jobnet.parse(["--own-network", "-", "--scope", "--", "x"]) == (None, True, True, ["x"])
+    assert jobnet.parse(["--own-network", "-", "--scope", "--", "x"]) == (None, True, True, None, ["x"])
+    opts = jobnet.options("/s", True, True, 61000)
+    assert jobnet.parse([*opts, "--", "x"]) == ("/s", True, True, 61000, ["x"])
+    assert jobnet.parse(["--slirp-group", "x", "--", "y"]) is None
     assert jobnet.main(["--nope"]) == 2
 
 

@@ -18,6 +18,7 @@ import httpx
 from e2e_helpers import child_env, cpool, free_port, kill_jobs_under, stop, wait_for
 
 from computepool.agent.container import Podman
+from computepool.agent.identity import agent_id
 from computepool.agent.tenants import remove_tenant_user
 
 ENDED = ("released", "failed", "cancelled", "preempted", "lost")
@@ -30,9 +31,11 @@ class Node:
         server_args: tuple[str, ...],
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        agent_args: tuple[str, ...] = (),
     ) -> None:
         self.root = root
         self.server_args = (*server_args, "--host", host)
+        self.agent_args = agent_args
         self.env = child_env() | (env or {})  # the server's and the agent's (and `cpool` commands')
         self.port = free_port()
         self.url = f"http://{host}:{self.port}"
@@ -57,7 +60,7 @@ class Node:
         with (self.root / "agent.log").open("ab") as out:
             self.agent = subprocess.Popen(
                 cpool("agent", "--server", self.url, "--join-token", join, "--data-dir", str(self.agent_dir),
-                      "--name", f"n{uuid.uuid4().hex[:6]}", "--kill-grace-s", "1"),
+                      "--name", f"n{uuid.uuid4().hex[:6]}", "--kill-grace-s", "1", *self.agent_args),
                 stdout=out, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         self.procs.append(self.agent)
@@ -140,6 +143,7 @@ class Node:
         for proc in reversed(self.procs):
             stop(proc)
         kill_jobs_under(self.root)
+        self._drop_firewalls()
         if shutil.which("podman"):
             for agent_dir in (d for d in (self.agent_dir, self.root / "agent2") if d.exists()):
                 podman = Podman(agent_dir)
@@ -148,13 +152,30 @@ class Node:
         for tenant in self.tenants:
             remove_tenant_user(tenant)
 
+    def _drop_firewalls(self) -> None:
+        """The host firewall tables the agents kept for jobs left running (none run now)."""
+        if shutil.which("nft") is None:
+            return
+        ids = {agent_id(d) for d in (self.agent_dir, self.root / "agent2")}
+        listed = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True).stdout
+        for line in listed.splitlines():
+            name = line.removeprefix("table inet ").strip()
+            if any(name.startswith(f"cpool_{i}_") for i in ids):
+                subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, check=False)
+
 
 @contextmanager
-def job_node(*server_args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Iterator[Node]:
-    """The pool; `host`: the address its server listens on and its agent calls."""
+def job_node(
+    *server_args: str,
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    agent_args: tuple[str, ...] = (),
+) -> Iterator[Node]:
+    """The pool; `host`: the address its server listens on and its agent calls; `agent_args`: more
+    flags of its agent's."""
     root = Path("/var/tmp") / f"cpool-jl-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o755)
-    node = Node(root, server_args, env, host)
+    node = Node(root, server_args, env, host, agent_args)
     try:
         node.start()
         yield node

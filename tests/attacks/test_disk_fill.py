@@ -162,3 +162,38 @@ def test_the_files_of_a_job_just_stopped_for_them_stop_no_one_else(disk: Path) -
         assert g.low()[0]
         assert g.check_once() == [], stopped
     assert [k for k, _ in stopped] == [job_key("2", 1)], stopped
+
+
+def test_a_cache_on_a_disk_of_its_own_filled_by_a_job_stops_that_job(disk: Path, tmp_path: Path) -> None:
+    """The tenants' caches (`/var/cache/computepool`, often the node's root disk) on another disk than
+    the data dir's (a big one for the runs): the guard watched the data dir's disk alone, so B's
+    job filled the caches' disk through its cache, and every tenant's cache, podman's storage and
+    the node's own files there with it. While that disk is low, the running job that wrote the
+    most to its tenant's cache since it started is stopped; A's job, which wrote none, runs on."""
+    caches = tmp_path / "caches"  # the caches' own 32 MiB disk
+    caches.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(caches)], check=True)
+    try:
+        runs = disk / "runs"
+        _write(caches / "a" / "pip" / "wheels.bin", 4)  # A's cache, from its earlier jobs
+        time.sleep(0.05)  # files' times come from a coarser clock than time.time()
+        started = time.time()
+        _write(runs / "1" / "1" / "work" / "model.bin", 8)  # A's running job: its own files
+        _write(runs / "2" / "1" / "work" / "x", 0)
+        _write(caches / "b" / "fill.bin", 24)  # B's running job fills the caches' disk
+        jobs = [
+            DiskJob(job_key("1", 1), runs / "1" / "1", caches / "a", started),
+            DiskJob(job_key("2", 1), runs / "2" / "1", caches / "b", started),
+        ]
+        stopped: list[tuple[str, str]] = []
+        g = DiskGuard(
+            runs, job_key, lambda: {j.key for j in jobs}, lambda: jobs, lambda k, r: stopped.append((k, r)),
+            min_free_bytes=8 * MIB, min_free_share=0.25, cache_root=caches,
+        )  # fmt: skip
+        assert not g.low()[0] and g.low(caches)[0]  # the data dir's disk has room; the caches' not
+        assert g.check_once() == [f"stopped {job_key('2', 1)}"]
+        [(key, reason)] = stopped
+        assert "tenants' caches is nearly full" in reason and "took 24 MiB" in reason, reason
+        assert g.check_once() == []  # once: what it wrote stays; no other job is stopped for it
+    finally:
+        subprocess.run(["umount", "-l", str(caches)], check=False)

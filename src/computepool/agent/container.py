@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ from computepool.agent.container_cgroups import ContainerCgroups
 from computepool.agent.container_env import ENV_FILE, EnvFileError, write_env_file
 from computepool.agent.container_net import NetworkError, TenantNetworks
 from computepool.agent.container_seccomp import PROFILE_FILE, write_profile
+from computepool.agent.container_tcp import write_hook
 from computepool.agent.devfiles import NVIDIA_COMMON_NODES, nvidia_nodes
 from computepool.agent.identity import agent_id
 from computepool.agent.sandbox import tmpfs_mib
@@ -63,6 +65,8 @@ _CONF = """\
 # Written by the computepool agent for the podman it runs; not read by anything else.
 [containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+hooks_dir = [{hooks}]
 {runtime}
 """
 
@@ -138,8 +142,9 @@ class Podman:
     def write_conf(self) -> Path:
         """The containers.conf podman gets from the agent (mode 0600, rewritten at every start)."""
         runtime = 'runtime = "runc"' if shutil.which("runc", path=_PATH) else ""
-        text = _CONF.format(runtime=f"[engine]\n{runtime}" if runtime else "")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        hooks = write_hook(self.data_dir, self.cgroup_root / "memory")  # v1: a TCP limit (container_tcp.py)
+        text = _CONF.format(runtime=runtime, hooks=json.dumps(str(hooks)))
         tmp = self.conf_path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -305,6 +310,12 @@ class Podman:
             f"--pids-limit={spec.pids_max or self.pids_limit}",
             "--log-driver=none",
             f"--volume={run_dir}:{WORKDIR}:rw,nosuid,nodev",
+            # an image's VOLUMEs: tmpfs (charged to the container's memory, gone with it), not
+            # anonymous volumes on the node's disk, which no disk guard counted and `rm` left behind
+            "--image-volume=tmpfs",
+            # an image's HEALTHCHECK would be run by systemd through `podman healthcheck run`: an exec
+            # from outside the agent, so outside the container's Landlock domain
+            "--no-healthcheck",
             f"--workdir={WORKDIR}",
         ]
         if self._init_path():

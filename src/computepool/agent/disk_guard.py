@@ -16,7 +16,11 @@ kubelet does with dead containers and under disk pressure:
   free none of them, so none is stopped for them (the agent's log says so).
 
 A container's writable layer lives in podman's storage, which may be a disk of its own: while that
-disk is low, the running container whose layer there takes the most is stopped the same way.
+disk is low, the running container whose layer there takes the most is stopped the same way. So
+do the tenants' caches (`cache_root`, the node's root disk by default, while the data dir may be a
+big disk of its own): while their disk is low, the running job that wrote the most to its
+tenant's cache since it started is stopped (a job filled that disk, and the node's own files on
+it, through its cache, unseen).
 
 The disk is low when less than `min(min_free_bytes, min_free_share × its size)` is free to
 unprivileged writers (`statvfs.f_bavail`), or fewer than `min(min_free_inodes, min_free_share × its
@@ -242,7 +246,43 @@ class DiskGuard:
 
     def check_once(self) -> list[str]:
         """One pass; what it did, in words (for logs and tests)."""
-        return self._check_data_disk() + self._check_layer_disks()
+        return self._check_data_disk() + self._check_layer_disks() + self._check_cache_disk()
+
+    def _check_cache_disk(self) -> list[str]:
+        """The tenants' caches on a disk other than the data dir's: while it is low, the running job
+        that wrote the most to its tenant's cache since it started is stopped, unless writes no
+        running job answers for take more there."""
+        if self.cache_root is None:
+            return []
+        try:
+            home, dev = os.stat(self._disk()).st_dev, os.stat(self.cache_root).st_dev
+        except OSError:
+            return []
+        if dev == home:
+            return []  # counted with the data dir's disk (`_usage_of`)
+        low, short, free = self._pressure(self.cache_root)
+        if not (low or short):
+            return []
+        running = [j for j in self.jobs() if j.key not in self._stopped]
+        which = 0 if low else 1
+        cached = [j for j in running if j.cache is not None]
+        usage = {j.key: tree_usage(j.cache, since=j.started, dev=dev)[which] for j in cached if j.cache}
+        size, key = max(((u, k) for k, u in usage.items()), default=(0, ""))
+        if size < (MIB if low else 1000):
+            return []
+        orphan = max((u[which] for u in self._unclaimed_caches(running, dev).values()), default=0)
+        if orphan > size:  # left by jobs that no longer run: stopping another frees nothing of it
+            return []
+        what = "nearly full" if low else "out of inodes"
+        took = _mib(size) if low else f"{size} files"
+        reason = (
+            f"the disk of the tenants' caches is {what} ({free}); what this job wrote to its tenant's "
+            f"cache took {took}, the most of any job's there"
+        )
+        log.warning("stopping %s: %s", key, reason)
+        self._stopped.add(key)
+        self.stop_job(key, reason)
+        return [f"stopped {key}"]
 
     def _check_layer_disks(self) -> list[str]:
         """Containers' writable layers on disks other than the data dir's: while one is low, the
@@ -354,6 +394,13 @@ class DiskGuard:
         try:
             dev = os.stat(self.runs if self.runs.exists() else self.runs.parent).st_dev
         except OSError:
+            return out
+        return {**out, **self._unclaimed_caches(running, dev)}
+
+    def _unclaimed_caches(self, running: list[DiskJob], dev: int) -> dict[Path, tuple[int, int]]:
+        """`_unclaimed`'s share of the tenants' caches on the disk `dev`."""
+        out: dict[Path, tuple[int, int]] = {}
+        if self.cache_root is None:
             return out
         caches = _subdirs(self.cache_root)
         since = self.clock() - self.keep_s

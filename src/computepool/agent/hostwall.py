@@ -10,6 +10,10 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
 - refuses every connection to the instance metadata addresses (169.254.0.0/16, 100.100.100.200,
   fd00:ec2::254), which answer with the machine's cloud credentials; its forward chain does
   the same for the tenants' container networks (container_net.py);
+- refuses the containers of the tenants' networks what it refuses tenants' sockets on the node's
+  own addresses (their bridge's address and the node's others are the node's: its listeners on
+  every address took a container's connections): a system user's service, any tenant's listener
+  (the container's own tenant's too: its traffic carries no uid), root's services and DNS open;
 - refuses every connection to containers' addresses: a container network's bridge is the
   node's own, so a job on the node's network reached every port of any tenant's container there,
   not only the published ones. Its own networks' subnets are refused, and every podman bridge
@@ -28,11 +32,13 @@ table of its own (`inet cpool_<agent id>_<pid>`) whose output chain, for those u
   IPv6 alone (`IPV6_V6ONLY`, which /proc does not show: read through `ss` when a tenant has one)
   holds only IPv6;
 - does the same for slirp4netns, the user-mode network of every job with a network of its own
-  (root, but in `jobnet.SLIRP_GID`): it connects for whichever tenant's job, so every system
-  user's and tenant's listener on the node's addresses and every container is refused to it;
-- caps the connections and UDP flows one tenant user (and one container of a tenant's network)
-  has in the node's connection tracking at once (`FLOWS_PER_SOURCE`): that table is the node's
-  one, charged to no one, and full it drops every new connection on the node.
+  (root, but in its tenant's group, or `jobnet.SLIRP_GID`): it connects for whichever tenant's
+  job, so every system user's and tenant's listener on the node's addresses and every container
+  is refused to it;
+- caps the connections and UDP flows one tenant user (and one container of a tenant's network,
+  to other hosts and to the node's own addresses alike, and the slirp4netns of one tenant's jobs,
+  by their group) has in the node's connection tracking at once (`FLOWS_PER_SOURCE`): that table
+  is the node's one, charged to no one, and full it drops every new connection on the node.
 
 What listens where is read from /proc/net/{tcp,udp}{,6} (owner uid, bound address) every
 `REFRESH_S`, and the table's sets are replaced in one transaction when it changed: a service that
@@ -40,8 +46,10 @@ starts listening is refused to tenants within that long. The rules hold for ever
 tenant's socket sends on a connection it opened, not for its first alone: a connection made in
 that moment, before the listener was known, breaks at the next refresh instead of staying open
 (replies on connections others opened to a tenant's own listeners pass). The table goes when
-the agent stops; one a killed agent left is removed by the next agent to start on the host (its
-pid, in the name, is gone).
+the agent stops with no job left running; one that jobs outlive (a stopped agent leaves them
+running for the next to adopt: without it they reached everything it refuses until then), or a
+killed agent's, is removed by the next agent to start on the host (its pid, in the name, is
+gone) once that agent's own table is in.
 """
 
 from __future__ import annotations
@@ -252,7 +260,6 @@ class HostWall:
             return "the agent is not root"
         if not self.nft:
             return "nft (nftables) not installed"
-        self.sweep()
         lo, hi = self.uid_range
         uids = f"{lo}-{hi}" if hi > lo else str(lo)
         t = self.table
@@ -278,12 +285,24 @@ table inet {t} {{
   set containers4 {{ type ipv4_addr; flags interval; }}
   set flows_uid {{ type uid; size 65535; flags dynamic; }}
   set flows_src {{ type ipv4_addr; size 65535; flags dynamic; }}
+  set flows_slirp {{ type gid; size 65535; flags dynamic; }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
     ip saddr @containers4 ip daddr @metadata4 {refuse}
     ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
   }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    ip saddr @containers4 ct state new add @flows_src {{ ip saddr ct count over {self.flows} }} {refuse}
+    ip saddr @containers4 ct direction original jump from_containers
+  }}
+  chain from_containers {{
+    fib daddr type local {by_port} @refused {refuse}
+    fib daddr type local ip daddr . {by_port} @at4 {refuse}
+    fib daddr type local {by_port} @any4 {refuse}
+  }}
   chain slirp {{
+    ct state new add @flows_slirp {{ meta skgid ct count over {self.flows} }} {refuse}
     ip daddr @metadata4 {refuse}
     ip6 daddr @metadata6 {refuse}
     ct original ip daddr @containers4 {refuse}
@@ -296,7 +315,7 @@ table inet {t} {{
   }}
   chain out {{
     type filter hook output priority filter; policy accept;
-    meta skgid {SLIRP_GID} ct direction original jump slirp
+    meta skuid 0 meta skgid {{ {SLIRP_GID}, {uids} }} ct direction original jump slirp
     meta skuid != {uids} accept
     ct state new add @flows_uid {{ meta skuid ct count over {self.flows} }} {refuse}
     ct direction reply accept
@@ -315,6 +334,7 @@ table inet {t} {{
         try:
             self._run_nft(script)
             self.refresh()
+            self.sweep()  # only now: until this table is in, the one a stopped agent left holds its jobs
         except (OSError, subprocess.SubprocessError) as e:
             return f"nft refused the table: {e}"
         return ""
@@ -377,10 +397,12 @@ table inet {t} {{
         self._thread = threading.Thread(target=self._loop, name="cpool-hostwall", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop refreshing and delete the table."""
+    def close(self, keep: bool = False) -> None:
+        """Stop refreshing and delete the table, unless `keep` (jobs run on without the agent)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if keep:
+            return
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             self._run_nft(f"delete table inet {self.table}\n")

@@ -18,7 +18,8 @@ node's loopback (it calls it back; a worker of a control plane elsewhere reaches
 slirp4netns like any other host, and keeps its own network: a function's command is the tenant's
 own). They still get the Landlock scopes (landlock.py).
 
-The launcher (`python -I -m computepool.agent.jobnet [--own-network SLIRP] [--scope] -- ARGV`, or
+The launcher (`python -I -m computepool.agent.jobnet [--own-network SLIRP [--slirp-group GID]]
+[--scope] -- ARGV`, or
 the same options given to the syscall filter's loader, which then does both in one process) runs
 as root, first in the job's chain: it moves itself into a new network namespace, brings its
 loopback up, starts slirp4netns for it (from the node's namespace, in a session of its own, so
@@ -64,10 +65,13 @@ MTU = 65520
 # ECS task roles at 169.254.170.2) and Alibaba's 100.100.100.200; a job's routes refuse them
 METADATA_NETS = ("169.254.0.0/16", "100.100.100.200/32")
 TAP = "tap0"
-# slirp4netns runs as root (it enters the job's namespace) with this group of its own, which no
-# user has: the host firewall (hostwall.py) tells its connections apart by it and keeps them off
-# the tenants' container networks, whose bridges are the node's own (a job reached any port of
-# another tenant's container at its bridge address through slirp4netns, as root)
+# slirp4netns runs as root (it enters the job's namespace) in its tenant's group (`--slirp-group`,
+# the tenant user's gid), else in this group of its own, which no user has: the host firewall
+# (hostwall.py) tells its connections apart by root's uid in such a group and keeps them off the
+# tenants' container networks, whose bridges are the node's own (a job reached any port of another
+# tenant's container at its bridge address through slirp4netns, as root); by the group it also
+# counts each tenant's slirp4netns flows in the node's one connection table (one group for every
+# tenant's left them uncounted: a plain job filled the table through its slirp4netns)
 SLIRP_GID = 2147483547
 # the line a launcher step that cannot isolate the job writes on its stderr before exit 126
 SANDBOX_FAILED = "cpool: the node could not set up the job's sandbox"
@@ -157,9 +161,10 @@ def refuse_route(net: str) -> None:
         raise OSError(err, f"route prohibit {net}: {os.strerror(err)}")
 
 
-def own_network(slirp: str | None) -> str:
+def own_network(slirp: str | None, group: int | None = None) -> str:
     """Move this process into a new network namespace with its loopback up, and give it outbound
-    traffic through `slirp` (None: loopback alone). Returns "" or why there is no outbound.
+    traffic through `slirp` (None: loopback alone), run in `group` (None: SLIRP_GID). Returns "" or
+    why there is no outbound.
     Raises OSError when the namespace itself cannot be made."""
     libc = _libc()
     host_ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -170,7 +175,7 @@ def own_network(slirp: str | None) -> str:
             refuse_route(net)
         if slirp is None:
             return "slirp4netns is not installed: no outbound network"
-        why = _start_slirp(slirp, host_ns)
+        why = _start_slirp(slirp, host_ns, SLIRP_GID if group is None else group)
     finally:
         os.close(host_ns)
     if not why:
@@ -222,7 +227,7 @@ def _bind_resolv(text: str) -> None:
     _check(libc.mount(RESOLV_COPY.encode(), target, None, MS_BIND, None), f"mount --bind over {RESOLV}")
 
 
-def _start_slirp(slirp: str, host_ns: int) -> str:
+def _start_slirp(slirp: str, host_ns: int, group: int) -> str:
     me = os.getpid()
     ready_r, ready_w = os.pipe()
 
@@ -242,7 +247,7 @@ def _start_slirp(slirp: str, host_ns: int) -> str:
     try:
         proc = subprocess.Popen(
             slirp_argv(slirp, me, ready_w), pass_fds=(ready_w,), preexec_fn=in_host_network,
-            group=SLIRP_GID, extra_groups=[], start_new_session=True, stdin=subprocess.DEVNULL,
+            group=group, extra_groups=[], start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
         )  # fmt: skip
     except OSError as e:
@@ -264,7 +269,7 @@ def _start_slirp(slirp: str, host_ns: int) -> str:
     return f"slirp4netns did not bring the network up within {READY_TIMEOUT_S:g} s"
 
 
-def prepare(slirp: str | None, own: bool, scope: bool) -> None:
+def prepare(slirp: str | None, own: bool, scope: bool, group: int | None = None) -> None:
     """What the launcher does before it execs the job's next step; raises OSError (the job must
     not run without what it was promised: its own network namespace, its scopes)."""
     if scope:  # first: slirp4netns shares the job's domain, where the kernel's signal that ends
@@ -273,29 +278,33 @@ def prepare(slirp: str | None, own: bool, scope: bool) -> None:
 
         landlock.restrict_scopes()
     if own:
-        why = own_network(slirp)
+        why = own_network(slirp, group)
         if why:
             print(f"cpool: the job has no outbound network: {why}", file=sys.stderr, flush=True)
 
 
-def parse(argv: Sequence[str]) -> tuple[str | None, bool, bool, list[str]] | None:
-    """[--own-network SLIRP|-] [--scope] -- ARGV → (slirp, own, scope, ARGV); None when malformed."""
-    slirp, own, scope, i = None, False, False, 0
+def parse(argv: Sequence[str]) -> tuple[str | None, bool, bool, int | None, list[str]] | None:
+    """[--own-network SLIRP|- [--slirp-group GID]] [--scope] -- ARGV → (slirp, own, scope, group,
+    ARGV); None when malformed."""
+    slirp, own, scope, group, i = None, False, False, None, 0
     while i < len(argv) and argv[i] != "--":
         if argv[i] == "--own-network" and i + 1 < len(argv):
             own, slirp = True, (None if argv[i + 1] == "-" else argv[i + 1])
             i += 2
+        elif argv[i] == "--slirp-group" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            group, i = int(argv[i + 1]), i + 2
         elif argv[i] == "--scope":
             scope, i = True, i + 1
         else:
             return None
     rest = list(argv[i + 1 :])
-    return (slirp, own, scope, rest) if i < len(argv) and rest else None
+    return (slirp, own, scope, group, rest) if i < len(argv) and rest else None
 
 
-def options(own_network_with: str | None, own: bool, scope: bool) -> list[str]:
-    """The launcher's options (`parse`'s inverse)."""
+def options(own_network_with: str | None, own: bool, scope: bool, group: int | None = None) -> list[str]:
+    """The launcher's options (`parse`'s inverse); `group`: slirp4netns's (the tenant's gid)."""
     out = ["--own-network", own_network_with or "-"] if own else []
+    out += ["--slirp-group", str(group)] if own and group is not None else []
     return [*out, "--scope"] if scope else out
 
 
@@ -310,14 +319,15 @@ def main(argv: Sequence[str]) -> int:
     parsed = parse(argv)
     if parsed is None:
         print(
-            "usage: python -I -m computepool.agent.jobnet [--own-network SLIRP|-] [--scope] -- "
+            "usage: python -I -m computepool.agent.jobnet [--own-network SLIRP|- [--slirp-group GID]] "
+            "[--scope] -- "
             "COMMAND [ARG...]",
             file=sys.stderr,
         )
         return 2
-    slirp, own, scope, rest = parsed
+    slirp, own, scope, group, rest = parsed
     try:
-        prepare(slirp, own, scope)
+        prepare(slirp, own, scope, group)
     except OSError as e:
         print(f"{SANDBOX_FAILED}: a network of its own: {e}", file=sys.stderr)
         return 126

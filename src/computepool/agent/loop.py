@@ -177,15 +177,7 @@ class Agent:
     def run(self) -> None:
         """Adopt what still runs, then loop until stopped. Raises AgentFatal on a refused credential."""
         self._adopt()
-        threads = [
-            threading.Thread(target=self._heartbeat_loop, name="cpool-heartbeat", daemon=True),
-            threading.Thread(target=self._assignments_loop, name="cpool-assignments", daemon=True),
-            threading.Thread(target=self.relays.run, name="cpool-relays", daemon=True),  # cpool exec
-        ]
-        for t in threads:
-            t.start()
-        if self.watchdog is not None:
-            self.watchdog.start()
+        # the firewall before any new job can start (the one a stopped agent left holds until then)
         if self.hostwall is not None:
             why = self.hostwall.install()
             if why:
@@ -202,6 +194,15 @@ class Agent:
                 if engine.conf_path.exists():  # podman was used here: its tenants' networks already
                     with contextlib.suppress(Exception):
                         engine.networks.announce_existing()
+        threads = [
+            threading.Thread(target=self._heartbeat_loop, name="cpool-heartbeat", daemon=True),
+            threading.Thread(target=self._assignments_loop, name="cpool-assignments", daemon=True),
+            threading.Thread(target=self.relays.run, name="cpool-relays", daemon=True),  # cpool exec
+        ]
+        for t in threads:
+            t.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
         self.listeners.start()
         self.port_guard.start()
         self.disk_guard.start()
@@ -218,8 +219,8 @@ class Agent:
                 self.watchdog.close()
             self.listeners.close()
             self.port_guard.close()
-            if self.hostwall is not None:
-                self.hostwall.close()
+            if self.hostwall is not None:  # the jobs left running stay held until the next agent's
+                self.hostwall.close(keep=bool(self.executor.running()))
             self.disk_guard.close()
             for t in threads:
                 t.join(timeout=1.0)

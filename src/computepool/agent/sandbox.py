@@ -401,8 +401,8 @@ def wrap(
     `no_device`: device files (devfiles.py) the job cannot open: covered in its mount namespace.
     `user_prefix`: the tenants' users' (tenants.py); the job's /etc/passwd and /etc/group show none
     but its own, and its cache's parent (the tenants' caches) is covered.
-    `mps_root`: the MPS daemons' dirs (their control pipes, every device's), covered for a job that
-    is no MPS client (`keep` None).
+    `mps_root`: the MPS daemons' dirs (their control pipes, every device's), covered; an MPS client
+    gets its own daemon's pipes (`keep`) bound back, never another device's.
     Where the first steps run as root (`hands_over`), the argv expects `root_side_env`'s
     environment and restores the job's own after setpriv.
     """
@@ -425,7 +425,8 @@ def wrap(
         argv = [*syscall_filter.private_network_loader_argv(host.filter_loader[0]), *argv]
         applied.append(syscall_filter.SUMMARY_PRIVATE_NETWORK)
     if host.namespaces and host.unshare is not None:
-        cover = str(mps_root) if mps_root is not None and keep is None else ""  # no MPS client: none
+        # the MPS daemons' root: an MPS client keeps its own daemon's pipes alone (`keep`, bound back)
+        cover = str(mps_root) if mps_root is not None else ""
         init = ["/bin/sh", "-c", _NS_INIT, "cpool-init", str(work), str(hide or ""), str(keep or ""),
                 str(cache or ""), f"{tmp_mib}m" if tmp_mib > 0 else "", " ".join(no_device), user_prefix,
                 user.pw_name, str(JOB_PTYS), cover]  # fmt: skip
@@ -451,7 +452,8 @@ def wrap(
         applied.append("the node's network: slirp4netns is not installed")
     scope = not host.scope_why_not
     applied.append(landlock.SUMMARY if scope else f"no landlock scopes: {host.scope_why_not}")
-    opts = jobnet.options(host.slirp, own, scope)
+    # slirp4netns in the tenant's group: the host firewall counts its flows as the tenant's
+    opts = jobnet.options(host.slirp, own, scope, user.pw_gid if host.root else None)
     if host.filter_loader and not inner:  # outermost: the namespaces' init and setpriv run under it too
         argv = [*syscall_filter.loader_argv(host.filter_loader[0], opts, host.filter_program), *argv]
         applied.append(syscall_filter.SUMMARY)

@@ -185,17 +185,17 @@ def main(argv: Sequence[str]) -> int:
         from computepool.agent import jobnet  # noqa: PLC0415 - the inner loader (-c) never gets them
 
         net = jobnet.parse(argv)
-        argv = ["--", *net[3]] if net is not None else argv
+        argv = ["--", *net[4]] if net is not None else argv
     if len(argv) < 2 or argv[0] != "--":
         print(
             "usage: python -I -m computepool.agent.syscall_filter [--private-network | "
-            "[--bpf HEX] [--own-network SLIRP|-] [--scope]] -- COMMAND [ARG...]",
+            "[--bpf HEX] [--own-network SLIRP|- [--slirp-group GID]] [--scope]] -- COMMAND [ARG...]",
             file=sys.stderr,
         )
         return 2
     if net is not None:
         try:
-            jobnet.prepare(*net[:3])
+            jobnet.prepare(*net[:4])
         except OSError as e:
             print(f"cpool: cannot isolate the job's network: {e}", file=sys.stderr)
             return 126
