@@ -44,6 +44,9 @@ def test_a_tenants_flood_of_output_does_not_hold_up_anothers_last_line(executor:
     for rec in recs:  # B's jobs first, as they started first
         shipper.track(executor.get(rec.key) or rec)
     shipper.ship()
+    assert sent == []  # nothing before the control plane said its cap (a heartbeat's answer)
+    shipper.learn_cap(64)
+    shipper.ship()
     assert len(sent) <= TICK_CHUNKS  # a tick is bounded, however much is waiting
     first_of_a = next(i for i, (alloc, _) in enumerate(sent) if alloc == "a1")
     assert first_of_a <= CHUNKS_PER_TURN, sent[:8]  # after one turn of B's at most, not all of B's

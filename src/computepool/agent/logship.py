@@ -106,11 +106,16 @@ class LogShipper:
         self.send = send or api.logs
         self.tails: dict[str, _LogTail] = {}
         self.cap_bytes: int | None = None  # what the control plane keeps of a stream (None: not said)
+        # a job may start before the first heartbeat is answered: what it wrote by then past the cap
+        # would be shipped, to be dropped there
+        self.answered = False
         self._served: dict[str, int] = {}  # tenant: the tick its turn last came (who goes first next)
         self._ticks = 0
 
     def learn_cap(self, log_max_mib: Any) -> None:
-        """The control plane's `log_max_mib`, from a heartbeat answer (one without it changes nothing)."""
+        """The control plane's `log_max_mib`, from a heartbeat answer (one without it changes nothing
+        but that an answer came: nothing is shipped before the first, which says the cap)."""
+        self.answered = True
         if isinstance(log_max_mib, int) and log_max_mib > 0:
             self.cap_bytes = log_max_mib << 20
 
@@ -141,6 +146,8 @@ class LogShipper:
     def ship(self) -> None:
         """Send what the jobs wrote since the last offset, `TICK_CHUNKS` at most (raises
         Unreachable); a tail is done once its job ended and all its output is sent."""
+        if not self.answered:
+            return
         self._ticks += 1
         budget = TICK_CHUNKS
         for key in self._turns():
