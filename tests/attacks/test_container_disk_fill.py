@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_node import sandbox_node
 
 from computepool.agent.container import Podman
 from computepool.agent.disk_guard import DiskGuard, free_space, running_jobs
@@ -52,18 +53,8 @@ def scratch_image(image: str) -> str:
 @pytest.fixture
 def node() -> Iterator[Executor]:
     """A sandboxing executor as a root agent has it; its jobs, containers, data and users go at the end."""
-    data = Path("/var/tmp") / f"cpool-cdf-{uuid.uuid4().hex[:8]}"
-    data.mkdir()
-    ex = Executor(data / "agent", cgroup_base=None, kill_grace_s=1.0, sandbox=SandboxConfig())
-    yield ex
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    engine = Podman(data / "agent")
-    for key in engine.all_keys():
-        engine.remove(key)
-    ex.close()
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
+    with sandbox_node("cdf", SandboxConfig(), cgroup_base=None, containers=True) as ex:
+        yield ex
 
 
 def _wait_out(run_dir: str, text: str) -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_node import sandbox_node
 
-from computepool.agent.container import Podman
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
 from computepool.agent.localstate import JobState
 from computepool.agent.tenants import remove_tenant_user
@@ -58,18 +57,8 @@ print(json.dumps(out), flush=True)
 @pytest.fixture
 def node() -> Iterator[Executor]:
     """A sandboxing executor as a root agent has it; its containers, data and users go at the end."""
-    data = Path("/var/tmp") / f"cpool-csc-{uuid.uuid4().hex[:8]}"
-    data.mkdir()
-    ex = Executor(data / "agent", cgroup_base=None, kill_grace_s=1.0, sandbox=SandboxConfig())
-    yield ex
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    engine = Podman(data / "agent")
-    for key in engine.all_keys():
-        engine.remove(key)
-    ex.close()
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
+    with sandbox_node("csc", SandboxConfig(), cgroup_base=None, containers=True) as ex:
+        yield ex
 
 
 def test_a_container_cannot_make_a_user_namespace_nor_use_keyrings(node: Executor, image: str) -> None:

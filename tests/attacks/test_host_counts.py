@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_node import sandbox_node
 
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
 from computepool.agent.host_limits import COUNTS, node_memory_bytes, wanted
@@ -62,15 +63,8 @@ VICTIM = SETUP + 'print("io_setup(128):", setup(128), flush=True)'
 
 @pytest.fixture
 def node() -> Iterator[Executor]:
-    data = Path("/var/tmp") / f"cpool-aio-{uuid.uuid4().hex[:8]}"
-    data.mkdir(mode=0o755)
-    ex = Executor(data / "agent", kill_grace_s=1.0, sandbox=SandboxConfig(uid_range=RANGE))
-    yield ex
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    ex.close()
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
+    with sandbox_node("aio", SandboxConfig(uid_range=RANGE), mode=0o755) as ex:
+        yield ex
 
 
 def test_a_job_holding_every_aio_context_leaves_another_tenants_job_its_own(node: Executor) -> None:

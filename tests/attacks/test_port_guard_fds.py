@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sandbox_node import sandbox_node
 
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
 from computepool.agent.localstate import JobState
@@ -46,15 +47,8 @@ time.sleep(120)
 
 @pytest.fixture
 def node() -> Iterator[Executor]:
-    data = Path("/var/tmp") / f"cpool-pgf-{uuid.uuid4().hex[:8]}"
-    data.mkdir(mode=0o755)
-    ex = Executor(data / "agent", cgroup_base=None, kill_grace_s=1.0, sandbox=SandboxConfig(uid_range=RANGE))
-    yield ex
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    ex.close()
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
+    with sandbox_node("pgf", SandboxConfig(uid_range=RANGE), mode=0o755, cgroup_base=None) as ex:
+        yield ex
 
 
 def _ready(ex: Executor, key: str, run_dir: str, count: int) -> None:

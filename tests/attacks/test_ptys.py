@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_node import sandbox_node
 
 from computepool.agent import jobexec
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
@@ -51,15 +52,8 @@ print("pty:", os.ttyname(slave), flush=True)
 
 @pytest.fixture
 def node() -> Iterator[Executor]:
-    data = Path("/var/tmp") / f"cpool-pty-{uuid.uuid4().hex[:8]}"
-    data.mkdir(mode=0o755)
-    ex = Executor(data / "agent", cgroup_base=None, kill_grace_s=1.0, sandbox=SandboxConfig(uid_range=RANGE))
-    yield ex
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    ex.close()
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
+    with sandbox_node("pty", SandboxConfig(uid_range=RANGE), mode=0o755, cgroup_base=None) as ex:
+        yield ex
 
 
 def _held(ex: Executor, key: str, tenant: str) -> jobexec.HeldNamespaces:

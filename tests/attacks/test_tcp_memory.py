@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_node import sandbox_node
 
 from computepool.agent.executor import STDOUT_LOG, Executor, JobSpec, SandboxConfig
 from computepool.agent.localstate import JobState
@@ -50,15 +51,8 @@ print(held, flush=True)
 
 @pytest.fixture
 def node() -> Iterator[Executor]:
-    data = Path("/var/tmp") / f"cpool-tcp-{uuid.uuid4().hex[:8]}"
-    data.mkdir(mode=0o755)
-    ex = Executor(data / "agent", kill_grace_s=1.0, sandbox=SandboxConfig(uid_range=RANGE))
-    yield ex
-    for rec in ex.running():
-        ex.kill(rec.key, "teardown", grace_s=0)
-    ex.close()
-    ex.state.close()
-    shutil.rmtree(data, ignore_errors=True)
+    with sandbox_node("tcp", SandboxConfig(uid_range=RANGE), mode=0o755) as ex:
+        yield ex
 
 
 def test_a_jobs_tcp_buffers_are_held_by_its_memory_limit(node: Executor) -> None:
