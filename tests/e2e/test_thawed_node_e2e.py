@@ -261,6 +261,9 @@ def test_a_rejoining_node_stops_old_work_before_new_work_starts_on_its_device(
 
 def test_the_server_says_how_long_it_held_a_poll_never_more_than_it_took(cluster: Cluster) -> None:
     cluster.start_agent("node-a")
+    # The server marks the node ready when it answers the registration; the agent writes the
+    # credential it was given a moment later.
+    wait_for("the agent's credential", lambda: load_credential(cluster.root / "node-a") is not None, 30)
     cred = load_credential(cluster.root / "node-a")
     assert cred is not None
     url = f"{cluster.url}/api/v1/nodes/node-a/assignments"
