@@ -79,6 +79,15 @@ def register(app: typer.Typer) -> None:
             ),
         ] = 1.0,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error.")] = "info",
+        access_log: Annotated[
+            bool,
+            typer.Option(
+                "--access-log/--no-access-log",
+                envvar="CPOOL_ACCESS_LOG",
+                help="Log one line per API request (off by default: heartbeats and long-polls are "
+                "requests too; the audit log records every change).",
+            ),
+        ] = False,
         max_body_bytes: Annotated[
             int,
             typer.Option(
@@ -342,6 +351,7 @@ def register(app: typer.Typer) -> None:
                 lost_brake_share=lost_brake_share,
                 token_cache_s=token_cache_s,
                 log_level=log_level.lower(),
+                access_log=access_log,
                 max_body_bytes=max_body_bytes,
                 blob_max_mib=blob_max_mib,
                 tenant_blob_max_mib=tenant_blob_max_mib,

@@ -23,6 +23,7 @@ def serve(settings: ServerSettings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
         # Agents hold long-polls open; waiting for them to end while the scheduling loop still runs

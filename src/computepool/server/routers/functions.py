@@ -17,6 +17,7 @@ from computepool.server.hub import Hub
 from computepool.server.logic import function_workers, functions
 from computepool.server.logic.function_handoff import Handoff, Waiter, Watch
 from computepool.server.policy import Action
+from computepool.server.routers.answer import answer
 from computepool.server.routers.polling import RECHECK_S, long_poll
 from computepool.wire.common import Items
 from computepool.wire.functions import (
@@ -87,6 +88,7 @@ def delete_function(
 
 @router.post(
     "/functions/{fid}/calls",
+    response_model=CallIds,
     summary="Submit 1..1000 calls; answers their ids (and, with wait_s, the news of those that ended)",
 )
 async def submit(
@@ -94,7 +96,12 @@ async def submit(
     body: CallsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_CALL))],
     request: Request,
-) -> CallIds:
+    response: Response,
+) -> Response:
+    return answer(await _submit(fid, body, ctx, request), response)
+
+
+async def _submit(fid: int, body: CallsIn, ctx: Ctx, request: Request) -> CallIds:
     hub, handoff = _parts(request)
     if body.wait_s <= 0:
         return await run_in_threadpool(functions.submit, ctx, fid, body, hub, handoff)
@@ -136,6 +143,7 @@ async def submit(
 
 @router.post(
     "/functions/{fid}/results",
+    response_model=ResultsOut,
     summary="Calls among ids that ended or printed past their offset (long-poll up to wait_s)",
 )
 async def results(
@@ -143,8 +151,9 @@ async def results(
     body: ResultsIn,
     ctx: Annotated[Ctx, Depends(requires(Action.FUNCTION_RESULTS))],
     request: Request,
-) -> ResultsOut:
-    return await long_poll(
+    response: Response,
+) -> Response:
+    out = await long_poll(
         _parts(request)[0],
         topics.fn_results(fid),
         body.wait_s,
@@ -152,6 +161,7 @@ async def results(
         lambda out: bool(out.calls),
         settle_s=SETTLE_S if len(body.ids) > 1 else 0.0,
     )
+    return answer(out, response)
 
 
 @router.delete("/functions/{fid}/calls/{cid}", summary="Cancel a call (a running one ends its worker)")
@@ -164,27 +174,35 @@ def cancel_call(
     return functions.cancel_call(ctx, fid, cid, _parts(request)[0])
 
 
-@router.post("/worker/next", summary="A worker hands in its result and takes the next call (long-poll)")
+@router.post(
+    "/worker/next",
+    response_model=NextOut,
+    summary="A worker hands in its result and takes the next call (long-poll)",
+)
 async def worker_next(
     body: NextIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
     request: Request,
-) -> NextOut:
+    response: Response,
+) -> Response:
     done = [body.done] if body.done is not None else []
     out = await _claim(ctx, *_parts(request), done, 1, body.wait_s)
-    return NextOut(call=out.calls[0] if out.calls else None, stop=out.stop)
+    return answer(NextOut(call=out.calls[0] if out.calls else None, stop=out.stop), response)
 
 
 @router.post(
     "/worker/calls",
+    response_model=ClaimOut,
     summary="A worker hands in its results and claims up to max_calls calls (long-poll)",
 )
 async def worker_calls(
     body: ClaimIn,
     ctx: Annotated[Ctx, Depends(requires(Action.WORKER_NEXT))],
     request: Request,
-) -> ClaimOut:
-    return await _claim(ctx, *_parts(request), body.done, body.max_calls, body.wait_s, body.holding)
+    response: Response,
+) -> Response:
+    out = await _claim(ctx, *_parts(request), body.done, body.max_calls, body.wait_s, body.holding)
+    return answer(out, response)
 
 
 async def _claim(
