@@ -126,6 +126,27 @@ def test_leftover_children_are_killed_when_the_job_ends(executor: Executor, tmp_
     assert _gone(bg)
 
 
+def test_a_killed_job_ends_only_once_what_it_left_has_exited(executor: Executor, tmp_path: Path) -> None:
+    """A process of the job's group that takes a while to die (it frees 1 GiB of touched memory
+    first) while its leader dies at once: the end is recorded, and the job leaves `running()`, only
+    once that process has exited too. Before, the end came with the leader, and the node started
+    the next job on the same device beside a process still holding it."""
+    pidfile = tmp_path / "member.pid"
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import os, time\n"
+        "held = b'x' * (1 << 30)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    rec = executor.start(JobSpec("heavy", 1, ["sh", "-c", f"{sys.executable} {script} & wait"]))
+    member = int(_wait_for_file(pidfile, 60))
+    done = executor.kill(rec.key, "stopped", grace_s=0)
+    assert (done.state, done.reason) == (JobState.KILLED, "stopped")
+    assert _gone(member), "the job was recorded as ended while a process of its group still ran"
+    assert rec.key not in {r.key for r in executor.running()}
+
+
 def test_killed_by_signal_is_recorded(executor: Executor) -> None:
     rec = executor.start(
         JobSpec("sig", 1, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])

@@ -40,6 +40,7 @@ class Cluster:
 
     def start_server(self) -> None:
         cmd = cpool("server", "--data-dir", str(self.root / "srv"), "--port", str(self.port), *SERVER_TIMING)
+        cmd.append("--access-log")  # tests read the agents' polls off server.log
         with (self.root / "server.log").open("ab") as out:
             self.server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
         wait_for("the server", lambda: httpx.get(f"{self.url}/readyz", timeout=2).is_success, 30)

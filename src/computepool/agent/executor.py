@@ -19,6 +19,7 @@ how it ended is outcome.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -54,6 +55,7 @@ from computepool.agent.outcome import (
     read_exit,
     shell_status,
     signal_job,
+    still_dying,
 )
 from computepool.agent.removal import Remover
 from computepool.agent.sandbox import SandboxConfig
@@ -98,6 +100,9 @@ exit "$_cpool_rc"
 """
 
 
+log = logging.getLogger("computepool.agent")
+
+
 @dataclass
 class _Live:
     rec: JobRecord
@@ -105,6 +110,9 @@ class _Live:
     stop_deadline: float | None = None
     rss_limit_mib: int = 0  # host memory watched by RSS (GPU jobs without a cgroup)
     cpus: tuple[int, ...] = ()
+    reaped_at: float | None = None  # its leader ended and was reaped; the rest may still be dying
+    rc: int | None = None  # the leader's status, once reaped
+    oom: int = 0  # OOM kills read before its cgroup and container went
 
 
 class Executor:
@@ -357,6 +365,10 @@ class Executor:
     def _refresh(self, key: str) -> None:
         live = self._live[key]
         rec = live.rec
+        if live.reaped_at is not None:  # ended: its devices are free once what it left has exited
+            if not self._dying(live):
+                self._record_end(live)
+            return
         rc = None
         if live.popen is not None:
             ended = child_exited(live.popen)  # still unreaped: its pid and group id stay the job's
@@ -390,22 +402,42 @@ class Executor:
             self._stop(live, reason, 0.0)
 
     def _finish(self, live: _Live, rc: int | None) -> None:
+        """The leader ended: kill and reap, then record the end, or (while a process the job left is
+        still exiting, or its container is being removed) leave that to a later pass: the job stays
+        live, so the loop starts nothing else on its devices meanwhile."""
         rec = live.rec
         kill_leftovers(rec)  # before the leader is reaped: its group id cannot be anyone else's yet
         if live.popen is not None:
             rc = live.popen.wait()
-        rc = shell_status(rc)
+        live.reaped_at = time.time()
+        live.rc = rc = shell_status(rc)
         if self.exits is not None:
             self.exits.unwatch(rec.key)
-        rec.exit_code = rc
-        rec.ended_at = time.time()
-        oom = cgroups.oom_kills(Path(rec.cgroup)) if rec.cgroup else 0
-        if not oom and rec.extra.get("container"):  # asked before removal takes its cgroup away
+        live.oom = cgroups.oom_kills(Path(rec.cgroup)) if rec.cgroup else 0
+        if not live.oom and rec.extra.get("container"):  # asked before removal takes its cgroup away
             with contextlib.suppress(Exception):
                 engine, tenant = self._container_engine(), rec.extra.get("tenant", "")
-                oom = int(engine.out_of_memory(rec.extra["container"], rc, tenant))
-        self._drop_cgroup(rec)
+                live.oom = int(engine.out_of_memory(rec.extra["container"], rc, tenant))
         self._remove_container(rec)
+        if self._dying(live):
+            log.info("%s: its leader ended; waiting for the rest of its processes to exit", rec.key)
+            return
+        self._record_end(live)
+
+    def _dying(self, live: _Live) -> bool:
+        """A container whose `podman run` was stopped or killed may outlive it until removed; one
+        whose command exited on its own has no process left (its removal is only tidying)."""
+        container = live.rec.extra.get("container")
+        killed = bool(live.rec.stop_reason) or live.rc is None or live.rc >= 128
+        if container and killed and self._remover.pending(container):
+            return True
+        return still_dying(live.rec, live.reaped_at if live.popen is not None else None)
+
+    def _record_end(self, live: _Live) -> None:
+        rec, rc, oom = live.rec, live.rc, live.oom
+        rec.exit_code = rc
+        rec.ended_at = time.time()
+        self._drop_cgroup(rec)
         if rec.stop_reason:
             rec.state, rec.reason = JobState.KILLED, rec.stop_reason
         elif oom > 0:

@@ -63,6 +63,58 @@ def kill_leftovers(rec: JobRecord) -> None:
         kill_cgroup(paths)
 
 
+def still_dying(rec: JobRecord, reaped_at: float | None) -> bool:
+    """Whether a process the job left is still on its way out after its leader was reaped (at
+    `reaped_at`; None for a job adopted after a restart, whose leader someone else reaped): a member
+    of its cgroup, or of its process group. Each one found gets SIGKILL again. A killed process keeps
+    its devices until it has exited, and that can take a while: a PID namespace's init does not exit
+    before every process of its namespace has, and under load the kernel takes its time. The node
+    hands a job's devices to the next job only once this is false.
+
+    The group is looked for by number only when the kernel says the number is in use (one cheap
+    `killpg(n, 0)`), so a job whose processes all died with it costs no scan. The group's number
+    was the job's until its leader was reaped: a member that existed before then is the job's. For
+    an adopted job, only members checked as `signal_members` checks them (its user, not older)."""
+    paths = _cgroup_paths(rec)
+    members = set().union(*(cgroups.pids(p) for p in paths)) if paths else set()
+    for pid in members:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # still in the job's cgroup: the job's, whatever its number
+    if members:
+        return True
+    if rec.pgid <= 1:
+        return False
+    try:
+        os.killpg(rec.pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # in use by a process we may not signal: look at its members
+    uid = _job_uid(rec) if reaped_at is None else None
+    if reaped_at is None and uid is None:
+        return False  # whose the group is cannot be told: as before, nothing is waited for
+    found = False
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != rec.pgid:
+                continue
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if reaped_at is not None:
+                # create_time counts from a boot time rounded to the second: a second's margin errs
+                # on the side of waiting
+                ours = p.create_time() <= reaped_at + 1.0
+            else:
+                ours = uid is not None and _member(pid, rec, uid)
+            if ours:
+                found = True
+                p.send_signal(signal.SIGKILL)  # psutil refuses if the pid was taken meanwhile
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def signal_job(rec: JobRecord, sig: signal.Signals) -> None:
     """`sig` to the job's processes: its group by number while that is provably the job's, else
     each member of its cgroup (or of its group, without one) checked through a pidfd first."""
