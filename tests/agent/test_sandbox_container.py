@@ -69,6 +69,31 @@ def test_stopping_a_container_job_reaches_the_workload(container_executor: tuple
     assert Podman(ex.data_dir).all_keys() == set()  # the container went with its killed client
 
 
+def test_a_killed_container_job_ends_only_once_its_container_is_gone(
+    container_executor: tuple[Executor, str],
+) -> None:
+    """`podman run` dies at once from SIGKILL; its container lives on until it is removed. The job
+    leaves `running()` and is reported ended only then: the node starts nothing else on its devices
+    while the container's processes may still hold them."""
+    ex, tenant = container_executor
+    code = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\ntime.sleep(120)\n"
+    )
+    rec = ex.start(_spec("c4", tenant, code))
+    _wait_out(rec.run_dir, "ready")
+    ex.stop(rec.key, "stop now", grace_s=0)
+    deadline = time.monotonic() + 90
+    ended: list[str] = []
+    while not ended and time.monotonic() < deadline:
+        ended = [r.key for r in ex.poll()]
+        if not ended:
+            assert rec.key in {r.key for r in ex.running()}
+            time.sleep(0.01)
+    assert ended == [rec.key]
+    assert rec.key not in Podman(ex.data_dir).all_keys(), "ended while its container still existed"
+
+
 def test_a_restarted_executor_adopts_a_running_container_job(
     container_executor: tuple[Executor, str],
 ) -> None:
