@@ -38,17 +38,24 @@ class TokenEntry:
 class TokenCache:
     """token id → what authentication found for it, for `ttl_s` seconds (`node_ttl_s` for the
     credentials of nodes, which heartbeat every few seconds and are only ever revoked by
-    deleting their node: every node route then answers 404 whatever the cache says)."""
+    deleting their node: every node route then answers 404 whatever the cache says).
+    `now` is its clock (tests move one by hand, as they do the rate limits')."""
 
-    def __init__(self, ttl_s: float = TOKEN_TTL_S, node_ttl_s: float = NODE_TOKEN_TTL_S) -> None:
+    def __init__(
+        self,
+        ttl_s: float = TOKEN_TTL_S,
+        node_ttl_s: float = NODE_TOKEN_TTL_S,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ttl_s = ttl_s
+        self.now = now
         self.node_ttl_s = node_ttl_s if ttl_s > 0 else 0.0
         self._entries: dict[str, TokenEntry] = {}
         self._lock = threading.Lock()
 
     def get(self, token_id: str) -> TokenEntry | None:
         e = self._entries.get(token_id)
-        if e is None or e.until < time.monotonic():
+        if e is None or e.until < self.now():
             return None
         return e
 
@@ -58,10 +65,10 @@ class TokenCache:
             return
         with self._lock:
             if len(self._entries) > 10_000:  # many distinct tokens (agents): drop the stale ones
-                now = time.monotonic()
+                now = self.now()
                 self._entries = {k: v for k, v in self._entries.items() if v.until >= now}
             # spread the expiries: a thousand agents that joined together must not all miss at once
-            until = time.monotonic() + ttl * (0.5 + random.random() / 2)
+            until = self.now() + ttl * (0.5 + random.random() / 2)
             self._entries[token_id] = TokenEntry(secret_hash, principal, expires_at, until)
 
     def forget(self, token_id: str | None = None) -> None:
